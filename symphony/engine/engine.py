@@ -1,0 +1,130 @@
+"""The engine: a model, its tokenizer and its KV pool, and one forward over a ragged batch."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from symphony.engine.attention import PagedAttention, PagedMetadata, select_kernels
+from symphony.engine.kv_pool import KVPool, pages_for_fraction
+from symphony.engine.loader import load_model
+from symphony.engine.tokenizer import Tokenizer
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
+
+
+def default_model_dir() -> Path:
+    """SYMPHONY_MODEL, or the model the project trains and ships."""
+    return Path(os.environ.get("SYMPHONY_MODEL", DEFAULT_MODEL))
+
+
+@dataclass
+class Batch:
+    """A flattened ragged batch. Sequence b contributes q_lens[b] consecutive tokens whose
+    K/V become rows kv_lens[b] - q_lens[b] .. kv_lens[b] - 1 of its page table."""
+
+    token_ids: list[int]
+    positions: list[int]
+    q_lens: list[int]
+    kv_lens: list[int]
+    page_tables: list[list[int]]
+    logit_rows: list[int]  # indices into token_ids whose logits are wanted
+    excluded: list[list[tuple[int, int]]] | None = None  # per sequence, KV-index ranges
+
+
+class Engine:
+    def __init__(
+        self,
+        model_dir: str | Path | None = None,
+        *,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        kv_pages: int | None = None,
+        kv_memory_fraction: float = 0.25,
+        page_size: int = 16,
+    ):
+        self.model_dir = Path(model_dir) if model_dir else default_model_dir()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.model = load_model(self.model_dir, self.device, self.dtype)
+        self.config = self.model.config
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        if kv_pages is None:
+            kv_pages = pages_for_fraction(
+                self.config, page_size, self.dtype, self.device, kv_memory_fraction
+            )
+        self.pool = KVPool(self.config, kv_pages, page_size, self.dtype, self.device)
+        self.kernels = select_kernels(self.device)
+        self.scale = self.config.head_dim**-0.5
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.tokenizer.eos_ids if self.tokenizer else self.config.eos_token_ids
+
+    def check(self, batch: Batch) -> None:
+        """Raise ValueError, naming the field, for a batch the forward pass cannot take."""
+        n, vocab, size = len(batch.token_ids), self.config.vocab_size, self.page_size
+        if len(batch.positions) != n or sum(batch.q_lens) != n:
+            raise ValueError("batch: token_ids, positions and q_lens disagree in length")
+        if not (len(batch.kv_lens) == len(batch.page_tables) == len(batch.q_lens)):
+            raise ValueError("batch: q_lens, kv_lens and page_tables disagree in length")
+        if any(not 0 <= t < vocab for t in batch.token_ids):
+            raise ValueError(f"batch: token id outside the vocabulary [0, {vocab})")
+        if any(not 0 <= p < 2**31 for p in batch.positions):
+            raise ValueError("batch: position outside [0, 2**31)")
+        for q, kv, pages in zip(batch.q_lens, batch.kv_lens, batch.page_tables, strict=True):
+            if not 0 < q <= kv or len(pages) * size < kv:
+                raise ValueError(
+                    f"batch: sequence with {q} new of {kv} tokens over {len(pages)} pages"
+                )
+        if any(not 0 <= r < n for r in batch.logit_rows):
+            raise ValueError("batch: logit row outside the batch")
+
+    def metadata(self, batch: Batch) -> PagedMetadata:
+        size, dev = self.page_size, self.device
+        q_lens = np.asarray(batch.q_lens, dtype=np.int64)
+        kv_lens = np.asarray(batch.kv_lens, dtype=np.int64)
+        width = max(len(p) for p in batch.page_tables)
+        table = np.zeros((len(q_lens), width), dtype=np.int64)
+        for b, pages in enumerate(batch.page_tables):
+            table[b, : len(pages)] = pages
+        q_start = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=q_start[1:])
+        seq = np.repeat(np.arange(len(q_lens)), q_lens)
+        kv_index = np.arange(q_start[-1]) - q_start[seq] + (kv_lens - q_lens)[seq]
+        slots = table[seq, kv_index // size] * size + kv_index % size
+        excluded = None
+        if batch.excluded and any(batch.excluded):
+            rows = max(len(r) for r in batch.excluded)
+            ranges = np.zeros((len(q_lens), rows, 2), dtype=np.int32)
+            for b, rs in enumerate(batch.excluded):
+                if rs:
+                    ranges[b, : len(rs)] = rs
+            excluded = torch.from_numpy(ranges).to(dev)
+        return PagedMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            page_table=torch.from_numpy(table.astype(np.int32)).to(dev),
+            q_start=torch.from_numpy(q_start.astype(np.int32)).to(dev),
+            kv_lens=torch.from_numpy(kv_lens.astype(np.int32)).to(dev),
+            excluded=excluded,
+            max_q_len=int(q_lens.max()),
+            decode_only=bool((q_lens == 1).all()),
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Write the batch's K/V into its pages; return logits [len(logit_rows), vocab]."""
+        self.check(batch)
+        attn = PagedAttention(self.pool, self.metadata(batch), self.kernels, self.scale)
+        ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, attn)
+        rows = torch.tensor(batch.logit_rows, dtype=torch.int64, device=self.device)
+        return self.model.logits(hidden[rows])

@@ -1,0 +1,50 @@
+"""Rotary position embeddings, computed from arbitrary (gappy) positions."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    )
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
+    # them interpolated, so the model stretches to long contexts without losing locality.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary:
+    """Not a module on purpose: the frequencies stay fp32 whatever dtype the weights take."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict):
+        self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; the halves-rotation layout of Hugging Face checkpoints."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

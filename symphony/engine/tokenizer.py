@@ -1,0 +1,76 @@
+"""Text <-> token ids, special tokens and the chat template of a checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from symphony.engine.errors import ModelError
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path}: not valid JSON ({e})") from e
+
+
+def _token_text(entry) -> str | None:
+    # tokenizer_config.json writes special tokens either as strings or as AddedToken dicts.
+    return entry.get("content") if isinstance(entry, dict) else entry
+
+
+class Tokenizer:
+    def __init__(self, directory: str | Path):
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises bare Exceptions for unreadable files
+            raise ModelError(f"{path}: cannot load tokenizer ({e})") from e
+        config = _read_json(directory / "tokenizer_config.json")
+        generation = _read_json(directory / "generation_config.json")
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.bos_id = generation.get("bos_token_id", self.bos_id)
+        eos = generation.get("eos_token_id")
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.eos_token and (eos_id := self._tok.token_to_id(self.eos_token)) is not None:
+            eos.append(eos_id)
+        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+        self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_id is not None
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> Tokenizer | None:
+        """The checkpoint's tokenizer, or None when it ships without one."""
+        return cls(directory) if (Path(directory) / "tokenizer.json").exists() else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        # The post-processor is bypassed so that BOS follows tokenizer_config.json alone.
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if (self.add_bos if add_bos is None else add_bos) else ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ModelError("this checkpoint has no chat template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
