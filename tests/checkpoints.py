@@ -63,3 +63,36 @@ def make_checkpoint(directory: Path, family: str, weight_scale: float = 1.0, see
                     p.mul_(weight_scale)
     model.save_pretrained(directory)
     return model
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def add_tokenizer(directory: Path, vocab_size: int = 300) -> None:
+    """Train a small byte-level BPE into `directory`, with special tokens and a chat template."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    text = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n"] * 20
+    tok.train_from_iterator(text + ["The quick brown fox jumps over the lazy dog."] * 20, trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "bos_token": "<|bos|>",
+        "eos_token": {"content": "<|eos|>"},
+        "add_bos_token": True,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
