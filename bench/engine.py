@@ -1,0 +1,92 @@
+"""Engine throughput against transformers' `generate` on the same checkpoint, in one run.
+
+Decode tokens/s at several batch sizes (time for N new tokens minus time for 1, so the
+prefill is not counted) and prefill tokens/s of 512-token prompts. Prints a table of
+ratios ours/transformers; figures go to bench/RESULTS.md by hand, with the machine.
+
+    python bench/engine.py [--model DIR] [--device cpu|cuda] [--batches 1,8,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from symphony.engine.engine import Engine, default_model_dir
+from symphony.engine.generate import generate
+from symphony.engine.sampler import GREEDY
+
+
+def timed(fn, repeat: int) -> float:
+    fn()  # warm-up: allocator, kernels' first launch
+    best = float("inf")
+    for _ in range(repeat):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def ours(engine: Engine, prompts: list[list[int]], new: int) -> None:
+    generate(engine, prompts, GREEDY, new, stop_ids=())
+
+
+def theirs(model, prompts: list[list[int]], new: int) -> None:
+    ids = torch.tensor(prompts, device=model.device)
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                       min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=str(default_model_dir()))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--prefill-batch", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+
+    engine = Engine(args.model, device=args.device, kv_pages=4096)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=engine.dtype)
+    model = model.to(args.device).eval()
+    vocab = engine.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def prompts(batch: int, length: int) -> list[list[int]]:
+        return torch.randint(3, vocab, (batch, length), generator=gen).tolist()
+
+    print(f"# {args.model} on {args.device} ({platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads), dtype {engine.dtype}, "
+          f"attention {engine.kernels.name}")
+    print(f"{'workload':<28}{'symphony tok/s':>16}{'transformers tok/s':>20}{'ratio':>8}")
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        p, n = prompts(b, args.prompt_len), args.new_tokens
+        rates = []
+        for run, target in ((ours, engine), (theirs, model)):
+            full = timed(lambda: run(target, p, n), args.repeat)  # noqa: B023
+            first = timed(lambda: run(target, p, 1), args.repeat)  # noqa: B023
+            rates.append(b * (n - 1) / (full - first))
+        rows.append((f"decode batch {b}", *rates))
+    p = prompts(args.prefill_batch, args.prefill_len)
+    rates = [args.prefill_batch * args.prefill_len / timed(lambda: run(target, p, 1), args.repeat)
+             for run, target in ((ours, engine), (theirs, model))]
+    rows.append((f"prefill {args.prefill_batch}x{args.prefill_len}", *rates))
+    for name, a, b in rows:
+        print(f"{name:<28}{a:>16.1f}{b:>20.1f}{a / b:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
