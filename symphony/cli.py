@@ -40,10 +40,13 @@ def parse_ids(text: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
     from symphony.engine.engine import Engine
     from symphony.engine.generate import generate
 
-    engine = Engine(args.model, device=args.device, kv_pages=args.kv_pages)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    engine = Engine(args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages)
     tok = engine.tokenizer
     if args.prompt is not None:
         if tok is None:
@@ -76,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    g.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        help="weights and KV (default: float32 on cpu, bfloat16 on cuda)",
+    )
     g.add_argument("--kv-pages", type=int, default=1024)
     g.set_defaults(func=cmd_generate)
     return parser

@@ -129,3 +129,46 @@ def test_greedy_continuation_matches_generate(family, tmp_path):
     got = generate(engine, [prompt], GREEDY, 64, stop_ids=())[0]
     assert got == want
     assert engine.pool.free_count == free
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama-backends")
+    make_checkpoint(directory, "llama")
+    return directory
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_excluded_range_equals_a_gap_in_the_file(llama_dir, backend, monkeypatch):
+    """Punched tokens leave attention: what follows sees exactly the file without them."""
+    monkeypatch.setenv("SYMPHONY_ATTENTION", backend)
+    engine = Engine(llama_dir, kv_pages=16)
+    assert engine.kernels.name == backend
+    ids = list(range(10, 50))
+    kept = [i for i in range(40) if not 12 <= i < 30]
+    pages = shuffled_pages(engine, 3)
+    punched = engine.forward(
+        Batch(ids, list(range(40)), [40], [40], [pages], list(range(40)), [[(12, 30)]])
+    )
+    # The same file written without the punched rows, positions unchanged.
+    solo = shuffled_pages(engine, 2)
+    gapped = engine.forward(
+        Batch(
+            [ids[i] for i in kept], kept, [len(kept)], [len(kept)], [solo], list(range(len(kept)))
+        )
+    )
+    assert (punched[kept] - gapped).abs().max() < ATOL
+    # Decoding after the punch: one more token, the range still excluded.
+    step = engine.forward(Batch([7], [40], [1], [41], [pages], [0], [[(12, 30)]]))
+    want = engine.forward(Batch([7], [40], [1], [len(kept) + 1], [solo], [0]))
+    assert (step - want).abs().max() < ATOL
+
+
+def test_triton_backend_matches_torch_backend(llama_dir, monkeypatch):
+    """The engine wired to the Triton kernels (interpreted on a CPU) against the references."""
+    out = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("SYMPHONY_ATTENTION", backend)
+        engine = Engine(llama_dir, kv_pages=16)
+        out[backend] = generate(engine, [[1, 2, 3, 4, 5], [9] * 20], GREEDY, 6, stop_ids=())
+    assert out["triton"] == out["torch"]
