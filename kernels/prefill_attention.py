@@ -1,0 +1,195 @@
+"""Causal attention for a ragged batch of new tokens over a paged KV cache (prefill and extend).
+
+Sequence ``b`` brings ``q_len_b`` new query tokens whose K/V are already stored; its cache holds
+``kv_lens[b]`` rows in total, so query ``i`` sits at KV index ``kv_lens[b] - q_len_b + i`` and
+attends to every earlier-or-equal index that is not excluded.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._paged import (
+    check_pool,
+    excluded_args,
+    gather_rows_ref,
+    keep_mask,
+    key_mask_ref,
+    kv_block_size,
+    masked_softmax_av_ref,
+    page_rows,
+)
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, OUT, PT, QSTART, KVLENS, EX,
+    scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_cp, stride_cs, stride_ch, stride_cd,
+    stride_ptb, stride_ptp,
+    stride_exb, stride_exr, stride_exe,
+    num_ranges, page_size, head_dim,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    q_begin = tl.load(QSTART + b)
+    q_len = tl.load(QSTART + b + 1) - q_begin
+    m_start = pid_m * BLOCK_M
+    # The grid is sized for the longest sequence; shorter ones have idle blocks.
+    if m_start >= q_len:
+        return
+    kv_len = tl.load(KVLENS + b)
+    prefix = kv_len - q_len
+    kv_head = head // GROUP
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < head_dim
+    q_rows = (q_begin + offs_m).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = prefix + offs_m
+
+    # Online softmax in base 2 (scale folded into scale_log2); m_i = -inf means "nothing yet".
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    pt_row = PT + b.to(tl.int64) * stride_ptb
+    ex_row = EX + b.to(tl.int64) * stride_exb
+    # Causality: no query of this block sees past its last position.
+    kv_end = tl.minimum(kv_len, prefix + tl.minimum(m_start + BLOCK_M, q_len))
+    for start_n in range(0, kv_end, BLOCK_N):
+        kv_idx = start_n + offs_n
+        n_mask = kv_idx < kv_end
+        page, offset = page_rows(pt_row, stride_ptp, kv_idx, n_mask, page_size)
+        rows = page * stride_cp + offset * stride_cs + kv_head * stride_ch
+        kv_ptrs = rows[:, None] + offs_d[None, :] * stride_cd
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + kv_ptrs, mask=kv_mask, other=0.0)
+        # ieee: on GPU the fp32 default is tf32, too coarse for 1e-3; ignored for fp16/bf16.
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+
+        allowed = n_mask[None, :] & (kv_idx[None, :] <= q_pos[:, None])
+        if num_ranges > 0:
+            keep = keep_mask(ex_row, stride_exr, stride_exe, num_ranges, kv_idx)
+            allowed = allowed & keep[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows with nothing allowed so far keep m = -inf; subtracting 0 instead avoids NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_ptrs, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    # A query that attended to nothing has l = 0 and acc = 0: output zeros.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(OUT + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+             out.to(OUT.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    q_start: torch.Tensor,
+    kv_lens: torch.Tensor,
+    excluded: torch.Tensor | None,
+    scale: float,
+    max_q_len: int,
+) -> torch.Tensor:
+    """Paged causal attention; ``q`` is ``[T, Hq, D]``, the batch's queries back to back.
+
+    ``q_start`` (int32 ``[B+1]``) delimits the sequences, ``kv_lens`` (int32 ``[B]``) counts
+    each sequence's KV rows including the new ones, ``excluded`` (int32 ``[B, R, 2]`` or None)
+    lists KV ranges to ignore. ``max_q_len`` sizes the grid without a device sync.
+    """
+    check_pool(q, k_cache, v_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    batch = kv_lens.shape[0]
+    if num_tokens == 0 or batch == 0 or max_q_len <= 0:
+        return out.zero_()
+    ex, num_ranges, *ex_strides = excluded_args(excluded, q.device)
+
+    # tl.dot needs every dimension >= 16 on GPU.
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m = min(64, max(16, triton.next_power_of_2(max_q_len)))
+    block_n = kv_block_size(block_d * k_cache.element_size())
+    grid = (triton.cdiv(max_q_len, block_m), num_q_heads, batch)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, page_table, q_start, kv_lens, ex,
+        scale * math.log2(math.e),
+        *q.stride(), *out.stride(), *k_cache.stride(), *page_table.stride(), *ex_strides,
+        num_ranges, k_cache.shape[1], head_dim,
+        GROUP=num_q_heads // num_kv_heads,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=4 if block_d <= 64 else 8,
+        num_stages=2,
+    )
+    return out
+
+
+# Bound on fp32 score elements per chunk, so a long CPU prefill does not allocate gigabytes.
+_REF_SCORE_ELEMS = 1 << 25
+
+
+def prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    q_start: torch.Tensor,
+    kv_lens: torch.Tensor,
+    excluded: torch.Tensor | None,
+    scale: float,
+    max_q_len: int,
+) -> torch.Tensor:
+    """Plain-torch :func:`prefill_attention` (also the engine's CPU prefill path)."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    starts = q_start.tolist()
+    lens = kv_lens.tolist()
+    for b, kv_len in enumerate(lens):
+        q_begin, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_begin
+        if q_len == 0:
+            continue
+        pt = page_table[b : b + 1]
+        k = gather_rows_ref(k_cache, pt, kv_len)[0]  # [Hkv, L, D]
+        v = gather_rows_ref(v_cache, pt, kv_len)[0]
+        ex = None if excluded is None else excluded[b : b + 1]
+        key_ok = key_mask_ref(kv_lens[b : b + 1], ex, kv_len)[0]  # [L]
+        j = torch.arange(kv_len, device=q.device)
+        chunk = max(1, _REF_SCORE_ELEMS // max(1, num_q_heads * kv_len))
+        for c in range(0, q_len, chunk):
+            n = min(chunk, q_len - c)
+            # Query heads of one kv head side by side, so K/V are never repeated for GQA.
+            qc = q[q_begin + c : q_begin + c + n].float()
+            qc = qc.reshape(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+            qc = qc.reshape(num_kv_heads, group * n, head_dim)
+            scores = (qc @ k.transpose(1, 2)).mul_(scale)  # [Hkv, G*n, L]
+            pos = kv_len - q_len + c + torch.arange(n, device=q.device)
+            mask = (j[None, :] <= pos[:, None]) & key_ok[None, :]  # [n, L]
+            mask = mask.repeat(group, 1)  # rows ordered (g, i), like qc
+            o = masked_softmax_av_ref(scores, mask, v)  # [Hkv, G*n, D]
+            o = o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
+            out[q_begin + c : q_begin + c + n] = o.reshape(n, num_q_heads, head_dim).to(q.dtype)
+    return out
