@@ -87,18 +87,3 @@ def key_mask_ref(
         inside = (j[None, None, :] >= start) & (j[None, None, :] < end)  # [B, R, num_rows]
         mask &= ~inside.any(dim=1)
     return mask
-
-
-def masked_softmax_av_ref(
-    scores: torch.Tensor, mask: torch.Tensor, v: torch.Tensor
-) -> torch.Tensor:
-    """softmax(scores restricted to mask) @ v, in fp32; rows with nothing to attend give 0.
-
-    Overwrites ``scores`` (fp32, freshly computed by the caller) to spare big temporaries.
-    """
-    scores.masked_fill_(~mask, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max.masked_fill_(torch.isinf(row_max), 0.0)
-    p = scores.sub_(row_max).exp_()
-    denom = p.sum(dim=-1, keepdim=True)
-    return (p @ v).div_(denom.masked_fill_(denom == 0, 1.0))

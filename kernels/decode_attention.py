@@ -9,6 +9,7 @@ so each K/V block is loaded once per group.
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -19,7 +20,6 @@ from kernels._paged import (
     keep_mask,
     key_mask_ref,
     kv_block_size,
-    masked_softmax_av_ref,
     page_rows,
 )
 
@@ -208,10 +208,7 @@ def decode_attention_ref(
 
     ``num_splits`` is accepted for signature parity and ignored.
     """
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    if batch == 0:
+    if q.shape[0] == 0:
         return torch.empty_like(q)
     # Gather only as many pages as the longest sequence needs, not the table's full width.
     num_rows = int(kv_lens.max())
@@ -220,8 +217,9 @@ def decode_attention_ref(
     k = gather_rows_ref(k_cache, page_table, num_rows)  # [B, Hkv, L, D]
     v = gather_rows_ref(v_cache, page_table, num_rows)
     mask = key_mask_ref(kv_lens, excluded, num_rows)[:, None, None, :]  # [B, 1, 1, L]
-    # The GQA group rides along as matmul rows: K/V are never repeated per query head.
-    qg = q.float().reshape(batch, num_kv_heads, group, head_dim)
-    scores = (qg @ k.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, L]
-    out = masked_softmax_av_ref(scores, mask, v)  # [B, Hkv, G, D]
-    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q.float()[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )  # [B, Hq, 1, D]
+    # A sequence with nothing to attend to gets zeros, not SDPA's NaN.
+    out = torch.where(mask.any(-1, keepdim=True), out, 0.0)
+    return out[:, :, 0].to(q.dtype)

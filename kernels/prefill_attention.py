@@ -8,6 +8,7 @@ attends to every earlier-or-equal index that is not excluded.
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -18,7 +19,6 @@ from kernels._paged import (
     keep_mask,
     key_mask_ref,
     kv_block_size,
-    masked_softmax_av_ref,
     page_rows,
 )
 
@@ -145,10 +145,6 @@ def prefill_attention(
     return out
 
 
-# Bound on fp32 score elements per chunk, so a long CPU prefill does not allocate gigabytes.
-_REF_SCORE_ELEMS = 1 << 25
-
-
 def prefill_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -161,13 +157,9 @@ def prefill_attention_ref(
     max_q_len: int,
 ) -> torch.Tensor:
     """Plain-torch :func:`prefill_attention` (also the engine's CPU prefill path)."""
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
     out = torch.zeros_like(q)
     starts = q_start.tolist()
-    lens = kv_lens.tolist()
-    for b, kv_len in enumerate(lens):
+    for b, kv_len in enumerate(kv_lens.tolist()):
         q_begin, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_begin
         if q_len == 0:
@@ -175,21 +167,22 @@ def prefill_attention_ref(
         pt = page_table[b : b + 1]
         k = gather_rows_ref(k_cache, pt, kv_len)[0]  # [Hkv, L, D]
         v = gather_rows_ref(v_cache, pt, kv_len)[0]
+        # SDPA's fused CPU kernel (flash, GQA-aware) wants 4-d [batch, heads, rows, dim].
+        qs = q[q_begin:q_end].float().transpose(0, 1)[None]  # [1, Hq, n, D]
+        k, v = k[None], v[None]
         ex = None if excluded is None else excluded[b : b + 1]
-        key_ok = key_mask_ref(kv_lens[b : b + 1], ex, kv_len)[0]  # [L]
-        j = torch.arange(kv_len, device=q.device)
-        chunk = max(1, _REF_SCORE_ELEMS // max(1, num_q_heads * kv_len))
-        for c in range(0, q_len, chunk):
-            n = min(chunk, q_len - c)
-            # Query heads of one kv head side by side, so K/V are never repeated for GQA.
-            qc = q[q_begin + c : q_begin + c + n].float()
-            qc = qc.reshape(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-            qc = qc.reshape(num_kv_heads, group * n, head_dim)
-            scores = (qc @ k.transpose(1, 2)).mul_(scale)  # [Hkv, G*n, L]
-            pos = kv_len - q_len + c + torch.arange(n, device=q.device)
+        if q_len == kv_len and (ex is None or not ex.any()):
+            # The common fresh prefill: the causal flag lets SDPA skip the masked half.
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            j = torch.arange(kv_len, device=q.device)
+            pos = kv_len - q_len + torch.arange(q_len, device=q.device)
+            key_ok = key_mask_ref(kv_lens[b : b + 1], ex, kv_len)[0]
             mask = (j[None, :] <= pos[:, None]) & key_ok[None, :]  # [n, L]
-            mask = mask.repeat(group, 1)  # rows ordered (g, i), like qc
-            o = masked_softmax_av_ref(scores, mask, v)  # [Hkv, G*n, D]
-            o = o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
-            out[q_begin + c : q_begin + c + n] = o.reshape(n, num_q_heads, head_dim).to(q.dtype)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+            # A query left with nothing to attend to gets zeros, not SDPA's NaN.
+            o = torch.where(mask.any(-1)[:, None], o, 0.0)
+        out[q_begin:q_end] = o[0].transpose(0, 1).to(q.dtype)
     return out
