@@ -17,6 +17,11 @@ class PoolExhausted(MemoryError):
     """Not enough free pages; nothing was allocated."""
 
 
+def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one page: K and V of every layer."""
+    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
 def pages_for_fraction(
     cfg: ModelConfig, page_size: int, dtype: torch.dtype, device: torch.device, fraction: float
 ) -> int:
@@ -27,11 +32,16 @@ def pages_for_fraction(
         free, _ = torch.cuda.mem_get_info(device)
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    per_page = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-    return max(1, int(free * fraction) // per_page)
+    return max(1, int(free * fraction) // page_bytes(cfg, page_size, dtype))
+
+
+DEVICE, HOST = "device", "host"
 
 
 class KVPool:
+    """Two arenas of pages with the same layout: the device tier the kernels read, and a host
+    tier in CPU memory that idle files are moved down to. Page ids are per tier."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -39,40 +49,84 @@ class KVPool:
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        host_pages: int = 0,
     ):
-        if num_pages < 1 or page_size < 1:
+        if num_pages < 1 or page_size < 1 or host_pages < 0:
             raise ValueError(
-                f"kv pool needs pages >= 1 and page size >= 1, got {num_pages}, {page_size}"
+                f"kv pool needs pages >= 1, page size >= 1, host pages >= 0; "
+                f"got {num_pages}, {page_size}, {host_pages}"
             )
-        self.num_pages, self.page_size = num_pages, page_size
+        self.num_pages, self.page_size, self.host_pages = num_pages, page_size, host_pages
+        self.config, self.dtype = cfg, dtype
         shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        host_shape = (cfg.num_layers, host_pages, *shape[2:])
+        pin = torch.device(device).type == "cuda"  # pinned host memory copies asynchronously
+        self.host_k = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        self.host_v = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
         # Low ids last so that pop() hands them out first: easier to read in dumps.
-        self._free = list(range(num_pages - 1, -1, -1))
+        self._free = {
+            DEVICE: list(range(num_pages - 1, -1, -1)),
+            HOST: list(range(host_pages - 1, -1, -1)),
+        }
 
     @property
     def free_count(self) -> int:
-        return len(self._free)
+        return len(self._free[DEVICE])
 
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise PoolExhausted(f"kv pool: {n} pages wanted, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+    def free_in(self, tier: str) -> int:
+        return len(self._free[tier])
 
-    def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+    def capacity(self, tier: str) -> int:
+        return self.num_pages if tier == DEVICE else self.host_pages
+
+    @property
+    def page_bytes(self) -> int:
+        return page_bytes(self.config, self.page_size, self.dtype)
+
+    def allocate(self, n: int, tier: str = DEVICE) -> list[int]:
+        free = self._free[tier]
+        if n > len(free):
+            raise PoolExhausted(f"kv pool: {n} {tier} pages wanted, {len(free)} free")
+        return [free.pop() for _ in range(n)]
+
+    def free(self, pages: list[int], tier: str = DEVICE) -> None:
+        self._free[tier].extend(reversed(pages))
+
+    def _arrays(self, tier: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.k, self.v) if tier == DEVICE else (self.host_k, self.host_v)
 
     def copy_page(self, src: int, dst: int) -> None:
+        """Device page src to device page dst, every layer."""
         self.k[:, dst].copy_(self.k[:, src])
         self.v[:, dst].copy_(self.v[:, src])
 
+    def move(self, page: int, src: str, dst: str) -> int:
+        """Copy a page to another tier and free it here; returns its id there."""
+        (new,) = self.allocate(1, dst)
+        (sk, sv), (dk, dv) = self._arrays(src), self._arrays(dst)
+        dk[:, new].copy_(sk[:, page])
+        dv[:, new].copy_(sv[:, page])
+        self.free([page], src)
+        return new
+
+    def read_page(self, page: int, tier: str = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a whole page on the CPU: two [layers, page_size, heads, dim]."""
+        k, v = self._arrays(tier)
+        return k[:, page].to("cpu", copy=True), v[:, page].to("cpu", copy=True)
+
+    def write_page(self, page: int, k: torch.Tensor, v: torch.Tensor, tier: str = DEVICE) -> None:
+        dk, dv = self._arrays(tier)
+        dk[:, page].copy_(k)
+        dv[:, page].copy_(v)
+
     def read_rows(self, page: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `count` rows of a page, every layer: two [layers, count, heads, dim]."""
-        return self.k[:, page, start : start + count].clone(), self.v[
-            :, page, start : start + count
-        ].clone()
+        """K and V of `count` rows of a device page: two [layers, count, heads, dim]."""
+        rows = slice(start, start + count)
+        return self.k[:, page, rows].clone(), self.v[:, page, rows].clone()
 
     def write_rows(self, page: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[:, page, start : start + k.shape[1]].copy_(k)
-        self.v[:, page, start : start + v.shape[1]].copy_(v)
+        rows = slice(start, start + k.shape[1])
+        self.k[:, page, rows].copy_(k)
+        self.v[:, page, rows].copy_(v)

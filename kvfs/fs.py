@@ -1,0 +1,591 @@
+"""The KV file system: namespace, open files, and the operations on KV files.
+
+Every operation checks everything first and changes state only once nothing can fail, so
+a refused call leaves files, pages and counts as they were.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvfs.errors import FSError, enoent
+from kvfs.inode import Inode, now_ns
+from kvfs.pages import Page, PageStore
+from kvfs.perm import ROOT, Cred, R, W, X, check, check_sticky
+
+O_ACCMODE = os.O_ACCMODE
+NAME_MAX = 255
+TMP = "/tmp"
+
+
+@dataclass(eq=False)
+class Handle:
+    """An open KV file (what an fd points at)."""
+
+    inode: Inode
+    readable: bool
+    writable: bool
+    cred: Cred
+    closed: bool = False
+
+
+@dataclass
+class Reservation:
+    """Room for `count` new entries made before a forward pass writes their K/V."""
+
+    handle: Handle
+    start: int  # entries already in the file
+    count: int
+    new_pages: list[Page] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)  # device ids, covering start + count
+
+
+@dataclass
+class StatResult:
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    tokens: int
+    pages: int
+    atime: int
+    mtime: int
+    ctime: int
+
+
+def split(path: str) -> list[str]:
+    if not path.startswith("/"):
+        raise FSError(errno.EINVAL, f"{path!r}: paths are absolute")
+    parts = [p for p in path.split("/") if p]
+    for p in parts:
+        if len(p) > NAME_MAX:
+            raise FSError(errno.ENAMETOOLONG, f"{path!r}: a name is over {NAME_MAX} bytes")
+        if "\0" in p:
+            raise FSError(errno.EINVAL, f"{path!r}: NUL in a name")
+    return parts
+
+
+class FileSystem:
+    def __init__(self, store: PageStore, fingerprint: str):
+        self.store, self.fingerprint = store, fingerprint
+        self.page_size = store.pool.page_size
+        self._next_ino = 1
+        self.root = self._new_inode(stat.S_IFDIR | 0o755, ROOT)
+        self.root.nlink, self.root.parent = 2, None
+        self.root.parent = self.root
+        self._mkdir_in(self.root, "home", 0o755, ROOT)
+        self._mkdir_in(self.root, "tmp", 0o1777, ROOT)
+        # Hooks of the state directory: save a changed file, save the namespace, and load
+        # the pages of a file restored from disk on its first open.
+        self.on_change: Callable[[Inode], None] = lambda inode: None
+        self.on_namespace_change: Callable[[], None] = lambda: None
+        self.on_load: Callable[[Inode], None] = lambda inode: None
+
+    # -- inodes and paths ---------------------------------------------------------------
+
+    def _new_inode(self, mode: int, cred: Cred) -> Inode:
+        inode = Inode(ino=self._next_ino, mode=mode, uid=cred.uid, gid=cred.gid)
+        self._next_ino += 1
+        if inode.is_dir:
+            inode.entries = {}
+        else:
+            inode.fingerprint = self.fingerprint
+        return inode
+
+    def _walk(self, cred: Cred, parts: list[str], path: str) -> Inode:
+        node = self.root
+        for name in parts:
+            if not node.is_dir:
+                raise FSError(errno.ENOTDIR, f"{path!r}: a component is not a directory")
+            check(cred, node, X, f"{path!r}: search permission denied")
+            if name == ".":
+                continue
+            node = node.parent if name == ".." else node.entries.get(name)
+            if node is None:
+                raise enoent(repr(path))
+        return node
+
+    def lookup(self, cred: Cred, path: str) -> Inode:
+        return self._walk(cred, split(path), path)
+
+    def _parent(self, cred: Cred, path: str) -> tuple[Inode, str]:
+        """The directory a path's last name lives in, checked for search, and that name."""
+        parts = split(path)
+        if not parts or parts[-1] in (".", ".."):
+            raise FSError(errno.EINVAL, f"{path!r}: names no entry")
+        parent = self._walk(cred, parts[:-1], path)
+        if not parent.is_dir:
+            raise FSError(errno.ENOTDIR, f"{path!r}: parent is not a directory")
+        check(cred, parent, X, f"{path!r}: search permission denied")
+        return parent, parts[-1]
+
+    def _writable_dir(self, cred: Cred, parent: Inode, path: str) -> None:
+        check(cred, parent, W | X, f"{path!r}: write permission denied on the directory")
+
+    def in_tmp(self, inode: Inode) -> bool:
+        """Whether a directory is /tmp or under it (its files are never persisted)."""
+        tmp = self.root.entries["tmp"]
+        node = inode
+        while node is not self.root:
+            if node is tmp:
+                return True
+            node = node.parent
+        return False
+
+    # -- directories --------------------------------------------------------------------
+
+    def _mkdir_in(self, parent: Inode, name: str, mode: int, cred: Cred) -> Inode:
+        d = self._new_inode(stat.S_IFDIR | (mode & 0o7777), cred)
+        d.nlink, d.parent = 2, parent
+        parent.entries[name] = d
+        parent.nlink += 1
+        parent.touch()
+        return d
+
+    def mkdir(self, cred: Cred, path: str, mode: int = 0o755) -> Inode:
+        parent, name = self._parent(cred, path)
+        if name in parent.entries:
+            raise FSError(errno.EEXIST, repr(path))
+        self._writable_dir(cred, parent, path)
+        d = self._mkdir_in(parent, name, mode, cred)
+        self.on_namespace_change()
+        return d
+
+    def rmdir(self, cred: Cred, path: str) -> None:
+        parent, name = self._parent(cred, path)
+        d = parent.entries.get(name)
+        if d is None:
+            raise enoent(repr(path))
+        if not d.is_dir:
+            raise FSError(errno.ENOTDIR, repr(path))
+        if d.entries:
+            raise FSError(errno.ENOTEMPTY, repr(path))
+        if d is self.root.entries["tmp"] or d is self.root.entries["home"]:
+            raise FSError(errno.EBUSY, f"{path!r} is part of the namespace's skeleton")
+        self._writable_dir(cred, parent, path)
+        check_sticky(cred, parent, d, repr(path))
+        del parent.entries[name]
+        parent.nlink -= 1
+        parent.touch()
+        self.on_namespace_change()
+
+    def readdir(self, cred: Cred, path: str) -> list[tuple[str, Inode]]:
+        d = self.lookup(cred, path)
+        if not d.is_dir:
+            raise FSError(errno.ENOTDIR, repr(path))
+        check(cred, d, R, f"{path!r}: read permission denied")
+        return sorted(d.entries.items())
+
+    def home(self, cred: Cred, user: str) -> str:
+        """/home/<user>, made on first use, owned by the user."""
+        if "/" in user or user in ("", ".", ".."):
+            raise FSError(errno.EINVAL, f"{user!r} is not a user name")
+        home = self.root.entries["home"]
+        if user not in home.entries:
+            self._mkdir_in(home, user, 0o755, Cred(cred.uid, cred.gid))
+            self.on_namespace_change()
+        return f"/home/{user}"
+
+    # -- metadata -----------------------------------------------------------------------
+
+    def page_count(self, inode: Inode) -> int:
+        """Pages a file holds: every page but the full ones punched out of attention
+        (computed, so it holds before a restored file's pages are loaded)."""
+        size, n = self.page_size, inode.length
+        return sum(
+            not ((i + 1) * size <= n and covered(inode.excluded, i * size, (i + 1) * size))
+            for i in range(self._pages_for(n))
+        )
+
+    def stat_inode(self, inode: Inode) -> StatResult:
+        return StatResult(
+            ino=inode.ino, mode=inode.mode, uid=inode.uid, gid=inode.gid, nlink=inode.nlink,
+            tokens=inode.length, pages=0 if inode.is_dir else self.page_count(inode),
+            atime=inode.atime, mtime=inode.mtime, ctime=inode.ctime,
+        )
+
+    def stat(self, cred: Cred, path: str) -> StatResult:
+        return self.stat_inode(self.lookup(cred, path))
+
+    def chmod(self, cred: Cred, path: str, mode: int) -> None:
+        inode = self.lookup(cred, path)
+        if not (cred.root or cred.uid == inode.uid):
+            raise FSError(errno.EPERM, f"{path!r}: only the owner may chmod")
+        inode.mode = stat.S_IFMT(inode.mode) | (mode & 0o7777)
+        inode.touch(modified=False)
+        self.on_namespace_change()
+
+    def chown(self, cred: Cred, path: str, uid: int, gid: int) -> None:
+        """uid or gid -1 leaves that one as it is."""
+        inode = self.lookup(cred, path)
+        if not cred.root:
+            raise FSError(errno.EPERM, f"{path!r}: only root may chown")
+        inode.uid = inode.uid if uid == -1 else uid
+        inode.gid = inode.gid if gid == -1 else gid
+        inode.touch(modified=False)
+        self.on_namespace_change()
+
+    # -- names --------------------------------------------------------------------------
+
+    def unlink(self, cred: Cred, path: str) -> None:
+        parent, name = self._parent(cred, path)
+        inode = parent.entries.get(name)
+        if inode is None:
+            raise enoent(repr(path))
+        if inode.is_dir:
+            raise FSError(errno.EISDIR, repr(path))
+        self._writable_dir(cred, parent, path)
+        check_sticky(cred, parent, inode, repr(path))
+        del parent.entries[name]
+        parent.touch()
+        inode.nlink -= 1
+        inode.touch(modified=False)
+        self._maybe_free(inode)
+        self.on_namespace_change()
+
+    def link(self, handle: Handle, path: str) -> None:
+        """Give an open file (anonymous or not) another name."""
+        self._live(handle)
+        cred = handle.cred
+        parent, name = self._parent(cred, path)
+        if name in parent.entries:
+            raise FSError(errno.EEXIST, repr(path))
+        self._writable_dir(cred, parent, path)
+        parent.entries[name] = handle.inode
+        parent.touch()
+        handle.inode.nlink += 1
+        handle.inode.touch(modified=False)
+        handle.inode.dirty = True  # now named: the next save writes it
+        self.on_namespace_change()
+
+    def rename(self, cred: Cred, old: str, new: str) -> None:
+        """Atomic: the new name points at the file, or it never happened."""
+        src_dir, src_name = self._parent(cred, old)
+        dst_dir, dst_name = self._parent(cred, new)
+        inode = src_dir.entries.get(src_name)
+        if inode is None:
+            raise enoent(repr(old))
+        target = dst_dir.entries.get(dst_name)
+        if target is inode:
+            return
+        self._writable_dir(cred, src_dir, old)
+        self._writable_dir(cred, dst_dir, new)
+        check_sticky(cred, src_dir, inode, repr(old))
+        if inode.is_dir:
+            node = dst_dir
+            while node is not self.root:
+                if node is inode:
+                    raise FSError(errno.EINVAL, f"{new!r} is inside {old!r}")
+                node = node.parent
+        if target is not None:
+            check_sticky(cred, dst_dir, target, repr(new))
+            if inode.is_dir and not target.is_dir:
+                raise FSError(errno.ENOTDIR, f"{new!r} is not a directory")
+            if not inode.is_dir and target.is_dir:
+                raise FSError(errno.EISDIR, f"{new!r} is a directory")
+            if target.is_dir and target.entries:
+                raise FSError(errno.ENOTEMPTY, repr(new))
+        # Nothing can fail from here on.
+        if target is not None:
+            if target.is_dir:
+                dst_dir.nlink -= 1
+            else:
+                target.nlink -= 1
+                self._maybe_free(target)
+        del src_dir.entries[src_name]
+        dst_dir.entries[dst_name] = inode
+        if inode.is_dir and src_dir is not dst_dir:
+            src_dir.nlink -= 1
+            dst_dir.nlink += 1
+            inode.parent = dst_dir
+        for d in (src_dir, dst_dir):
+            d.touch()
+        inode.touch(modified=False)
+        self.on_namespace_change()
+
+    # -- open files ---------------------------------------------------------------------
+
+    def open(self, cred: Cred, path: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> Handle:
+        """POSIX open for KV files; path "" makes an anonymous file (always read-write)."""
+        acc = flags & O_ACCMODE
+        if acc not in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR):
+            raise FSError(errno.EINVAL, f"open {path!r}: bad access mode")
+        if path == "":
+            inode = self._new_inode(stat.S_IFREG | (mode & 0o7777), cred)
+            return self._handle(inode, cred, True, True)
+        parent, name = self._parent(cred, path)
+        inode = parent.entries.get(name)
+        if inode is None:
+            if not flags & os.O_CREAT:
+                raise enoent(repr(path))
+            self._writable_dir(cred, parent, path)
+            inode = self._new_inode(stat.S_IFREG | (mode & 0o7777), cred)
+            inode.nlink = 1
+            parent.entries[name] = inode
+            parent.touch()
+            self.on_namespace_change()
+            return self._handle(inode, cred, acc != os.O_WRONLY, acc != os.O_RDONLY)
+        if flags & os.O_CREAT and flags & os.O_EXCL:
+            raise FSError(errno.EEXIST, repr(path))
+        if inode.is_dir:
+            raise FSError(errno.EISDIR, repr(path))
+        readable, writable = acc != os.O_WRONLY, acc != os.O_RDONLY
+        trunc = bool(flags & os.O_TRUNC)
+        want = (R if readable else 0) | (W if writable or trunc else 0)
+        check(cred, inode, want, f"open {path!r}: permission denied")
+        if inode.fingerprint != self.fingerprint:
+            raise FSError(errno.EINVAL, f"open {path!r}: the file belongs to another model "
+                          f"({inode.fingerprint[:16]}, serving {self.fingerprint[:16]})")
+        if inode.length and not inode.pages:
+            self.on_load(inode)
+        handle = self._handle(inode, cred, readable, writable)
+        if trunc and inode.length:
+            try:
+                self.truncate(handle, 0)
+            except FSError:
+                self.close(handle)
+                raise
+        return handle
+
+    def _handle(self, inode: Inode, cred: Cred, readable: bool, writable: bool) -> Handle:
+        inode.opens += 1
+        return Handle(inode, readable, writable, cred)
+
+    def _live(self, handle: Handle) -> Inode:
+        if handle.closed:
+            raise FSError(errno.EBADF, "file descriptor is closed")
+        return handle.inode
+
+    def _writable(self, handle: Handle, what: str) -> Inode:
+        inode = self._live(handle)
+        if not handle.writable:
+            raise FSError(errno.EBADF, f"{what}: file not open for writing")
+        if inode.busy:
+            raise FSError(errno.EBUSY, f"{what}: a forward pass is writing the file")
+        return inode
+
+    def _readable(self, handle: Handle, what: str) -> Inode:
+        inode = self._live(handle)
+        if not handle.readable:
+            raise FSError(errno.EBADF, f"{what}: file not open for reading")
+        return inode
+
+    def close(self, handle: Handle) -> None:
+        inode = self._live(handle)
+        handle.closed = True
+        inode.opens -= 1
+        if inode.dirty and inode.nlink > 0:
+            self.on_change(inode)
+        self._maybe_free(inode)
+
+    def _maybe_free(self, inode: Inode) -> None:
+        """Free a file's pages once it has neither a name nor an open handle."""
+        if inode.nlink == 0 and inode.opens == 0 and not inode.is_dir:
+            self.store.unref(inode.pages)
+            inode.pages = []
+
+    def fsync(self, handle: Handle) -> None:
+        inode = self._live(handle)
+        if inode.nlink > 0:
+            self.on_change(inode)
+
+    # -- contents -----------------------------------------------------------------------
+
+    def read(self, handle: Handle, start: int, count: int) -> tuple[list[int], list[int]]:
+        """Token ids and positions of entries [start, start + count), clipped to the end."""
+        inode = self._readable(handle, "read")
+        if start < 0 or count < 0:
+            raise FSError(errno.EINVAL, f"read: bad range start {start}, count {count}")
+        end = min(inode.length, start + count)
+        inode.atime = now_ns()
+        return inode.tokens[start:end], inode.positions[start:end]
+
+    def _pages_for(self, length: int) -> int:
+        return -(-length // self.page_size)
+
+    def _needs_private_tail(self, inode: Inode, length: int) -> bool:
+        """Whether appending after `length` entries must first replace the last page: it
+        is partly filled and shared (copy-on-write) or a punched hole (re-filled fresh)."""
+        if length % self.page_size == 0:
+            return False
+        tail = inode.pages[length // self.page_size]
+        return tail is None or tail.refs > 1
+
+    def _private_tail(self, inode: Inode, length: int) -> None:
+        i = length // self.page_size
+        tail = inode.pages[i]
+        inode.pages[i] = (self.store.copy(tail, inode.uid) if tail is not None
+                          else self.store.new(1, inode.uid)[0])
+        self.store.unref([tail])
+
+    def _room(self, inode: Inode, extra_device: int, new: int) -> None:
+        """Fail (EDQUOT, ENOSPC) unless `new` pages may be charged to the file's owner and
+        `extra_device` more device pages are free."""
+        self.store.charge(inode.uid, new)
+        free = self.store.pool.free_in("device")
+        if extra_device > free:
+            raise FSError(errno.ENOSPC, f"kv pool: {extra_device} device pages needed, "
+                          f"{free} free")
+
+    def reserve(self, handle: Handle, count: int) -> Reservation:
+        """Room for `count` entries, every page of the file on the device, and the page
+        table the forward pass writes through. Commit or roll back when it is done."""
+        inode = self._writable(handle, "append")
+        if count <= 0:
+            raise FSError(errno.EINVAL, f"append: {count} entries")
+        length = inode.length
+        tail = self._needs_private_tail(inode, length)
+        new = self._pages_for(length + count) - len(inode.pages)
+        down = sum(p is not None and p.tier != "device" for p in inode.pages)
+        self._room(inode, down + new + tail, new + tail)
+        self.store.bring_up(inode.pages)
+        if tail:
+            self._private_tail(inode, length)
+        res = Reservation(handle, length, count, self.store.new(new, inode.uid))
+        inode.pages.extend(res.new_pages)
+        res.page_table = self.store.device_ids(inode.pages)
+        inode.busy = True
+        return res
+
+    def commit(self, res: Reservation, tokens: list[int], positions: list[int]) -> None:
+        inode = res.handle.inode
+        if len(tokens) != res.count or len(positions) != res.count:
+            raise FSError(errno.EINVAL, "commit: entries do not match the reservation")
+        inode.tokens.extend(tokens)
+        inode.positions.extend(positions)
+        inode.busy = False
+        inode.touch()
+
+    def rollback(self, res: Reservation) -> None:
+        inode = res.handle.inode
+        del inode.pages[len(inode.pages) - len(res.new_pages):]
+        self.store.unref(res.new_pages)
+        inode.busy = False
+
+    def truncate(self, handle: Handle, length: int) -> None:
+        inode = self._writable(handle, "truncate")
+        if not 0 <= length <= inode.length:
+            raise FSError(errno.EINVAL, f"truncate: {length} is outside [0, {inode.length}]")
+        if length == inode.length:
+            return
+        keep = self._pages_for(length)
+        shared_tail = (length % self.page_size and inode.pages[keep - 1] is not None
+                       and inode.pages[keep - 1].refs > 1)
+        if shared_tail:
+            self._room(inode, 1, 1)
+        self.store.unref(inode.pages[keep:])
+        del inode.pages[keep:]
+        if shared_tail:
+            self._private_tail(inode, length)
+        del inode.tokens[length:], inode.positions[length:]
+        inode.excluded = [(s, min(e, length)) for s, e in inode.excluded if s < length]
+        inode.touch()
+
+    def punch(self, handle: Handle, start: int, end: int) -> None:
+        """Entries [start, end) leave attention; full pages left with no entry in attention
+        are freed. Every other entry keeps its place and position."""
+        inode = self._writable(handle, "punch")
+        if not 0 <= start <= end <= inode.length:
+            raise FSError(errno.EINVAL, f"punch: [{start}, {end}) is outside [0, {inode.length}]")
+        if start == end:
+            return
+        inode.excluded = merge_ranges([*inode.excluded, (start, end)])
+        size = self.page_size
+        for i in range(start // size, min(self._pages_for(end), inode.length // size)):
+            if inode.pages[i] is not None and covered(inode.excluded, i * size, (i + 1) * size):
+                self.store.unref([inode.pages[i]])
+                inode.pages[i] = None
+        inode.touch()
+
+    def fork(self, handle: Handle, cred: Cred) -> Handle:
+        """A copy-on-write clone, as a new anonymous file of the caller's: full pages are
+        shared, only a partly filled last page is copied."""
+        inode = self._readable(handle, "fork")
+        tail = inode.length % self.page_size != 0 and inode.pages[-1] is not None
+        self.store.charge(cred.uid, int(tail))
+        if tail and self.store.pool.free_in("device") < 1:
+            raise FSError(errno.ENOSPC, "fork: no device page free for the last page")
+        clone = self._new_inode(stat.S_IFREG | 0o600, cred)
+        clone.tokens, clone.positions = list(inode.tokens), list(inode.positions)
+        clone.excluded = list(inode.excluded)
+        full = inode.pages[:-1] if tail else inode.pages
+        self.store.ref(full)
+        clone.pages = list(full)
+        if tail:
+            clone.pages.append(self.store.copy(inode.pages[-1], cred.uid))
+        return self._handle(clone, cred, True, True)
+
+    def splice(self, src: Handle, start: int, end: int, dst: Handle) -> None:
+        """Append entries [start, end) of src to dst, K/V included, never recomputed: whole
+        pages are shared where both sides are page-aligned, rows are copied elsewhere."""
+        s = self._readable(src, "splice source")
+        d = self._writable(dst, "splice destination")
+        if not 0 <= start <= end <= s.length:
+            raise FSError(errno.EINVAL, f"splice: [{start}, {end}) is outside [0, {s.length}]")
+        if start == end:
+            return
+        size, base, count = self.page_size, d.length, end - start
+        aligned = start % size == 0 and base % size == 0
+        shared = (count // size) if aligned else 0  # whole source pages taken by reference
+        tail = self._needs_private_tail(d, base)
+        new = self._pages_for(base + count) - len(d.pages) - shared
+        down = int(base % size != 0 and d.pages[base // size] is not None
+                   and d.pages[base // size].tier != "device")
+        self._room(d, down + new + tail, new + tail)
+        # Snapshot what is copied before anything of dst changes (src may be dst).
+        src_pages = list(s.pages)
+        tokens, positions = s.tokens[start:end], s.positions[start:end]
+        excluded = [(max(a, start) - start + base, min(b, end) - start + base)
+                    for a, b in s.excluded if a < end and b > start]
+        if base % size:
+            self.store.bring_up([d.pages[base // size]])
+            if tail:
+                self._private_tail(d, base)
+        taken = src_pages[start // size: start // size + shared]
+        self.store.ref(taken)
+        d.pages.extend(taken)
+        d.pages.extend(self.store.new(new, d.uid))
+        self._copy_rows(src_pages, start + shared * size, end, d, base + shared * size)
+        d.tokens.extend(tokens)
+        d.positions.extend(positions)
+        d.excluded = merge_ranges([*d.excluded, *excluded])
+        d.touch()
+
+    def _copy_rows(self, src_pages: list[Page | None], start: int, end: int,
+                   d: Inode, at: int) -> None:
+        """Copy K/V rows [start, end) of a page list into d's device pages from row `at`."""
+        size, pool = self.page_size, self.store.pool
+        cache: dict[int, tuple] = {}
+        i = start
+        while i < end:
+            src_page, src_off = divmod(i, size)
+            dst_page, dst_off = divmod(at + (i - start), size)
+            n = min(size - src_off, size - dst_off, end - i)
+            page = src_pages[src_page]
+            if page is not None:  # a punched hole's rows are out of attention: leave them
+                if src_page not in cache:
+                    cache = {src_page: self.store.read(page)}
+                k, v = cache[src_page]
+                pool.write_rows(d.pages[dst_page].slot, dst_off,
+                                k[:, src_off:src_off + n], v[:, src_off:src_off + n])
+            i += n
+
+
+def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(r for r in ranges if r[0] < r[1]):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def covered(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether merged `ranges` cover [start, end) entirely."""
+    return any(s <= start and end <= e for s, e in ranges)

@@ -1,0 +1,58 @@
+"""Inodes: directories, and KV files (an ordered list of entries stored in pages)."""
+
+from __future__ import annotations
+
+import stat
+import time
+from dataclasses import dataclass, field
+
+from kvfs.pages import Page
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+@dataclass(eq=False)
+class Inode:
+    ino: int
+    mode: int  # file type and permission bits, as in st_mode
+    uid: int
+    gid: int
+    nlink: int = 0
+    atime: int = field(default_factory=now_ns)
+    mtime: int = field(default_factory=now_ns)
+    ctime: int = field(default_factory=now_ns)
+    # Directories: name -> inode.
+    entries: dict[str, Inode] | None = None
+    parent: Inode | None = None
+    # KV files. Entry i's K/V is row i % page_size of pages[i // page_size]; a punched
+    # whole page is None. `excluded` holds half-open entry ranges out of attention. A file
+    # restored from the state directory has entries but no pages until its first open.
+    fingerprint: str = ""
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    excluded: list[tuple[int, int]] = field(default_factory=list)
+    pages: list[Page | None] = field(default_factory=list)
+    opens: int = 0  # open handles: an unlinked file lives until the last close
+    busy: bool = False  # a forward pass is writing into the file's pages
+    dirty: bool = False  # changed since it was last saved
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def perm(self) -> int:
+        return stat.S_IMODE(self.mode)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def touch(self, *, modified: bool = True) -> None:
+        t = now_ns()
+        self.ctime = t
+        if modified:
+            self.mtime = t
+            self.dirty = True

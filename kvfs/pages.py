@@ -1,0 +1,204 @@
+"""Logical KV pages: refcounted, movable between tiers, charged to the uid that made them.
+
+A file's page list holds `Page` objects, never raw pool ids, so a page shared by many files
+moves tier once, for all of them. Full pages are immutable once shared; only the store
+writes page contents, and only into pages with a single reference.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from kvfs.errors import FSError
+from symphony.engine.kv_pool import DEVICE, HOST, KVPool
+
+DISK = "disk"
+TIERS = (DEVICE, HOST, DISK)
+
+
+class Page:
+    __slots__ = ("tier", "slot", "refs", "owner")
+
+    def __init__(self, tier: str, slot: int, owner: int):
+        self.tier, self.slot, self.refs, self.owner = tier, slot, 1, owner
+
+    def __repr__(self) -> str:
+        return f"Page({self.tier}:{self.slot}, refs={self.refs}, uid={self.owner})"
+
+
+class SwapFile:
+    """The disk tier: fixed-size page slots in one file, lost at restart like swap."""
+
+    def __init__(self, path: Path, slots: int, page_shape: tuple, dtype: torch.dtype):
+        self.path, self.slots, self.shape, self.dtype = path, slots, page_shape, dtype
+        self.page_bytes = 2 * dtype.itemsize * int(torch.Size(page_shape).numel())
+        self._free = list(range(slots - 1, -1, -1))
+        self._file = open(path, "w+b") if slots else None  # noqa: SIM115 - lives with the store
+
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._file.seek(slot * self.page_bytes)
+        for t in (k, v):
+            self._file.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+    def read(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._file.seek(slot * self.page_bytes)
+        raw = bytearray(self._file.read(self.page_bytes))
+        both = torch.frombuffer(raw, dtype=torch.uint8).view(self.dtype)
+        k, v = both.view(2, *self.shape)
+        return k, v
+
+
+class PageStore:
+    def __init__(
+        self,
+        pool: KVPool,
+        swap_path: Path | None = None,
+        disk_pages: int = 0,
+        quota: dict[int, int] | None = None,
+        default_quota: int | None = None,
+    ):
+        self.pool = pool
+        shape = (pool.config.num_layers, pool.page_size, pool.config.num_kv_heads,
+                 pool.config.head_dim)
+        self.swap = SwapFile(swap_path, disk_pages if swap_path else 0, shape, pool.dtype) \
+            if swap_path else None
+        self.quota, self.default_quota = dict(quota or {}), default_quota
+        self.used: dict[int, int] = {}  # uid -> live pages it allocated
+        self.live: set[Page] = set()
+
+    # -- accounting ---------------------------------------------------------------------
+
+    def limit(self, uid: int) -> int | None:
+        return None if uid == 0 else self.quota.get(uid, self.default_quota)
+
+    def charge(self, uid: int, n: int) -> None:
+        """Fail with EDQUOT, changing nothing, when uid may not hold n more pages."""
+        limit = self.limit(uid)
+        if limit is not None and self.used.get(uid, 0) + n > limit:
+            raise FSError(errno.EDQUOT, f"uid {uid} page quota {limit} "
+                          f"({self.used.get(uid, 0)} used, {n} more wanted)")
+
+    def free_in(self, tier: str) -> int:
+        if tier == DISK:
+            return self.swap.free_count() if self.swap else 0
+        return self.pool.free_in(tier)
+
+    def capacity(self, tier: str) -> int:
+        if tier == DISK:
+            return self.swap.slots if self.swap else 0
+        return self.pool.capacity(tier)
+
+    # -- life cycle ---------------------------------------------------------------------
+
+    def new(self, n: int, owner: int) -> list[Page]:
+        """n fresh private device pages, all or none (ENOSPC, EDQUOT)."""
+        if n == 0:
+            return []
+        self.charge(owner, n)
+        if n > self.pool.free_in(DEVICE):
+            raise FSError(errno.ENOSPC, f"kv pool: {n} device pages wanted, "
+                          f"{self.pool.free_in(DEVICE)} free")
+        pages = [Page(DEVICE, slot, owner) for slot in self.pool.allocate(n, DEVICE)]
+        self.used[owner] = self.used.get(owner, 0) + n
+        self.live.update(pages)
+        return pages
+
+    def ref(self, pages: Iterable[Page | None]) -> None:
+        for p in pages:
+            if p is not None:
+                p.refs += 1
+
+    def unref(self, pages: Iterable[Page | None]) -> None:
+        for p in pages:
+            if p is None:
+                continue
+            p.refs -= 1
+            if p.refs == 0:
+                self._release(p)
+
+    def _release(self, p: Page) -> None:
+        if p.tier == DISK:
+            self.swap.free(p.slot)
+        else:
+            self.pool.free([p.slot], p.tier)
+        self.used[p.owner] -= 1
+        self.live.discard(p)
+
+    def copy(self, page: Page, owner: int) -> Page:
+        """A private device copy of a page (copy-on-write)."""
+        (new,) = self.new(1, owner)
+        if page.tier == DEVICE:
+            self.pool.copy_page(page.slot, new.slot)
+        else:
+            self.pool.write_page(new.slot, *self.read(page))
+        return new
+
+    # -- contents -----------------------------------------------------------------------
+
+    def read(self, page: Page) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a whole page, on the CPU: [layers, page_size, heads, dim] each."""
+        if page.tier == DISK:
+            return self.swap.read(page.slot)
+        return self.pool.read_page(page.slot, page.tier)
+
+    def write(self, page: Page, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Fill a page (any tier) with whole-page K and V."""
+        if page.tier == DISK:
+            self.swap.write(page.slot, k, v)
+        else:
+            self.pool.write_page(page.slot, k, v, page.tier)
+
+    # -- tiers --------------------------------------------------------------------------
+
+    def bring_up(self, pages: Iterable[Page | None]) -> None:
+        """Every page onto the device, all or none (ENOSPC)."""
+        down = list({id(p): p for p in pages if p is not None and p.tier != DEVICE}.values())
+        if len(down) > self.pool.free_in(DEVICE):
+            raise FSError(errno.ENOSPC, f"kv pool: {len(down)} pages to bring back, "
+                          f"{self.pool.free_in(DEVICE)} device pages free")
+        for p in down:
+            if p.tier == HOST:
+                p.slot = self.pool.move(p.slot, HOST, DEVICE)
+            else:
+                (slot,) = self.pool.allocate(1, DEVICE)
+                self.pool.write_page(slot, *self.swap.read(p.slot))
+                self.swap.free(p.slot)
+                p.slot = slot
+            p.tier = DEVICE
+
+    def move_down(self, pages: Iterable[Page | None]) -> int:
+        """Move device pages to the host tier, then to disk when the host is full.
+
+        Returns how many moved; stops early (without error) when both are full.
+        """
+        moved = 0
+        for p in {id(p): p for p in pages if p is not None and p.tier == DEVICE}.values():
+            if self.pool.free_in(HOST):
+                p.slot, p.tier = self.pool.move(p.slot, DEVICE, HOST), HOST
+            elif self.swap and self.swap.free_count():
+                slot = self.swap.allocate()
+                self.swap.write(slot, *self.pool.read_page(p.slot))
+                self.pool.free([p.slot])
+                p.slot, p.tier = slot, DISK
+            else:
+                break
+            moved += 1
+        return moved
+
+    @staticmethod
+    def device_ids(pages: Iterable[Page | None]) -> list[int]:
+        """The page table the kernels read; holes (punched pages) read as page 0, masked."""
+        return [0 if p is None else p.slot for p in pages]

@@ -1,0 +1,388 @@
+"""kvfs semantics on a real KV pool: namespace, permissions, copy-on-write, tiers, quotas."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+from kvfs_helpers import append, assert_kv, make_fs
+
+from kvfs.errors import FSError
+from kvfs.perm import ROOT, Cred
+
+ALICE, BOB = Cred(1000, 1000), Cred(1001, 1001)
+CAROL = Cred(1002, 1002, frozenset({1000}))  # in alice's group
+
+RW_CREAT = os.O_RDWR | os.O_CREAT
+
+
+def raises(code: int, fn, *args, **kwargs) -> FSError:
+    with pytest.raises(FSError) as info:
+        fn(*args, **kwargs)
+    assert info.value.errno == code, info.value
+    return info.value
+
+
+@pytest.fixture
+def fs():
+    fs = make_fs()
+    fs.home(ALICE, "alice")
+    fs.home(BOB, "bob")
+    return fs
+
+
+def snapshot(fs):
+    """Everything a refused call must leave as it was."""
+    def walk(node, path):
+        out = {path: (node.mode, node.uid, node.gid, node.nlink)}
+        if node.is_dir:
+            for name, child in node.entries.items():
+                out.update(walk(child, f"{path}/{name}"))
+        else:
+            out[path] += (list(node.tokens), list(node.excluded),
+                          [None if p is None else (p.tier, p.slot, p.refs) for p in node.pages])
+        return out
+
+    return walk(fs.root, ""), fs.store.pool.free_in("device"), dict(fs.store.used)
+
+
+# -- namespace --------------------------------------------------------------------------
+
+
+def test_skeleton_and_home(fs):
+    assert [n for n, _ in fs.readdir(ROOT, "/")] == ["home", "tmp"]
+    assert fs.stat(ROOT, "/tmp").mode & 0o7777 == 0o1777
+    home = fs.lookup(ALICE, "/home/alice")
+    assert (home.uid, home.gid, home.is_dir) == (1000, 1000, True)
+    assert fs.home(ALICE, "alice") == "/home/alice"  # made once
+
+
+def test_open_flags(fs):
+    raises(errno.ENOENT, fs.open, ALICE, "/home/alice/a")
+    h = fs.open(ALICE, "/home/alice/a", RW_CREAT | os.O_EXCL)
+    append(fs, h, [1, 2, 3])
+    raises(errno.EEXIST, fs.open, ALICE, "/home/alice/a", RW_CREAT | os.O_EXCL)
+    raises(errno.EISDIR, fs.open, ALICE, "/home/alice")
+    raises(errno.ENOTDIR, fs.open, ALICE, "/home/alice/a/b", RW_CREAT)
+    raises(errno.EINVAL, fs.open, ALICE, "home/alice/a")
+    raises(errno.ENAMETOOLONG, fs.open, ALICE, "/home/alice/" + "x" * 256, RW_CREAT)
+    again = fs.open(ALICE, "/home/alice/a", os.O_RDWR | os.O_TRUNC)
+    assert again.inode.length == 0 and fs.store.pool.free_in("device") == 64
+    ro = fs.open(ALICE, "/home/alice/a", os.O_RDONLY)
+    raises(errno.EBADF, fs.reserve, ro, 1)
+    wo = fs.open(ALICE, "/home/alice/a", os.O_WRONLY)
+    raises(errno.EBADF, fs.read, wo, 0, 1)
+    fs.close(ro)
+    raises(errno.EBADF, fs.read, ro, 0, 1)
+
+
+def test_read_returns_tokens_and_positions(fs):
+    h = fs.open(ALICE, "", RW_CREAT)
+    append(fs, h, [5, 6, 7], [0, 10, 11])
+    assert fs.read(h, 1, 10) == ([6, 7], [10, 11])
+    raises(errno.EINVAL, fs.read, h, -1, 1)
+
+
+def test_mkdir_rmdir_readdir(fs):
+    fs.mkdir(ALICE, "/home/alice/d", 0o700)
+    raises(errno.EEXIST, fs.mkdir, ALICE, "/home/alice/d")
+    fs.close(fs.open(ALICE, "/home/alice/d/f", RW_CREAT))
+    raises(errno.ENOTEMPTY, fs.rmdir, ALICE, "/home/alice/d")
+    raises(errno.ENOTDIR, fs.rmdir, ALICE, "/home/alice/d/f")
+    raises(errno.EACCES, fs.readdir, BOB, "/home/alice/d")
+    assert [n for n, _ in fs.readdir(ALICE, "/home/alice/d")] == ["f"]
+    fs.unlink(ALICE, "/home/alice/d/f")
+    fs.rmdir(ALICE, "/home/alice/d")
+    raises(errno.EBUSY, fs.rmdir, ROOT, "/tmp")
+    assert fs.lookup(ALICE, "/home/alice/../alice/.").ino == fs.lookup(ALICE, "/home/alice").ino
+
+
+# -- open, unlink, link -----------------------------------------------------------------
+
+
+def test_unlinked_open_file_lives_until_last_close(fs):
+    h = fs.open(ALICE, "/home/alice/a", RW_CREAT)
+    append(fs, h, list(range(10)))
+    fs.unlink(ALICE, "/home/alice/a")
+    raises(errno.ENOENT, fs.stat, ALICE, "/home/alice/a")
+    append(fs, h, [1])
+    assert_kv(fs, h)
+    assert fs.store.pool.free_in("device") == 64 - 3
+    fs.close(h)
+    assert fs.store.pool.free_in("device") == 64
+
+
+def test_hard_links_share_one_file(fs):
+    h = fs.open(ALICE, "/home/alice/a", RW_CREAT)
+    append(fs, h, [1, 2])
+    fs.link(h, "/home/alice/b")
+    raises(errno.EEXIST, fs.link, h, "/home/alice/b")
+    assert fs.stat(ALICE, "/home/alice/b").nlink == 2
+    fs.unlink(ALICE, "/home/alice/a")
+    fs.close(h)
+    b = fs.open(ALICE, "/home/alice/b", os.O_RDONLY)
+    assert fs.read(b, 0, 9) == ([1, 2], [0, 1])
+    fs.close(b)
+    fs.unlink(ALICE, "/home/alice/b")
+    assert fs.store.pool.free_in("device") == 64
+
+
+def test_anonymous_file_named_by_link(fs):
+    h = fs.open(ALICE, "")
+    append(fs, h, [9] * 5)
+    assert h.inode.nlink == 0
+    fs.link(h, "/tmp/named")
+    fs.close(h)
+    assert fs.stat(ALICE, "/tmp/named").tokens == 5
+    anon = fs.open(ALICE, "")
+    append(fs, anon, [1])
+    fs.close(anon)  # never named: gone
+    assert fs.store.pool.free_in("device") == 64 - 2
+
+
+# -- rename -----------------------------------------------------------------------------
+
+
+def test_rename_replaces_atomically_and_frees_the_old_target(fs):
+    for name, toks in (("a", [1, 2, 3]), ("b", [4] * 9)):
+        h = fs.open(ALICE, f"/home/alice/{name}", RW_CREAT)
+        append(fs, h, toks)
+        fs.close(h)
+    fs.rename(ALICE, "/home/alice/a", "/home/alice/b")
+    raises(errno.ENOENT, fs.stat, ALICE, "/home/alice/a")
+    assert fs.stat(ALICE, "/home/alice/b").tokens == 3
+    assert fs.store.pool.free_in("device") == 64 - 1
+
+
+def test_rename_refusals_change_nothing(fs):
+    fs.mkdir(ALICE, "/home/alice/d")
+    fs.mkdir(ALICE, "/home/alice/d/e")
+    fs.mkdir(ALICE, "/home/alice/full")
+    fs.close(fs.open(ALICE, "/home/alice/full/x", RW_CREAT))
+    fs.close(fs.open(ALICE, "/home/alice/f", RW_CREAT))
+    before = snapshot(fs)
+    raises(errno.EINVAL, fs.rename, ALICE, "/home/alice/d", "/home/alice/d/e/inside")
+    raises(errno.EISDIR, fs.rename, ALICE, "/home/alice/f", "/home/alice/d")
+    raises(errno.ENOTDIR, fs.rename, ALICE, "/home/alice/d", "/home/alice/f")
+    raises(errno.ENOTEMPTY, fs.rename, ALICE, "/home/alice/d", "/home/alice/full")
+    raises(errno.ENOENT, fs.rename, ALICE, "/home/alice/nope", "/home/alice/g")
+    raises(errno.EACCES, fs.rename, BOB, "/home/alice/f", "/home/bob/f")
+    assert snapshot(fs) == before
+    fs.rename(ALICE, "/home/alice/d", "/home/alice/full/d2")
+    assert fs.lookup(ALICE, "/home/alice/full/d2/e/..").ino == fs.lookup(
+        ALICE, "/home/alice/full/d2").ino
+
+
+# -- permissions ------------------------------------------------------------------------
+
+
+def test_owner_group_other_bits(fs):
+    h = fs.open(ALICE, "/home/alice/secret", RW_CREAT, 0o640)
+    append(fs, h, [1])
+    fs.close(h)
+    raises(errno.EACCES, fs.open, BOB, "/home/alice/secret")
+    fs.close(fs.open(CAROL, "/home/alice/secret"))  # group may read
+    raises(errno.EACCES, fs.open, CAROL, "/home/alice/secret", os.O_RDWR)
+    raises(errno.EACCES, fs.open, CAROL, "/home/alice/secret", os.O_RDONLY | os.O_TRUNC)
+    fs.close(fs.open(ROOT, "/home/alice/secret", os.O_RDWR))  # root may do anything
+    # Owner bits decide for the owner, even when group or other would allow more.
+    fs.chmod(ALICE, "/home/alice/secret", 0o077)
+    raises(errno.EACCES, fs.open, ALICE, "/home/alice/secret")
+
+
+def test_search_permission_on_directories(fs):
+    fs.mkdir(ALICE, "/home/alice/private", 0o700)
+    fs.close(fs.open(ALICE, "/home/alice/private/f", RW_CREAT, 0o644))
+    raises(errno.EACCES, fs.stat, BOB, "/home/alice/private/f")
+    fs.chmod(ALICE, "/home/alice/private", 0o711)  # search without read
+    assert fs.stat(BOB, "/home/alice/private/f").tokens == 0
+    raises(errno.EACCES, fs.readdir, BOB, "/home/alice/private")
+    raises(errno.EACCES, fs.open, BOB, "/home/alice/private/g", RW_CREAT)
+    raises(errno.EACCES, fs.unlink, BOB, "/home/alice/private/f")
+
+
+def test_sticky_tmp(fs):
+    fs.close(fs.open(ALICE, "/tmp/a", RW_CREAT, 0o666))
+    raises(errno.EPERM, fs.unlink, BOB, "/tmp/a")
+    raises(errno.EPERM, fs.rename, BOB, "/tmp/a", "/tmp/b")
+    fs.close(fs.open(BOB, "/tmp/a", os.O_RDWR))  # the mode still lets bob write it
+    fs.unlink(ALICE, "/tmp/a")
+
+
+def test_chmod_chown(fs):
+    fs.close(fs.open(ALICE, "/home/alice/f", RW_CREAT))
+    raises(errno.EPERM, fs.chmod, BOB, "/home/alice/f", 0o777)
+    raises(errno.EPERM, fs.chown, ALICE, "/home/alice/f", 1001, -1)
+    fs.chown(ROOT, "/home/alice/f", 1001, -1)
+    st = fs.stat(ROOT, "/home/alice/f")
+    assert (st.uid, st.gid) == (1001, 1000)
+    fs.chmod(BOB, "/home/alice/f", 0o604)
+    assert fs.stat(ROOT, "/home/alice/f").mode & 0o7777 == 0o604
+
+
+# -- copy-on-write ----------------------------------------------------------------------
+
+
+def test_fork_shares_full_pages_and_copies_the_tail(fs):
+    h = fs.open(ALICE, "/home/alice/doc", RW_CREAT)
+    append(fs, h, list(range(10)))  # pages: 4 + 4 + 2
+    free = fs.store.pool.free_in("device")
+    child = fs.fork(h, BOB)
+    assert fs.store.pool.free_in("device") == free - 1
+    assert child.inode.pages[:2] == h.inode.pages[:2]
+    assert child.inode.pages[2] is not h.inode.pages[2]
+    assert [p.refs for p in h.inode.pages] == [2, 2, 1]
+    assert (child.inode.uid, child.inode.nlink) == (BOB.uid, 0)
+
+
+def test_fork_isolation_both_ways(fs):
+    h = fs.open(ALICE, "/home/alice/doc", RW_CREAT)
+    append(fs, h, list(range(6)))
+    child = fs.fork(h, ALICE)
+    append(fs, child, [50, 51, 52])
+    append(fs, h, [70])
+    fs.truncate(child, 5)
+    append(fs, child, [60] * 4)
+    assert fs.read(h, 0, 99)[0] == [0, 1, 2, 3, 4, 5, 70]
+    assert fs.read(child, 0, 99)[0] == [0, 1, 2, 3, 4, 60, 60, 60, 60]
+    assert_kv(fs, h)
+    assert_kv(fs, child)
+    fs.close(child)
+    fs.close(h)
+    fs.unlink(ALICE, "/home/alice/doc")
+    assert fs.store.pool.free_in("device") == 64
+
+
+def test_truncate_into_a_shared_page_copies_it(fs):
+    h = fs.open(ALICE, "", RW_CREAT)
+    append(fs, h, list(range(8)))
+    child = fs.fork(h, ALICE)  # both pages full: all shared
+    assert all(p.refs == 2 for p in h.inode.pages)
+    fs.truncate(child, 6)
+    assert child.inode.pages[1] is not h.inode.pages[1]
+    append(fs, child, [99])
+    assert fs.read(h, 0, 9)[0] == list(range(8))
+    assert_kv(fs, h)
+    assert_kv(fs, child)
+    raises(errno.EINVAL, fs.truncate, child, 100)
+
+
+# -- punch and splice -------------------------------------------------------------------
+
+
+def test_punch_frees_whole_pages_and_keeps_positions(fs):
+    h = fs.open(ALICE, "", RW_CREAT)
+    append(fs, h, list(range(20)))
+    fs.punch(h, 3, 13)  # pages 1 and 2 ([4, 12)) are wholly inside
+    assert h.inode.pages[1] is None and h.inode.pages[2] is None
+    assert fs.store.pool.free_in("device") == 64 - 3
+    assert h.inode.excluded == [(3, 13)]
+    assert fs.read(h, 12, 2) == ([12, 13], [12, 13])
+    fs.punch(h, 13, 16)  # merges, and frees page 3 ([12, 16))
+    assert h.inode.excluded == [(3, 16)] and h.inode.pages[3] is None
+    assert fs.stat_inode(h.inode).pages == 2
+    append(fs, h, [7])
+    assert_kv(fs, h)
+    raises(errno.EINVAL, fs.punch, h, 5, 99)
+
+
+def test_splice_aligned_shares_pages(fs):
+    src = fs.open(ALICE, "", RW_CREAT)
+    append(fs, src, list(range(12)))
+    dst = fs.open(ALICE, "", RW_CREAT)
+    append(fs, dst, [90] * 4)
+    free = fs.store.pool.free_in("device")
+    fs.splice(src, 4, 11, dst)  # one whole page shared, 3 rows copied
+    assert dst.inode.pages[1] is src.inode.pages[1]
+    assert fs.store.pool.free_in("device") == free - 1
+    assert fs.read(dst, 0, 99)[0] == [90] * 4 + list(range(4, 11))
+    assert fs.read(dst, 4, 1)[1] == [4]  # positions come along unchanged
+    assert_kv(fs, dst)
+
+
+def test_splice_unaligned_copies_rows_and_carries_exclusions(fs):
+    src = fs.open(ALICE, "", RW_CREAT)
+    append(fs, src, list(range(20)))
+    fs.punch(src, 8, 12)
+    dst = fs.open(ALICE, "", RW_CREAT)
+    append(fs, dst, [90] * 3)
+    fs.splice(src, 5, 18, dst)
+    assert fs.read(dst, 0, 99)[0] == [90] * 3 + list(range(5, 18))
+    assert dst.inode.excluded == [(6, 10)]
+    assert not set(dst.inode.pages) & set(src.inode.pages)
+    assert_kv(fs, dst)
+    fs.splice(dst, 0, 3, dst)  # from itself
+    assert fs.read(dst, 16, 9)[0] == [90] * 3
+    assert_kv(fs, dst)
+
+
+# -- the pred hook ----------------------------------------------------------------------
+
+
+def test_rollback_leaves_the_file_as_it_was(fs):
+    h = fs.open(ALICE, "", RW_CREAT)
+    append(fs, h, list(range(6)))
+    before = (list(h.inode.tokens), len(h.inode.pages), fs.store.pool.free_in("device"))
+    res = fs.reserve(h, 7)
+    raises(errno.EBUSY, fs.reserve, h, 1)
+    raises(errno.EBUSY, fs.truncate, h, 1)
+    fs.rollback(res)
+    assert (list(h.inode.tokens), len(h.inode.pages),
+            fs.store.pool.free_in("device")) == before
+    assert_kv(fs, h)
+
+
+def test_enospc_and_edquot_change_nothing(tmp_path):
+    fs = make_fs(pages=6, host=0, default_quota=4)
+    fs.home(ALICE, "alice")
+    h = fs.open(ALICE, "/home/alice/f", RW_CREAT)
+    append(fs, h, list(range(10)))
+    child = fs.fork(h, ALICE)  # 3 + 1 pages: the quota is full
+    before = snapshot(fs)
+    raises(errno.EDQUOT, fs.reserve, h, 7)
+    raises(errno.EDQUOT, fs.fork, child, ALICE)
+    assert snapshot(fs) == before
+    big = fs.open(ROOT, "", RW_CREAT)
+    raises(errno.ENOSPC, fs.reserve, big, 4 * 3)
+    assert big.inode.length == 0 and fs.store.pool.free_in("device") == 2
+    assert fs.store.used == {1000: 4}
+
+
+# -- tiers ------------------------------------------------------------------------------
+
+
+def test_tiers_down_and_back_are_bit_exact(tmp_path):
+    fs = make_fs(pages=8, host=2, disk=4, tmp_path=tmp_path)
+    h = fs.open(ROOT, "", RW_CREAT)
+    append(fs, h, list(range(14)))  # 4 pages
+    ks = [fs.store.read(p)[0].clone() for p in h.inode.pages]
+    assert fs.store.move_down(h.inode.pages) == 4
+    assert [p.tier for p in h.inode.pages] == ["host", "host", "disk", "disk"]
+    assert fs.store.pool.free_in("device") == 8
+    assert all(torch.equal(fs.store.read(p)[0], k) for p, k in zip(h.inode.pages, ks,
+                                                                      strict=True))
+    append(fs, h, [1, 2, 3])  # an append brings every page back
+    assert all(p.tier == "device" for p in h.inode.pages)
+    # The three full pages came back unchanged; the tail gained rows.
+    assert all(torch.equal(fs.store.read(p)[0], k) for p, k in zip(h.inode.pages[:3], ks[:3],
+                                                                      strict=True))
+    assert_kv(fs, h)
+
+
+def test_bring_up_without_room_is_enospc_and_changes_nothing(tmp_path):
+    fs = make_fs(pages=4, host=4, tmp_path=tmp_path)
+    a = fs.open(ROOT, "", RW_CREAT)
+    append(fs, a, list(range(12)))
+    fs.store.move_down(a.inode.pages)
+    b = fs.open(ROOT, "", RW_CREAT)
+    append(fs, b, list(range(8)))
+    tiers = [(p.tier, p.slot) for p in a.inode.pages]
+    raises(errno.ENOSPC, fs.reserve, a, 1)
+    assert [(p.tier, p.slot) for p in a.inode.pages] == tiers
+    assert fs.store.move_down(b.inode.pages) == 1  # host has one slot left: stops there
+    fs.close(b)
+    append(fs, a, [1])
+    assert_kv(fs, a)
+    assert fs.store.pool.free_in("host") == 4
