@@ -1,0 +1,211 @@
+"""Random sequences of kvfs operations against a dictionary model of the file system.
+
+After every step: each file's entries equal the model's, every attended entry holds the K/V
+it was written with, and every page's refcount equals the number of page lists holding it.
+At the end, with everything closed and unlinked, the pool is back to where it started.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections import Counter
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+)
+
+from kvfs.errors import FSError
+from kvfs.fs import merge_ranges
+from kvfs.perm import ROOT
+from kvfs_helpers import append, assert_kv, make_fs
+
+NAMES = st.sampled_from([f"/tmp/f{i}" for i in range(4)] + ["/home/u/a", "/home/u/b"])
+
+
+class Model:
+    """What a file should hold."""
+
+    def __init__(self, tokens=None, positions=None, excluded=None):
+        self.tokens, self.positions = list(tokens or []), list(positions or [])
+        self.excluded = list(excluded or [])
+
+
+class KVFSMachine(RuleBasedStateMachine):
+    handles = Bundle("handles")
+
+    def __init__(self):
+        super().__init__()
+        self.fs = make_fs(pages=48, host=0, disk=0)
+        self.fs.mkdir(ROOT, "/home/u")
+        self.start_free = self.fs.store.pool.free_in("device")
+        self.names: dict[str, Model] = {}  # path -> model (hard links share the object)
+        self.open: dict[int, tuple] = {}  # id(handle) -> (handle, model)
+
+    def model_of(self, h) -> Model:
+        return self.open[id(h)][1]
+
+    def attempt(self, fn, *args):
+        """Run an operation that may fail for lack of room: it must then change nothing."""
+        try:
+            fn(*args)
+            return True
+        except FSError as e:
+            assert e.errno in (errno.ENOSPC, errno.EDQUOT), e
+            return False
+
+    @rule(target=handles, path=NAMES, tokens=st.lists(st.integers(0, 99), max_size=9))
+    def create(self, path, tokens):
+        h = self.fs.open(ROOT, path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        model = self.names.setdefault(path, Model())
+        model.tokens.clear(), model.positions.clear(), model.excluded.clear()
+        self.open[id(h)] = (h, model)
+        if tokens and self.attempt(append, self.fs, h, tokens):
+            model.tokens += tokens
+            model.positions += range(len(tokens))
+        return h
+
+    @rule(target=handles)
+    def anonymous(self):
+        h = self.fs.open(ROOT, "")
+        self.open[id(h)] = (h, Model())
+        return h
+
+    @rule(h=handles, tokens=st.lists(st.integers(0, 99), min_size=1, max_size=11),
+          gap=st.integers(0, 50))
+    def pred(self, h, tokens, gap):
+        if id(h) not in self.open:
+            return
+        m = self.model_of(h)
+        first = (m.positions[-1] + 1 if m.positions else 0) + gap
+        positions = list(range(first, first + len(tokens)))
+        if self.attempt(append, self.fs, h, tokens, positions):
+            m.tokens += tokens
+            m.positions += positions
+
+    @rule(target=handles, h=handles)
+    def fork(self, h):
+        if id(h) not in self.open:
+            return None
+        m = self.model_of(h)
+        try:
+            child = self.fs.fork(h, ROOT)
+        except FSError as e:
+            assert e.errno == errno.ENOSPC
+            return None
+        self.open[id(child)] = (child, Model(m.tokens, m.positions, m.excluded))
+        return child
+
+    @rule(h=handles, data=st.data())
+    def truncate(self, h, data):
+        if id(h) not in self.open:
+            return
+        m = self.model_of(h)
+        n = data.draw(st.integers(0, len(m.tokens)))
+        if self.attempt(self.fs.truncate, h, n):
+            del m.tokens[n:], m.positions[n:]
+            m.excluded = [(s, min(e, n)) for s, e in m.excluded if s < n]
+
+    @rule(h=handles, data=st.data())
+    def punch(self, h, data):
+        if id(h) not in self.open:
+            return
+        m = self.model_of(h)
+        start = data.draw(st.integers(0, len(m.tokens)))
+        end = data.draw(st.integers(start, len(m.tokens)))
+        self.fs.punch(h, start, end)
+        m.excluded = merge_ranges([*m.excluded, (start, end)])
+
+    @rule(src=handles, dst=handles, data=st.data())
+    def splice(self, src, dst, data):
+        if id(src) not in self.open or id(dst) not in self.open:
+            return
+        s, d = self.model_of(src), self.model_of(dst)
+        start = data.draw(st.integers(0, len(s.tokens)))
+        end = data.draw(st.integers(start, len(s.tokens)))
+        base = len(d.tokens)
+        moved = [(max(a, start) - start + base, min(b, end) - start + base)
+                 for a, b in s.excluded if a < end and b > start]
+        tokens, positions = s.tokens[start:end], s.positions[start:end]
+        if self.attempt(self.fs.splice, src, start, end, dst):
+            d.tokens += tokens
+            d.positions += positions
+            d.excluded = merge_ranges([*d.excluded, *moved])
+
+    @rule(h=consumes(handles))
+    def close(self, h):
+        if id(h) in self.open:
+            self.fs.close(h)
+            del self.open[id(h)]
+
+    @precondition(lambda self: self.names)
+    @rule(data=st.data())
+    def unlink(self, data):
+        path = data.draw(st.sampled_from(sorted(self.names)))
+        self.fs.unlink(ROOT, path)
+        del self.names[path]
+
+    @precondition(lambda self: self.names)
+    @rule(data=st.data(), new=NAMES)
+    def rename(self, data, new):
+        old = data.draw(st.sampled_from(sorted(self.names)))
+        self.fs.rename(ROOT, old, new)
+        self.names[new] = self.names.pop(old)
+
+    @rule(h=handles, path=NAMES)
+    def link(self, h, path):
+        if id(h) not in self.open:
+            return
+        if path in self.names:
+            try:
+                self.fs.link(h, path)
+            except FSError as e:
+                assert e.errno == errno.EEXIST
+            return
+        self.fs.link(h, path)
+        self.names[path] = self.model_of(h)
+
+    @invariant()
+    def contents_match(self):
+        for path, m in self.names.items():
+            h = self.fs.open(ROOT, path)
+            assert self.fs.read(h, 0, 10**6) == (m.tokens, m.positions), path
+            assert h.inode.excluded == m.excluded, path
+            assert_kv(self.fs, h)
+            self.fs.close(h)
+        for h, m in self.open.values():
+            assert h.inode.tokens == m.tokens and h.inode.excluded == m.excluded
+
+    @invariant()
+    def refcounts_equal_references(self):
+        inodes = {id(h.inode): h.inode for h, _ in self.open.values()}
+        for path in self.names:
+            inode = self.fs.lookup(ROOT, path)
+            inodes[id(inode)] = inode
+        held = Counter(p for inode in inodes.values() for p in inode.pages if p is not None)
+        assert set(held) == self.fs.store.live
+        for page, n in held.items():
+            assert page.refs == n, page
+        assert self.fs.store.pool.free_in("device") == self.start_free - len(held)
+
+    def teardown(self):
+        for h, _ in list(self.open.values()):
+            self.fs.close(h)
+        for path in list(self.names):
+            self.fs.unlink(ROOT, path)
+        assert self.fs.store.pool.free_in("device") == self.start_free
+        assert not self.fs.store.live and not any(self.fs.store.used.values())
+
+
+KVFSMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_kvfs_stateful = KVFSMachine.TestCase
