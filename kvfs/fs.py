@@ -16,6 +16,7 @@ from kvfs.errors import FSError, enoent
 from kvfs.inode import Inode, now_ns
 from kvfs.pages import Page, PageStore
 from kvfs.perm import ROOT, Cred, R, W, X, check, check_sticky
+from kvfs.ranges import covered, merge_ranges
 
 O_ACCMODE = os.O_ACCMODE
 NAME_MAX = 255
@@ -574,18 +575,3 @@ class FileSystem:
                 pool.write_rows(d.pages[dst_page].slot, dst_off,
                                 k[:, src_off:src_off + n], v[:, src_off:src_off + n])
             i += n
-
-
-def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(r for r in ranges if r[0] < r[1]):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def covered(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
-    """Whether merged `ranges` cover [start, end) entirely."""
-    return any(s <= start and end <= e for s, e in ranges)
