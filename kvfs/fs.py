@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvfs.errors import FSError, enoent
+from kvfs.format import Imported, Layout, export_bytes, parse, read_range
 from kvfs.inode import Inode, now_ns
 from kvfs.pages import Page, PageStore
 from kvfs.perm import ROOT, Cred, R, W, X, check, check_sticky
@@ -72,10 +73,11 @@ def split(path: str) -> list[str]:
 
 
 class FileSystem:
-    def __init__(self, store: PageStore, fingerprint: str):
-        self.store, self.fingerprint = store, fingerprint
+    def __init__(self, store: PageStore, fingerprint: str, vocab_size: int | None = None):
+        self.store, self.fingerprint, self.vocab_size = store, fingerprint, vocab_size
         self.page_size = store.pool.page_size
-        self._next_ino = 1
+        self.layout = Layout.of(store.pool, fingerprint)
+        self.next_ino = 1
         self.root = self._new_inode(stat.S_IFDIR | 0o755, ROOT)
         self.root.nlink, self.root.parent = 2, None
         self.root.parent = self.root
@@ -90,8 +92,8 @@ class FileSystem:
     # -- inodes and paths ---------------------------------------------------------------
 
     def _new_inode(self, mode: int, cred: Cred) -> Inode:
-        inode = Inode(ino=self._next_ino, mode=mode, uid=cred.uid, gid=cred.gid)
-        self._next_ino += 1
+        inode = Inode(ino=self.next_ino, mode=mode, uid=cred.uid, gid=cred.gid)
+        self.next_ino += 1
         if inode.is_dir:
             inode.entries = {}
         else:
@@ -394,6 +396,53 @@ class FileSystem:
         inode = self._live(handle)
         if inode.nlink > 0:
             self.on_change(inode)
+
+    # -- the canonical form (docs/kv-format.md) ------------------------------------------
+
+    def export(self, handle: Handle) -> bytes:
+        return export_bytes(self._readable(handle, "export"), self.store, self.layout)
+
+    def read_bytes(self, handle: Handle, offset: int, size: int) -> bytes:
+        """Bytes [offset, offset + size) of the export, reading only the pages they cover."""
+        return read_range(self._readable(handle, "read"), self.store, self.layout, offset, size)
+
+    def fill(self, inode: Inode, imported: Imported) -> None:
+        """Give an inode without pages the entries and K/V of an import, all or nothing."""
+        chunks = list(imported.pages(self.page_size))
+        need = sum(c is not None for c in chunks)
+        self._room(inode, need, need)
+        fresh = iter(self.store.new(need, inode.uid))
+        pages = [None if c is None else next(fresh) for c in chunks]
+        for page, chunk in zip(pages, chunks, strict=True):
+            if chunk is not None:
+                self.store.write(page, *chunk)
+        inode.pages = pages
+        inode.tokens, inode.positions = list(imported.tokens), list(imported.positions)
+        inode.excluded = merge_ranges(list(imported.excluded))
+
+    def import_file(self, cred: Cred, path: str, data: bytes, mode: int = 0o600) -> Inode:
+        """A new file at `path` (replacing a file there) from its canonical form. A bad or
+        foreign-model file is refused whole (EINVAL) and nothing changes."""
+        imported = parse(data, self.layout, self.vocab_size)
+        parent, name = self._parent(cred, path)
+        old = parent.entries.get(name)
+        if old is not None and old.is_dir:
+            raise FSError(errno.EISDIR, repr(path))
+        self._writable_dir(cred, parent, path)
+        if old is not None:
+            check_sticky(cred, parent, old, repr(path))
+        inode = self._new_inode(stat.S_IFREG | (mode & 0o7777), cred)
+        self.fill(inode, imported)
+        if old is not None:
+            old.nlink -= 1
+            self._maybe_free(old)
+        parent.entries[name] = inode
+        inode.nlink = 1
+        parent.touch()
+        inode.touch()
+        self.on_namespace_change()
+        self.on_change(inode)
+        return inode
 
     # -- contents -----------------------------------------------------------------------
 
