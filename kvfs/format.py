@@ -11,7 +11,6 @@ import errno
 import json
 import os
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from math import prod
 
@@ -21,7 +20,7 @@ import torch
 from kvfs.errors import FSError
 from kvfs.inode import Inode
 from kvfs.pages import DISK, Page, PageStore
-from kvfs.ranges import covered, overlapping
+from kvfs.ranges import overlapping
 from symphony.engine.kv_pool import DEVICE, HOST, KVPool
 
 MAGIC = "symphony-kv"
@@ -232,21 +231,6 @@ class Imported:
     excluded: list[tuple[int, int]]
     k: torch.Tensor  # [layers, N, kv_heads, head_dim]
     v: torch.Tensor
-
-    def pages(self, page_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor] | None]:
-        """Whole-page K and V for each page of `page_size` entries, zero-padded at the end;
-        None for a full page whose entries are all excluded (the pages `punch` frees)."""
-        n = len(self.tokens)
-        for start in range(0, n, page_size):
-            end = min(start + page_size, n)
-            if end - start == page_size and covered(self.excluded, start, end):
-                yield None
-                continue
-            k = self.k.new_zeros((self.k.shape[0], page_size, *self.k.shape[2:]))
-            v = torch.zeros_like(k)
-            k[:, :end - start] = self.k[:, start:end]
-            v[:, :end - start] = self.v[:, start:end]
-            yield k, v
 
 
 def header_length(first8: bytes, file_size: int) -> int:

@@ -12,6 +12,8 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from kvfs.errors import FSError, enoent
 from kvfs.format import Imported, Layout, export_bytes, parse, read_range
 from kvfs.inode import Inode, now_ns
@@ -196,14 +198,15 @@ class FileSystem:
 
     # -- metadata -----------------------------------------------------------------------
 
+    def _holes(self, length: int, excluded: list[tuple[int, int]]) -> list[bool]:
+        """For each page of a file: is it a full page wholly out of attention (freed)?"""
+        size = self.page_size
+        return [(i + 1) * size <= length and covered(excluded, i * size, (i + 1) * size)
+                for i in range(self._pages_for(length))]
+
     def page_count(self, inode: Inode) -> int:
-        """Pages a file holds: every page but the full ones punched out of attention
-        (computed, so it holds before a restored file's pages are loaded)."""
-        size, n = self.page_size, inode.length
-        return sum(
-            not ((i + 1) * size <= n and covered(inode.excluded, i * size, (i + 1) * size))
-            for i in range(self._pages_for(n))
-        )
+        """Pages a file holds (computed, so it holds before a restored file's pages load)."""
+        return self._holes(inode.length, inode.excluded).count(False)
 
     def stat_inode(self, inode: Inode) -> StatResult:
         return StatResult(
@@ -408,17 +411,27 @@ class FileSystem:
 
     def fill(self, inode: Inode, imported: Imported) -> None:
         """Give an inode without pages the entries and K/V of an import, all or nothing."""
-        chunks = list(imported.pages(self.page_size))
-        need = sum(c is not None for c in chunks)
+        n, size = len(imported.tokens), self.page_size
+        excluded = merge_ranges(list(imported.excluded))
+        holes = self._holes(n, excluded)
+        need = holes.count(False)
         self._room(inode, need, need)
         fresh = iter(self.store.new(need, inode.uid))
-        pages = [None if c is None else next(fresh) for c in chunks]
-        for page, chunk in zip(pages, chunks, strict=True):
-            if chunk is not None:
-                self.store.write(page, *chunk)
+        pages = [None if hole else next(fresh) for hole in holes]
+        pool, full = self.store.pool, n // size
+        # Whole pages in one scatter, straight from views of the import; the tail by rows.
+        kept = [i for i in range(full) if not holes[i]]
+        if kept:
+            slots = torch.tensor([pages[i].slot for i in kept], device=pool.k.device)
+            for src, dst in ((imported.k, pool.k), (imported.v, pool.v)):
+                whole = src[:, : full * size].view(src.shape[0], full, size, *src.shape[2:])
+                dst.index_copy_(1, slots, whole if len(kept) == full else whole[:, kept])
+        if n % size:
+            pool.write_rows(pages[-1].slot, 0, imported.k[:, full * size:],
+                            imported.v[:, full * size:])
         inode.pages = pages
         inode.tokens, inode.positions = list(imported.tokens), list(imported.positions)
-        inode.excluded = merge_ranges(list(imported.excluded))
+        inode.excluded = excluded
 
     def import_file(self, cred: Cred, path: str, data: bytes, mode: int = 0o600) -> Inode:
         """A new file at `path` (replacing a file there) from its canonical form. A bad or

@@ -14,10 +14,11 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 
 from kvfs.errors import FSError
-from kvfs.format import export_bytes, parse, read_meta
+from kvfs.format import exported_size, parse, read_meta, read_range
 from kvfs.fs import FileSystem
 from kvfs.inode import Inode
 
@@ -25,10 +26,14 @@ NAMESPACE = "namespace.json"
 VERSION = 1
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+CHUNK = 8 << 20
+
+
+def atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(data)
+        for data in chunks:
+            f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -74,7 +79,11 @@ class StateDir:
             return
         if inode.length and not inode.pages:
             return  # restored but never loaded: what is on disk is already current
-        atomic_write(self._data(inode), export_bytes(inode, self.fs.store, self.fs.layout))
+        # Streamed a chunk at a time: a long file is never held twice in memory.
+        store, layout = self.fs.store, self.fs.layout
+        size = exported_size(inode, layout)
+        atomic_write(self._data(inode), (read_range(inode, store, layout, off, CHUNK)
+                                         for off in range(0, size, CHUNK)))
         inode.dirty = False
 
     def save_namespace(self) -> None:
@@ -85,7 +94,7 @@ class StateDir:
             "root": self._meta(self.fs.root),
             "inodes": {str(ino): self._meta(inode) for ino, inode in nodes.items()},
         }
-        atomic_write(self.path / NAMESPACE, json.dumps(record, indent=1).encode())
+        atomic_write(self.path / NAMESPACE, [json.dumps(record, indent=1).encode()])
 
     def _meta(self, inode: Inode) -> dict:
         meta = {k: getattr(inode, k) for k in ("mode", "uid", "gid", "atime", "mtime", "ctime")}

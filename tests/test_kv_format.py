@@ -25,6 +25,7 @@ from kvfs.format import (
 )
 from kvfs.inode import Inode
 from kvfs.pages import DISK, Page, PageStore
+from kvfs.ranges import covered
 from symphony.engine.config import ModelConfig
 from symphony.engine.kv_pool import DEVICE, HOST, KVPool
 
@@ -63,14 +64,17 @@ def make_file(store, layout, n, excluded=(), punched=(), seed=0) -> Inode:
 
 
 def import_into(store, layout, imp) -> Inode:
-    pages = []
-    for kv in imp.pages(layout.page_size):
-        if kv is None:
-            pages.append(None)
-        else:
-            (p,) = store.new(1, owner=0)
-            store.write(p, *kv)
-            pages.append(p)
+    pages, size, n = [], layout.page_size, len(imp.tokens)
+    for start in range(0, n, size):
+        end = min(start + size, n)
+        if end - start == size and covered(imp.excluded, start, end):
+            pages.append(None)  # the page punch frees
+            continue
+        (p,) = store.new(1, owner=0)
+        k, v = (torch.zeros(t.shape[0], size, *t.shape[2:], dtype=t.dtype) for t in (imp.k, imp.v))
+        k[:, :end - start], v[:, :end - start] = imp.k[:, start:end], imp.v[:, start:end]
+        store.write(p, k, v)
+        pages.append(p)
     return Inode(ino=2, mode=stat.S_IFREG | 0o600, uid=0, gid=0, tokens=imp.tokens,
                  positions=imp.positions, excluded=imp.excluded, pages=pages, fingerprint=FP)
 
