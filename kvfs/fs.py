@@ -218,6 +218,9 @@ class FileSystem:
     def stat(self, cred: Cred, path: str) -> StatResult:
         return self.stat_inode(self.lookup(cred, path))
 
+    def fstat(self, handle: Handle) -> StatResult:
+        return self.stat_inode(self._live(handle))
+
     def chmod(self, cred: Cred, path: str, mode: int) -> None:
         inode = self.lookup(cred, path)
         if not (cred.root or cred.uid == inode.uid):

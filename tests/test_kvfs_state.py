@@ -184,3 +184,19 @@ def test_import_replaces_whole_or_not_at_all(tmp_path):
     # Imported files persist like any other.
     again = boot(tmp_path)
     assert again.export(again.open(ROOT, "/home/alice/copy")) == data
+
+
+def test_shutdown_saves_what_is_still_open(tmp_path):
+    fs = make_fs()
+    state = StateDir(tmp_path, fs)
+    state.restore()
+    fs.home(ALICE, "alice")
+    h = fs.open(ALICE, "/home/alice/open", RW_CREAT)
+    append(fs, h, list(range(12)))
+    scratch = fs.open(ALICE, "/tmp/t", RW_CREAT)
+    append(fs, scratch, [1])
+    assert fs.fstat(h).tokens == 12
+    state.shutdown()  # the kernel stops with the file still open
+    after = boot(tmp_path)
+    assert after.export(after.open(ROOT, "/home/alice/open")) == fs.export(h)
+    assert [n for n, _ in after.readdir(ROOT, "/tmp")] == []
