@@ -21,17 +21,24 @@ from symphony.engine.generate import generate
 from symphony.engine.sampler import GREEDY
 
 
-def timed(fn, repeat: int) -> float:
-    fn()  # warm-up: allocator, kernels' first launch
-    best = float("inf")
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def best_of(fns: list, repeat: int) -> list[float]:
+    """Best time of each function, run in turn so that a slow spell of a shared machine
+    hits every one of them alike."""
+    for fn in fns:
+        fn()  # warm-up: allocator, kernels' first launch
+    best = [float("inf")] * len(fns)
     for _ in range(repeat):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
+        for i, fn in enumerate(fns):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            best[i] = min(best[i], time.perf_counter() - t)
     return best
 
 
@@ -55,7 +62,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--prefill-batch", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
 
     engine = Engine(args.model, device=args.device, kv_pages=4096)
@@ -74,16 +81,16 @@ def main() -> None:
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
         p, n = prompts(b, args.prompt_len), args.new_tokens
-        rates = []
-        for run, target in ((ours, engine), (theirs, model)):
-            full = timed(lambda: run(target, p, n), args.repeat)  # noqa: B023
-            first = timed(lambda: run(target, p, 1), args.repeat)  # noqa: B023
-            rates.append(b * (n - 1) / (full - first))
-        rows.append((f"decode batch {b}", *rates))
+        t = best_of([lambda: ours(engine, p, n), lambda: ours(engine, p, 1),  # noqa: B023
+                     lambda: theirs(model, p, n), lambda: theirs(model, p, 1)],  # noqa: B023
+                    args.repeat)
+        rows.append((f"decode batch {b}", b * (n - 1) / (t[0] - t[1]),
+                     b * (n - 1) / (t[2] - t[3])))
     p = prompts(args.prefill_batch, args.prefill_len)
-    rates = [args.prefill_batch * args.prefill_len / timed(lambda: run(target, p, 1), args.repeat)
-             for run, target in ((ours, engine), (theirs, model))]
-    rows.append((f"prefill {args.prefill_batch}x{args.prefill_len}", *rates))
+    t = best_of([lambda: ours(engine, p, 1), lambda: theirs(model, p, 1)], args.repeat)
+    tokens = args.prefill_batch * args.prefill_len
+    rows.append((f"prefill {args.prefill_batch}x{args.prefill_len}", tokens / t[0],
+                 tokens / t[1]))
     for name, a, b in rows:
         print(f"{name:<28}{a:>16.1f}{b:>20.1f}{a / b:>7.2f}x")
 

@@ -72,10 +72,13 @@ def store_kv_ref(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Plain-torch :func:`store_kv`."""
-    page_size = k_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].to(torch.int64)
-    pages, offsets = slots // page_size, slots % page_size
-    # Index page and offset separately: flattening the cache could silently copy it.
-    k_cache[pages, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[pages, offsets] = v[keep].to(v_cache.dtype)
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    slots = slot_mapping.to(torch.int64)
+    # A contiguous pool views as one row per slot: a single index_copy_ per cache.
+    for src, cache in ((k, k_cache), (v, v_cache)):
+        if cache.is_contiguous():
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, src.to(cache.dtype))
+        else:
+            cache[slots // cache.shape[1], slots % cache.shape[1]] = src.to(cache.dtype)
