@@ -30,6 +30,7 @@ run: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/engine.py
+	$(PY) bench/kvfs.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

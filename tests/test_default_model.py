@@ -48,9 +48,15 @@ def test_tokenizer_round_trips_and_has_specials():
 
 
 def test_chat_template_matches_corpus_format():
-    from default_tokenizer import check_chat_template
+    from default_tokenizer import check_chat_template, render_chat
 
-    check_chat_template(MODEL)
+    from symphony.engine.tokenizer import Tokenizer
+
+    check_chat_template(MODEL)  # transformers renders the shipped template as trained
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What does `len` do?"}]
+    for gen in (False, True):  # and so does ours
+        assert Tokenizer(MODEL).apply_chat_template(messages, gen) == render_chat(messages, gen)
 
 
 def test_engine_matches_transformers_and_is_not_noise():
