@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test run bench lint
+.PHONY: install test run bench lint proto
 
 # `make run` and `make test` work straight after cloning: they install first when needed.
 $(STAMP): pyproject.toml
@@ -34,3 +34,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# The stubs are committed; this remakes them from the proto (tests/test_proto.py checks they are fresh).
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. syscalls/symphony.proto

@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -131,6 +131,18 @@ class FileSystem:
 
     def _writable_dir(self, cred: Cred, parent: Inode, path: str) -> None:
         check(cred, parent, W | X, f"{path!r}: write permission denied on the directory")
+
+    def files(self) -> Iterator[Inode]:
+        """Every named KV file, once each (hard links included once)."""
+        seen: set[int] = set()
+        stack = [self.root]
+        while stack:
+            for child in stack.pop().entries.values():
+                if child.is_dir:
+                    stack.append(child)
+                elif child.ino not in seen:
+                    seen.add(child.ino)
+                    yield child
 
     def in_tmp(self, inode: Inode) -> bool:
         """Whether a directory is /tmp or under it (its files are never persisted)."""
@@ -572,18 +584,20 @@ class FileSystem:
         """A copy-on-write clone, as a new anonymous file of the caller's: full pages are
         shared, only a partly filled last page is copied."""
         inode = self._readable(handle, "fork")
-        tail = inode.length % self.page_size != 0 and inode.pages[-1] is not None
+        # Only the committed entries: a forward pass may have reserved pages past them.
+        pages = inode.pages[: self._pages_for(inode.length)]
+        tail = inode.length % self.page_size != 0 and pages[-1] is not None
         self.store.charge(cred.uid, int(tail))
         if tail and self.store.pool.free_in("device") < 1:
             raise FSError(errno.ENOSPC, "fork: no device page free for the last page")
         clone = self._new_inode(stat.S_IFREG | 0o600, cred)
         clone.tokens, clone.positions = list(inode.tokens), list(inode.positions)
         clone.excluded = list(inode.excluded)
-        full = inode.pages[:-1] if tail else inode.pages
+        full = pages[:-1] if tail else pages
         self.store.ref(full)
         clone.pages = list(full)
         if tail:
-            clone.pages.append(self.store.copy(inode.pages[-1], cred.uid))
+            clone.pages.append(self.store.copy(pages[-1], cred.uid))
         return self._handle(clone, cred, True, True)
 
     def splice(self, src: Handle, start: int, end: int, dst: Handle) -> None:

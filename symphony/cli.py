@@ -7,36 +7,13 @@ import json
 import sys
 
 from symphony.engine.errors import ModelError
-
-
-def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
-    p.add_argument("--temperature", type=float, help="sample at this temperature")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int)
+from syscalls.flags import add_sampling_flags, parse_ids, sampling_kwargs
 
 
 def sampling_params(args: argparse.Namespace):
     from symphony.engine.sampler import SamplingParams
 
-    sampled = args.temperature is not None and not args.greedy
-    return SamplingParams(
-        temperature=args.temperature if sampled else 0.0,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-    )
-
-
-def parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(",", " ").split()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--prompt-ids wants integers: {e}") from e
+    return SamplingParams(**sampling_kwargs(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -68,6 +45,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kernel(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    import torch
+
+    from symphony.daemon import Options, default_state_dir, run_kernel
+    from symphony.engine.engine import Engine
+    from syscalls.session import socket_path
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    engine = Engine(args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages,
+                    host_pages=args.host_pages if args.host_pages is not None
+                    else args.kv_pages or 0)
+    opts = Options(
+        socket=socket_path(args.socket), state_dir=Path(args.state_dir or default_state_dir()),
+        token_budget=args.token_budget, max_seqs=args.max_seqs, disk_pages=args.disk_pages,
+        quota=args.quota,
+    )
+    run_kernel(engine, opts)
+    return 0
+
+
+def add_kernel_flags(k: argparse.ArgumentParser) -> None:
+    k.add_argument("--model", help="checkpoint directory (default: the shipped model)")
+    k.add_argument("--socket", help="gRPC socket (default: $SYMPHONY_SOCKET or "
+                   "/tmp/symphony/kernel.sock)")
+    k.add_argument("--state-dir", help="where KV files persist (default: "
+                   "$XDG_STATE_HOME/symphony)")
+    k.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    k.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    k.add_argument("--kv-pages", type=int, help="device KV pages (default: 25%% of memory)")
+    k.add_argument("--host-pages", type=int, help="host-tier pages (default: as --kv-pages)")
+    k.add_argument("--disk-pages", type=int, default=0, help="swap-file pages")
+    k.add_argument("--token-budget", type=int, default=512, help="tokens per forward pass")
+    k.add_argument("--max-seqs", type=int, default=256, help="sequences per forward pass")
+    k.add_argument("--quota", type=int, help="pages per user (root has no quota)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="symphony", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--kv-pages", type=int, default=1024)
     g.set_defaults(func=cmd_generate)
+    k = sub.add_parser("kernel", help="run the kernel daemon in the foreground")
+    add_kernel_flags(k)
+    k.set_defaults(func=cmd_kernel)
     return parser
 
 

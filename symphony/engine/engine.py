@@ -46,6 +46,7 @@ class Engine:
         kv_pages: int | None = None,
         kv_memory_fraction: float = 0.25,
         page_size: int = 16,
+        host_pages: int = 0,
     ):
         self.model_dir = Path(model_dir) if model_dir else default_model_dir()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -57,7 +58,7 @@ class Engine:
             kv_pages = pages_for_fraction(
                 self.config, page_size, self.dtype, self.device, kv_memory_fraction
             )
-        self.pool = KVPool(self.config, kv_pages, page_size, self.dtype, self.device)
+        self.pool = KVPool(self.config, kv_pages, page_size, self.dtype, self.device, host_pages)
         self.kernels = select_kernels(self.device)
         self.scale = self.config.head_dim**-0.5
 

@@ -56,6 +56,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         # The post-processor is bypassed so that BOS follows tokenizer_config.json alone.
         ids = self._tok.encode(text, add_special_tokens=False).ids

@@ -1,0 +1,168 @@
+"""The kernel daemon: the engine, kvfs, the process table and the scheduler behind one
+socket, on uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from kvfs.fs import FileSystem
+from kvfs.pages import PageStore
+from kvfs.state import StateDir
+from symphony.engine.engine import Engine
+from symphony.engine.fingerprint import fingerprint
+from symphony.process import Process, ProcessTable, os_cpu_seconds
+from symphony.procfs import ProcFS
+from symphony.scheduler import Scheduler
+from symphony.server import Front, Hello
+from syscalls import symphony_pb2 as pb
+from syscalls.session import hello_path
+
+log = logging.getLogger("symphony.kernel")
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "symphony"
+
+
+def pid_path(sock: Path) -> Path:
+    return sock.with_name(sock.name + ".pid")
+
+
+@dataclass
+class Options:
+    socket: Path
+    state_dir: Path
+    token_budget: int = 512
+    max_seqs: int = 256
+    disk_pages: int = 0
+    quota: int | None = None  # pages per user (root has none)
+
+
+class Kernel:
+    def __init__(self, engine: Engine, opts: Options):
+        self.engine, self.opts = engine, opts
+        self.model_name = engine.model_dir.name
+        self.fingerprint = fingerprint(engine.model_dir)
+        opts.state_dir.mkdir(parents=True, exist_ok=True)
+        store = PageStore(engine.pool, opts.state_dir / "swap", opts.disk_pages,
+                          default_quota=opts.quota)
+        self.fs = FileSystem(store, self.fingerprint, engine.config.vocab_size)
+        self.state = StateDir(opts.state_dir, self.fs)
+        self.state.restore()
+        self.procs = ProcessTable()
+        self.lifelines: dict[int, asyncio.Transport] = {}
+        self.sched = Scheduler(engine, self.fs, lambda: self.procs,
+                               opts.token_budget, opts.max_seqs)
+        self.procfs = ProcFS(self)
+        self._reaping: set[asyncio.Task] = set()
+
+    # -- processes --------------------------------------------------------------------
+
+    def spawn_reap(self, proc: Process) -> None:
+        task = asyncio.get_running_loop().create_task(self.reap(proc))
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
+
+    async def reap(self, proc: Process) -> None:
+        """A process is gone: cancel its calls, close its fds (anonymous files and private
+        pages go with them), forget it."""
+        if not proc.alive:
+            return
+        proc.alive = False
+        self.procs.remove(proc)
+        self.sched.cancel_process(proc)
+        await self.sched.quiesce()  # a running step may still write into its files
+        for handle in proc.fds.values():
+            self.fs.close(handle)
+        proc.fds.clear()
+        lifeline = self.lifelines.pop(proc.pid, None)
+        if lifeline is not None:
+            lifeline.close()
+        self.sched.poke()
+
+    async def kill(self, proc: Process) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(proc.os_pid, signal.SIGKILL)
+        await self.reap(proc)
+
+    def proc_info(self, p: Process) -> pb.ProcInfo:
+        return pb.ProcInfo(
+            pid=p.pid, os_pid=p.os_pid, uid=p.uid, user=p.user, name=p.name, argv=p.argv,
+            state=p.state, nice=p.nice, syscalls=sum(p.calls.values()), tokens=p.tokens,
+            pages=self.pages_of(p), cpu_seconds=os_cpu_seconds(p.os_pid),
+            accel_seconds=p.accel_seconds, fds=len(p.fds), started=p.started,
+        )
+
+    @staticmethod
+    def pages_of(p: Process) -> int:
+        """Distinct pages of the files a process has open."""
+        return len({id(page) for h in p.fds.values() for page in h.inode.pages
+                    if page is not None})
+
+    # -- life cycle -------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        sock = self.opts.socket
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        for path in (sock, hello_path(sock)):
+            if path.exists():
+                if _answers(path):
+                    raise OSError(f"{path}: a kernel already listens there")
+                path.unlink()
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([Front(self).handler()])
+        if not server.add_insecure_port(f"unix:{sock}"):
+            raise OSError(f"{sock}: cannot listen")
+        await server.start()
+        loop = asyncio.get_running_loop()
+        hello = await loop.create_unix_server(lambda: Hello(self), str(hello_path(sock)))
+        # Every local user may connect; identity comes from SO_PEERCRED, not from access.
+        for path in (sock, hello_path(sock)):
+            os.chmod(path, 0o666)
+        pid_path(sock).write_text(f"{os.getpid()}\n")
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        scheduler = loop.create_task(self.sched.run())
+        log.info("serving %s on %s (state in %s)", self.model_name, sock, self.opts.state_dir)
+        try:
+            await stop.wait()
+        finally:
+            log.info("shutting down")
+            hello.close()
+            await server.stop(grace=1.0)
+            for proc in list(self.procs):
+                await self.reap(proc)
+            scheduler.cancel()
+            self.state.shutdown()  # every changed named file, then the namespace
+            for path in (sock, hello_path(sock), pid_path(sock)):
+                path.unlink(missing_ok=True)
+
+
+def _answers(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def run_kernel(engine: Engine, opts: Options) -> None:
+    """Serve until SIGTERM or SIGINT, on uvloop."""
+    import uvloop
+
+    kernel = Kernel(engine, opts)
+    uvloop.run(kernel.serve())

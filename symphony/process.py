@@ -1,0 +1,142 @@
+"""The process table: who is attached, what each holds, and what each has used."""
+
+from __future__ import annotations
+
+import errno
+import os
+import pwd
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvfs.errors import FSError
+from kvfs.fs import Handle
+from kvfs.perm import Cred
+from syscalls.session import TOKEN_BYTES
+
+FIRST_FD = 3  # an fd left at the proto default (0) is never valid
+NICE_MIN, NICE_MAX = -20, 19
+
+
+def nice_weight(nice: int) -> float:
+    """CFS's weight: each nice step is worth about 10% of CPU, nice 0 weighs 1024."""
+    return 1024 / 1.25**nice
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid{uid}"
+
+
+def os_groups(os_pid: int) -> frozenset[int]:
+    """Supplementary groups of a live OS process, as the OS reports them."""
+    try:
+        with open(f"/proc/{os_pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return frozenset(int(g) for g in line.split()[1:])
+    except OSError:
+        pass
+    return frozenset()
+
+
+def os_cpu_seconds(os_pid: int) -> float:
+    """User plus system CPU time of an OS process, 0 once it is gone."""
+    try:
+        with open(f"/proc/{os_pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+@dataclass(eq=False)
+class Process:
+    pid: int
+    os_pid: int
+    cred: Cred
+    token: str
+    name: str = "?"
+    argv: list[str] = field(default_factory=list)
+    nice: int = 0
+    fds: dict[int, Handle] = field(default_factory=dict)
+    next_fd: int = FIRST_FD
+    alive: bool = True
+    exit_code: int | None = None
+    started: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.monotonic)
+    calls: Counter = field(default_factory=Counter)  # syscall name -> count
+    call_seconds: Counter = field(default_factory=Counter)  # syscall name -> total latency
+    tokens: int = 0  # entries its pred calls computed
+    accel_seconds: float = 0.0  # its share of forward passes
+    vruntime: float = 0.0  # weighted tokens, for fair share (level 1)
+    pending: int = 0  # pred calls queued or running
+    waiting: bool = False  # a pred of it waits for KV memory
+    swapped: bool = False  # its pages were moved off the device while it was idle
+
+    @property
+    def uid(self) -> int:
+        return self.cred.uid
+
+    @property
+    def user(self) -> str:
+        return user_name(self.cred.uid)
+
+    @property
+    def weight(self) -> float:
+        return nice_weight(self.nice)
+
+    @property
+    def state(self) -> str:
+        if self.waiting:
+            return "waiting"
+        if self.pending:
+            return "running"
+        return "swapped" if self.swapped else "sleeping"
+
+    def add_fd(self, handle: Handle) -> int:
+        fd = self.next_fd
+        self.next_fd += 1
+        self.fds[fd] = handle
+        return fd
+
+    def handle(self, fd: int) -> Handle:
+        try:
+            return self.fds[fd]
+        except KeyError:
+            raise FSError(errno.EBADF, f"fd {fd} is not open in process {self.pid}") from None
+
+
+class ProcessTable:
+    def __init__(self) -> None:
+        self.by_pid: dict[int, Process] = {}
+        self.by_token: dict[str, Process] = {}
+        self.next_pid = 1
+
+    def spawn(self, os_pid: int, uid: int, gid: int) -> Process:
+        """A new process for a peer the OS vouched for, with a fresh session token."""
+        cred = Cred(uid, gid, os_groups(os_pid))
+        proc = Process(self.next_pid, os_pid, cred, secrets.token_hex(TOKEN_BYTES))
+        self.next_pid += 1
+        self.by_pid[proc.pid] = proc
+        self.by_token[proc.token] = proc
+        return proc
+
+    def remove(self, proc: Process) -> None:
+        self.by_pid.pop(proc.pid, None)
+        self.by_token.pop(proc.token, None)
+
+    def get(self, pid: int) -> Process:
+        proc = self.by_pid.get(pid)
+        if proc is None:
+            raise FSError(errno.ESRCH, f"no process {pid}")
+        return proc
+
+    def __iter__(self):
+        return iter(list(self.by_pid.values()))
+
+    def __len__(self) -> int:
+        return len(self.by_pid)

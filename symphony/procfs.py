@@ -1,0 +1,138 @@
+"""The text of /proc entries: what `procfs(path)` returns and what the mount shows."""
+
+from __future__ import annotations
+
+import errno
+import time
+from typing import TYPE_CHECKING
+
+from kvfs.errors import FSError
+from kvfs.pages import DISK, TIERS
+from symphony.process import Process, os_cpu_seconds, user_name
+
+if TYPE_CHECKING:
+    from symphony.daemon import Kernel
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def lines(pairs: list[tuple[str, object]]) -> str:
+    width = max(len(k) for k, _ in pairs) + 2
+    return "".join(f"{k + ':':<{width}}{v}\n" for k, v in pairs)
+
+
+class ProcFS:
+    def __init__(self, kernel: Kernel):
+        self.k = kernel
+
+    def entries(self) -> list[str]:
+        return ["meminfo", "sched", "kv", *(str(p.pid) for p in self.k.procs)]
+
+    def read(self, path: str) -> str:
+        parts = [p for p in path.split("/") if p]
+        if parts[:1] == ["proc"]:
+            parts = parts[1:]
+        if parts in (["meminfo"], ["sched"], ["kv"]):
+            return getattr(self, parts[0])()
+        if len(parts) == 2 and parts[0].isdigit() and parts[1] in ("status", "fds", "syscalls"):
+            proc = self.k.procs.by_pid.get(int(parts[0]))
+            if proc is not None:
+                return getattr(self, parts[1])(proc)
+        raise FSError(errno.ENOENT, f"/proc/{'/'.join(parts)}")
+
+    def meminfo(self) -> str:
+        store = self.k.fs.store
+        pairs: list[tuple[str, object]] = []
+        for tier in TIERS:
+            total, free = store.capacity(tier), store.free_in(tier)
+            pairs += [(f"{tier}_total", total), (f"{tier}_free", free),
+                      (f"{tier}_used", total - free)]
+        pairs.append(("page_size_tokens", self.k.fs.page_size))
+        pairs.append(("page_bytes", self.k.engine.pool.page_bytes()))
+        pairs.append(("shared", sum(p.refs > 1 for p in store.live)))
+        pairs.append(("swapped_out", sum(p.tier != "device" for p in store.live)))
+        pairs.append(("on_disk", sum(p.tier == DISK for p in store.live)))
+        for uid, used in sorted(store.used.items()):
+            limit = store.limit(uid)
+            pairs.append((f"quota_{user_name(uid)}", f"{used} / {limit if limit else '-'}"))
+        return lines(pairs)
+
+    def sched(self) -> str:
+        s = self.k.sched
+        st = s.stats
+        recent = list(st.recent)
+        window = (recent[-1].end - recent[0].end + recent[0].seconds) if recent else 0.0
+        tokens = [r.prefill + r.decode for r in recent]
+        prefill = sum(r.prefill for r in recent)
+        delays = list(st.delays)
+        pairs: list[tuple[str, object]] = [
+            ("run_queue", len(s.queue)),
+            ("waiting_for_memory", sum(p.waiting for p in self.k.procs)),
+            ("processes", len(self.k.procs)),
+            ("steps", st.steps),
+            ("steps_per_s", f"{len(recent) / window:.1f}" if window else "0.0"),
+            ("tokens_per_s", f"{sum(tokens) / window:.1f}" if window else "0.0"),
+            ("batch_seqs_avg", f"{sum(r.seqs for r in recent) / len(recent):.1f}"
+             if recent else "0.0"),
+            ("token_budget", s.token_budget),
+            ("budget_use", f"{sum(tokens) / len(recent) / s.token_budget:.2f}"
+             if recent else "0.00"),
+            ("prefill_share", f"{prefill / sum(tokens):.2f}" if sum(tokens) else "0.00"),
+            ("queue_delay_p50_ms", f"{percentile(delays, 0.5) * 1e3:.2f}"),
+            ("queue_delay_p90_ms", f"{percentile(delays, 0.9) * 1e3:.2f}"),
+            ("queue_delay_p99_ms", f"{percentile(delays, 0.99) * 1e3:.2f}"),
+            ("preemptions", st.preemptions),
+            ("pages_swapped_out", st.pages_swapped_out),
+            ("admission_waits", st.waits),
+        ]
+        return lines(pairs)
+
+    def status(self, p: Process) -> str:
+        return lines([
+            ("pid", p.pid), ("os_pid", p.os_pid), ("name", p.name), ("argv", " ".join(p.argv)),
+            ("state", p.state), ("uid", p.uid), ("user", p.user), ("gid", p.cred.gid),
+            ("nice", p.nice), ("fds", len(p.fds)), ("pages", self.k.pages_of(p)),
+            ("tokens", p.tokens), ("syscalls", sum(p.calls.values())),
+            ("cpu_seconds", f"{os_cpu_seconds(p.os_pid):.2f}"),
+            ("accel_seconds", f"{p.accel_seconds:.3f}"),
+            ("uptime_s", f"{time.time() - p.started:.1f}"),
+        ])
+
+    def fds(self, p: Process) -> str:
+        out = ["fd\tino\tmode\ttokens\tpages\n"]
+        for fd, h in sorted(p.fds.items()):
+            mode = ("r" if h.readable else "-") + ("w" if h.writable else "-")
+            pages = sum(page is not None for page in h.inode.pages)
+            out.append(f"{fd}\t{h.inode.ino}\t{mode}\t{h.inode.length}\t{pages}\n")
+        return "".join(out)
+
+    def syscalls(self, p: Process) -> str:
+        out = ["call\tcount\ttotal_ms\tmean_us\n"]
+        for name, count in sorted(p.calls.items()):
+            total = p.call_seconds[name]
+            out.append(f"{name}\t{count}\t{total * 1e3:.2f}\t{total / count * 1e6:.1f}\n")
+        return "".join(out)
+
+    def kv(self) -> str:
+        """Pages held by more than one file, and which files (by inode) hold them."""
+        holders: dict[int, set[int]] = {}
+        pages = {}
+        inodes = {i.ino: i for i in self.k.fs.files()}
+        for p in self.k.procs:
+            inodes.update({h.inode.ino: h.inode for h in p.fds.values()})
+        for ino, inode in inodes.items():
+            for page in inode.pages:
+                if page is not None and page.refs > 1:
+                    holders.setdefault(id(page), set()).add(ino)
+                    pages[id(page)] = page
+        out = ["page\ttier\trefs\tinodes\n"]
+        for key, inos in sorted(holders.items(), key=lambda kv: sorted(kv[1])):
+            page = pages[key]
+            out.append(f"{page.tier}:{page.slot}\t{page.tier}\t{page.refs}\t"
+                       f"{','.join(map(str, sorted(inos)))}\n")
+        return "".join(out)

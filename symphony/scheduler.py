@@ -1,0 +1,366 @@
+"""Two-level scheduling of pred calls onto batched forward passes.
+
+Level 1 (processes) decides whose work goes first and who must give up KV memory: fair
+share by weighted tokens (CFS's virtual runtime with nice weights), admission when device
+pages are short, and moving the pages of idle, low-priority processes to the host tier.
+
+Level 2 (batches) packs the chosen work into one forward pass per step: decode tokens
+first, then prefill chunks, up to a token budget, so a long prompt is chunked and decodes
+keep flowing. A pred reserves its pages once, on admission, and commits once, when its
+last chunk is done: a failed or cancelled pred leaves its file as it was.
+
+Everything here runs on the event loop's thread except the forward pass itself, which
+runs on the engine thread; the loop keeps answering other syscalls meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvfs.errors import FSError
+from kvfs.fs import FileSystem, Handle, Reservation
+from kvfs.inode import Inode
+from kvfs.pages import DEVICE
+from symphony.engine.engine import Batch, Engine
+from symphony.engine.sampler import SamplingParams, sample
+from symphony.process import Process
+
+log = logging.getLogger("symphony.scheduler")
+
+STATS_WINDOW = 10.0  # seconds of steps /proc/sched summarises
+
+
+@dataclass
+class Output:
+    row: int
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(eq=False)
+class PredJob:
+    proc: Process
+    handle: Handle
+    tokens: list[int]
+    positions: list[int] | None  # None: contiguous after the file's last position
+    rows: list[int]  # rows of `tokens` to sample at
+    params: SamplingParams
+    generator: torch.Generator | None
+    future: asyncio.Future
+    seq: int
+    enqueued: float = field(default_factory=time.monotonic)
+    res: Reservation | None = None
+    done: int = 0  # tokens computed so far
+    outputs: list[Output] = field(default_factory=list)
+    cancelled: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.done
+
+
+@dataclass
+class Step:
+    end: float
+    seconds: float
+    seqs: int
+    prefill: int
+    decode: int
+
+
+@dataclass
+class SchedStats:
+    steps: int = 0
+    tokens: int = 0
+    preemptions: int = 0  # idle processes whose pages were moved down
+    pages_swapped_out: int = 0
+    waits: int = 0  # admissions deferred for want of KV memory
+    recent: deque = field(default_factory=deque)  # Steps of the last STATS_WINDOW seconds
+    delays: deque = field(default_factory=lambda: deque(maxlen=1024))  # queue delays, s
+
+    def record(self, step: Step) -> None:
+        self.steps += 1
+        self.tokens += step.prefill + step.decode
+        self.recent.append(step)
+        while self.recent and self.recent[0].end < step.end - STATS_WINDOW:
+            self.recent.popleft()
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        fs: FileSystem,
+        procs: Callable[[], Iterable[Process]],
+        token_budget: int = 512,
+        max_seqs: int = 256,
+    ):
+        self.engine, self.fs, self.procs = engine, fs, procs
+        self.token_budget, self.max_seqs = token_budget, max_seqs
+        self.context = engine.config.max_position_embeddings
+        self.queue: list[PredJob] = []
+        self.in_flight: list[tuple[PredJob, int]] = []
+        self.min_vruntime = 0.0
+        self.stats = SchedStats()
+        self.next_seq = 0
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        # One engine thread: the forward pass never runs on the event loop's thread.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+
+    # -- level 1: submission, fair share, cancellation -----------------------------------
+
+    def submit(self, proc: Process, handle: Handle, tokens: list[int],
+               positions: list[int] | None, rows: list[int],
+               params: SamplingParams) -> asyncio.Future:
+        """Queue a checked pred; the future gets its Outputs, or the error that failed it."""
+        if proc.pending == 0:  # waking up: no credit for the time asleep
+            proc.vruntime = max(proc.vruntime, self.min_vruntime)
+        proc.pending += 1
+        proc.swapped = False
+        job = PredJob(proc, handle, tokens, positions, rows, params,
+                      params.generator(self.engine.device),
+                      asyncio.get_running_loop().create_future(), self.next_seq)
+        self.next_seq += 1
+        self.queue.append(job)
+        self._wake.set()
+        return job.future
+
+    def cancel(self, future: asyncio.Future) -> None:
+        """The caller gave up: the pred is dropped and its file left as it was."""
+        for job in [j for j in self.queue if j.future is future]:
+            self._cancel(job)
+
+    def cancel_process(self, proc: Process) -> None:
+        """Its preds fail with EINTR; a pred in the running step is rolled back after it."""
+        for job in [j for j in self.queue if j.proc is proc]:
+            self._cancel(job)
+
+    def _cancel(self, job: PredJob) -> None:
+        job.cancelled = True
+        if any(j is job for j, _ in self.in_flight):
+            return  # _finish rolls it back when the step is done
+        self._fail(job, FSError(errno.EINTR, "pred: cancelled, the process is exiting"))
+
+    def _drop(self, job: PredJob) -> None:
+        self.queue.remove(job)
+        job.proc.pending -= 1
+        if job.res is not None:
+            self.fs.rollback(job.res)
+            job.res = None
+        if not any(j.proc is job.proc and j.res is None for j in self.queue):
+            job.proc.waiting = False
+
+    def _fail(self, job: PredJob, err: Exception) -> None:
+        self._drop(job)
+        if not job.future.done():
+            job.future.set_exception(err)
+
+    def uses(self, handle: Handle) -> bool:
+        return any(j.handle is handle for j in self.queue)
+
+    async def quiesce(self) -> None:
+        """Wait until no forward pass is running (before freeing what one may touch)."""
+        await self._idle.wait()
+
+    def poke(self) -> None:
+        """Something that may make room happened (a close, an exit): try again."""
+        self._wake.set()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            plan = self._plan()
+            if not plan:
+                continue
+            self._wake.set()  # more may be runnable after this step
+            self.in_flight, self._idle = plan, asyncio.Event()
+            start = time.monotonic()
+            try:
+                batch, params, gens = self._batch(plan)
+                result = await loop.run_in_executor(
+                    self._executor, self._forward, batch, params, gens)
+            except Exception as e:  # the step failed as a whole: so does every pred in it
+                log.exception("forward pass failed")
+                for job, _ in plan:
+                    self._fail(job, FSError(errno.EIO, f"pred: the forward pass failed: {e}"))
+            else:
+                self._finish(plan, result, time.monotonic() - start)
+            finally:
+                self.in_flight = []
+                self._idle.set()
+
+    def _forward(self, batch: Batch, params: list[SamplingParams], gens: list) -> tuple:
+        """On the engine thread: one forward pass and the sampling of its logit rows."""
+        logits = self.engine.forward(batch)
+        if not params:
+            return [], [], [], []
+        s = sample(logits, params, gens)
+        return (s.tokens.tolist(), s.logprobs.tolist(), s.top_ids.tolist(),
+                s.top_logprobs.tolist())
+
+    # -- level 2: packing a step ------------------------------------------------------------
+
+    def _plan(self) -> list[tuple[PredJob, int]]:
+        """Pick (job, tokens this step) pairs: decodes first, each class by virtual runtime."""
+        plan: list[tuple[PredJob, int]] = []
+        budget = self.token_budget
+        for job in sorted(self.queue, key=lambda j: (j.remaining > 1, j.proc.vruntime, j.seq)):
+            if budget == 0 or len(plan) == self.max_seqs:
+                break
+            if job.res is None:
+                if job.handle.inode.busy:
+                    continue  # an earlier pred on the same file goes first
+                if not self._admit(job, others=bool(plan) or self._reserved()):
+                    continue
+            chunk = min(job.remaining, budget)
+            plan.append((job, chunk))
+            budget -= chunk
+        return plan
+
+    def _reserved(self) -> bool:
+        return any(j.res is not None for j in self.queue)
+
+    def _admit(self, job: PredJob, others: bool) -> bool:
+        """Reserve the job's pages, making room if need be. False: it waits (or failed)."""
+        handle, proc = job.handle, job.proc
+        try:
+            if handle.closed:
+                raise FSError(errno.EBADF, "pred: the file was closed")
+            positions = job.positions
+            if positions is None:  # read now: earlier preds on the file have committed
+                last = handle.inode.positions[-1] if handle.inode.length else -1
+                positions = list(range(last + 1, last + 1 + len(job.tokens)))
+            if max(positions) >= self.context:
+                raise FSError(errno.EOVERFLOW, f"pred: position {max(positions)} is past "
+                              f"the model's context ({self.context})")
+            try:
+                job.res = self.fs.reserve(handle, len(job.tokens))
+            except FSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                self._relieve(self._device_need(handle.inode, len(job.tokens)))
+                try:
+                    job.res = self.fs.reserve(handle, len(job.tokens))
+                except FSError as again:
+                    if again.errno != errno.ENOSPC or not others:
+                        raise
+                    # Others are running: they may go idle and give up their pages.
+                    proc.waiting = True
+                    self.stats.waits += 1
+                    return False
+        except FSError as e:
+            self._fail(job, e)
+            return False
+        job.positions = positions
+        proc.waiting = False
+        self.stats.delays.append(time.monotonic() - job.enqueued)
+        return True
+
+    def _device_need(self, inode: Inode, count: int) -> int:
+        size = self.fs.page_size
+        new = -(-(inode.length + count) // size) - len(inode.pages) + 1  # +1: a private tail
+        down = sum(p is not None and p.tier != DEVICE for p in inode.pages)
+        return max(0, new + down - self.fs.store.pool.free_in(DEVICE))
+
+    def _relieve(self, need: int) -> None:
+        """Move device pages down, taking first from files no process has open, then from
+        idle processes, lowest priority and longest idle first. Pages that a process with
+        queued work uses are never moved."""
+        if need <= 0:
+            return
+        procs = list(self.procs())
+        busy = [p for p in procs if p.pending]
+        protected = {id(page) for p in busy for h in p.fds.values()
+                     for page in h.inode.pages if page is not None}
+        idle = sorted((p for p in procs if not p.pending),
+                      key=lambda p: (-p.nice, p.last_active))
+        groups: list[tuple[Process | None, list[Inode]]] = [
+            (None, [i for i in self.fs.files() if i.opens == 0])]
+        groups += [(p, [h.inode for h in p.fds.values()]) for p in idle]
+        moved = 0
+        for proc, inodes in groups:
+            pages = [page for inode in inodes for page in inode.pages
+                     if page is not None and page.tier == DEVICE and id(page) not in protected]
+            if not pages:
+                continue
+            n = self.fs.store.move_down(pages[: need - moved])
+            moved += n
+            self.stats.pages_swapped_out += n
+            if proc is not None and n:
+                proc.swapped = True
+                self.stats.preemptions += 1
+            if moved >= need:
+                return
+
+    def _batch(self, plan: list[tuple[PredJob, int]]) -> tuple[Batch, list, list]:
+        ids, pos, q_lens, kv_lens, tables, rows, excluded = [], [], [], [], [], [], []
+        params, gens = [], []
+        for job, chunk in plan:
+            a, b = job.done, job.done + chunk
+            base = len(ids)
+            ids += job.tokens[a:b]
+            pos += job.positions[a:b]
+            q_lens.append(chunk)
+            kv_lens.append(job.res.start + b)
+            tables.append(job.res.page_table)
+            excluded.append(job.handle.inode.excluded)
+            for r in job.rows:
+                if a <= r < b:
+                    rows.append(base + r - a)
+                    params.append(job.params)
+                    gens.append(job.generator)
+        return Batch(ids, pos, q_lens, kv_lens, tables, rows, excluded), params, gens
+
+    def _finish(self, plan: list[tuple[PredJob, int]], result: tuple, seconds: float) -> None:
+        tokens, logprobs, top_ids, top_lps = result
+        total = sum(chunk for _, chunk in plan)
+        k = 0
+        prefill = decode = 0
+        for job, chunk in plan:
+            a, b = job.done, job.done + chunk
+            for r in job.rows:
+                if a <= r < b:
+                    n = job.params.top_logprobs
+                    job.outputs.append(Output(r, tokens[k], logprobs[k],
+                                              list(zip(top_ids[k][:n], top_lps[k][:n],
+                                                       strict=True))))
+                    k += 1
+            proc = job.proc
+            proc.tokens += chunk
+            proc.vruntime += chunk * 1024 / proc.weight
+            proc.accel_seconds += seconds * chunk / total
+            if chunk == 1 and len(job.tokens) == 1:
+                decode += 1
+            else:
+                prefill += chunk
+            if job.cancelled:
+                self._fail(job, FSError(errno.EINTR, "pred: cancelled, the process is exiting"))
+                continue
+            job.done = b
+            if job.remaining == 0:
+                self.fs.commit(job.res, job.tokens, job.positions)
+                job.res = None
+                self._drop(job)
+                proc.last_active = time.monotonic()
+                if not job.future.done():
+                    job.future.set_result(job.outputs)
+        self.stats.record(Step(time.monotonic(), seconds, len(plan), prefill, decode))
+        queued = [j.proc.vruntime for j in self.queue]
+        if queued:
+            self.min_vruntime = max(self.min_vruntime, min(queued))

@@ -1,0 +1,192 @@
+"""The kernel's front door: the gRPC socket that carries syscalls and the hello socket that
+carries identity (see syscalls/session.py).
+
+Requests are parsed here, not by gRPC, so a malformed one gets EINVAL like any other bad
+argument. Each call is charged to the process its session token names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import inspect
+import logging
+import os
+import pwd
+import socket
+import struct
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvfs.errors import FSError
+from kvfs.perm import Cred
+from symphony.process import Process
+from symphony.syscall_table import TABLE
+from syscalls import symphony_pb2 as pb
+from syscalls.session import AS_KEY, SESSION_KEY
+
+if TYPE_CHECKING:
+    from symphony.daemon import Kernel
+
+log = logging.getLogger("symphony.server")
+SERVICE = "symphony.Kernel"
+
+
+class Malformed:
+    """Stands in for a request whose bytes did not parse."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def parser(message_type):
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except (DecodeError, ValueError) as e:
+            return Malformed(e)
+
+    return parse
+
+
+def error_reply(reply_type, e: BaseException):
+    if isinstance(e, OSError) and e.errno:
+        message = getattr(e, "message", None) or e.strerror or str(e)
+        return reply_type(error=pb.Error(errno=e.errno, message=message))
+    log.exception("syscall failed", exc_info=e)
+    return reply_type(error=pb.Error(errno=errno.EIO, message=f"kernel error: {e!r}"))
+
+
+def as_cred(value: str) -> Cred:
+    try:
+        uid, gid = (int(x) for x in value.split(":"))
+    except ValueError:
+        raise FSError(errno.EINVAL, f"{AS_KEY}: {value!r} is not uid:gid") from None
+    try:
+        groups = frozenset(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
+    except KeyError:
+        groups = frozenset()
+    return Cred(uid, gid, groups)
+
+
+class Front:
+    def __init__(self, kernel: Kernel):
+        self.kernel = kernel
+
+    def caller(self, context) -> tuple[Process, Cred]:
+        meta = dict(context.invocation_metadata() or ())
+        token = meta.get(SESSION_KEY)
+        proc = self.kernel.procs.by_token.get(token) if token else None
+        if proc is None:
+            raise FSError(errno.EPERM, "no session: open one through the hello socket "
+                          "(or the process has exited or was killed)")
+        if AS_KEY not in meta:
+            return proc, proc.cred
+        if not proc.cred.root:
+            raise FSError(errno.EPERM, f"{AS_KEY}: only a root session may act for another user")
+        return proc, as_cred(meta[AS_KEY])
+
+    def _account(self, proc: Process | None, name: str, start: float) -> None:
+        if proc is not None:
+            proc.calls[name] += 1
+            proc.call_seconds[name] += time.perf_counter() - start
+            proc.last_active = time.monotonic()
+
+    def unary(self, name: str, fn, reply_type):
+        async def handle(request, context):
+            start, proc = time.perf_counter(), None
+            try:
+                if isinstance(request, Malformed):
+                    raise FSError(errno.EINVAL, f"{name}: malformed request ({request.error})")
+                proc, cred = self.caller(context)
+                result = fn(self.kernel, proc, cred, request)
+                return await result if inspect.isawaitable(result) else result
+            except Exception as e:
+                return error_reply(reply_type, e)
+            finally:
+                self._account(proc, name, start)
+
+        return handle
+
+    def server_stream(self, name: str, fn, reply_type):
+        async def handle(request, context):
+            start, proc = time.perf_counter(), None
+            try:
+                if isinstance(request, Malformed):
+                    raise FSError(errno.EINVAL, f"{name}: malformed request ({request.error})")
+                proc, cred = self.caller(context)
+                for chunk in fn(self.kernel, proc, cred, request):
+                    yield chunk
+            except Exception as e:
+                yield error_reply(reply_type, e)
+            finally:
+                self._account(proc, name, start)
+
+        return handle
+
+    def client_stream(self, name: str, fn, reply_type):
+        async def handle(request_iterator, context):
+            start, proc = time.perf_counter(), None
+
+            async def chunks():
+                async for chunk in request_iterator:
+                    if isinstance(chunk, Malformed):
+                        raise FSError(errno.EINVAL, f"{name}: malformed chunk ({chunk.error})")
+                    yield chunk
+
+            try:
+                proc, cred = self.caller(context)
+                return await fn(self.kernel, proc, cred, chunks())
+            except Exception as e:
+                return error_reply(reply_type, e)
+            finally:
+                self._account(proc, name, start)
+
+        return handle
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        methods = {}
+        for name, (fn, request_type, reply_type, streams) in TABLE.items():
+            out = reply_type.SerializeToString
+            if request_type is None:
+                methods[name] = grpc.stream_unary_rpc_method_handler(
+                    self.client_stream(name, fn, reply_type),
+                    request_deserializer=parser(pb.ImportChunk), response_serializer=out)
+            elif streams:
+                methods[name] = grpc.unary_stream_rpc_method_handler(
+                    self.server_stream(name, fn, reply_type),
+                    request_deserializer=parser(request_type), response_serializer=out)
+            else:
+                methods[name] = grpc.unary_unary_rpc_method_handler(
+                    self.unary(name, fn, reply_type),
+                    request_deserializer=parser(request_type), response_serializer=out)
+        return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+
+PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class Hello(asyncio.Protocol):
+    """One connection of the hello socket: a process's identity and its lifeline."""
+
+    def __init__(self, kernel: Kernel):
+        self.kernel, self.proc = kernel, None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        sock = transport.get_extra_info("socket")
+        pid, uid, gid = PEERCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+        self.proc = self.kernel.procs.spawn(pid, uid, gid)
+        self.kernel.lifelines[self.proc.pid] = transport
+        transport.write(f"{self.proc.token}\n".encode())
+
+    def data_received(self, data: bytes) -> None:
+        pass  # nothing is said after hello: the connection only stays open
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.proc is not None:
+            self.kernel.lifelines.pop(self.proc.pid, None)
+            self.kernel.spawn_reap(self.proc)

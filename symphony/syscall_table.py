@@ -1,0 +1,370 @@
+"""The syscall table: one function per call of syscalls/symphony.proto.
+
+Each takes the kernel, the calling process, the credentials the call acts with and the
+request, and returns the reply without its error; it raises an OSError (FSError) to fail.
+Checks come first, so a failed call changes nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
+
+from kvfs.errors import FSError
+from kvfs.format import exported_size
+from kvfs.fs import Handle
+from kvfs.perm import Cred
+from symphony.engine.errors import ModelError
+from symphony.engine.sampler import SamplingParams
+from symphony.process import NICE_MAX, NICE_MIN, Process
+from syscalls import symphony_pb2 as pb
+
+if TYPE_CHECKING:
+    from symphony.daemon import Kernel
+
+EXPORT_CHUNK = 1 << 20
+OPEN_FLAGS = os.O_ACCMODE | os.O_CREAT | os.O_EXCL | os.O_TRUNC
+
+
+def einval(message: str) -> FSError:
+    return FSError(errno.EINVAL, message)
+
+
+# -- process --------------------------------------------------------------------------
+
+
+def sys_attach(k: Kernel, proc: Process, cred: Cred, req: pb.AttachRequest) -> pb.AttachReply:
+    proc.name = req.name or proc.name
+    proc.argv = list(req.argv)
+    home = k.fs.home(proc.cred, proc.user)
+    return pb.AttachReply(pid=proc.pid, uid=proc.uid, gid=proc.cred.gid, user=proc.user,
+                          home=home)
+
+
+async def sys_exit(k: Kernel, proc: Process, cred: Cred, req: pb.ExitRequest) -> pb.Empty:
+    proc.exit_code = req.code
+    await k.reap(proc)
+    return pb.Empty()
+
+
+def sys_getpid(k: Kernel, proc: Process, cred: Cred, req: pb.Void) -> pb.GetPidReply:
+    return pb.GetPidReply(pid=proc.pid)
+
+
+def sys_ps(k: Kernel, proc: Process, cred: Cred, req: pb.Void) -> pb.PsReply:
+    return pb.PsReply(procs=[k.proc_info(p) for p in k.procs])
+
+
+async def sys_kill(k: Kernel, proc: Process, cred: Cred, req: pb.KillRequest) -> pb.Empty:
+    target = k.procs.get(req.pid)
+    if not (cred.root or cred.uid == target.uid):
+        raise FSError(errno.EPERM, f"kill {req.pid}: process of uid {target.uid}")
+    await k.kill(target)
+    return pb.Empty()
+
+
+def sys_nice(k: Kernel, proc: Process, cred: Cred, req: pb.NiceRequest) -> pb.NiceReply:
+    if req.increment < 0 and not cred.root:
+        raise FSError(errno.EPERM, "nice: only root may raise a priority")
+    proc.nice = max(NICE_MIN, min(NICE_MAX, proc.nice + req.increment))
+    return pb.NiceReply(nice=proc.nice)
+
+
+# -- model ----------------------------------------------------------------------------
+
+
+def sys_model_info(k: Kernel, proc: Process, cred: Cred, req: pb.Void) -> pb.ModelInfoReply:
+    cfg, tok = k.engine.config, k.engine.tokenizer
+    bos = tok.bos_id if tok else cfg.bos_token_id
+    return pb.ModelInfoReply(
+        name=k.model_name, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
+        bos_id=-1 if bos is None else bos, eos_ids=list(k.engine.eos_ids()),
+        special_tokens=tok.special_tokens if tok else {},
+        chat_template=(tok.chat_template or "") if tok else "",
+        page_size=k.engine.page_size, context_length=cfg.max_position_embeddings,
+        fingerprint=k.fingerprint, dtype=str(k.engine.dtype).removeprefix("torch."),
+        has_tokenizer=tok is not None,
+    )
+
+
+def _tokenizer(k: Kernel, what: str):
+    if k.engine.tokenizer is None:
+        raise FSError(errno.EOPNOTSUPP, f"{what}: the model has no tokenizer")
+    return k.engine.tokenizer
+
+
+def _check_ids(k: Kernel, ids, what: str) -> list[int]:
+    vocab = k.engine.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise einval(f"{what}: token {bad[0]} is outside the vocabulary [0, {vocab})")
+    return list(ids)
+
+
+def sys_tokenize(k: Kernel, proc: Process, cred: Cred,
+                 req: pb.TokenizeRequest) -> pb.TokenizeReply:
+    tok = _tokenizer(k, "tokenize")
+    if req.messages:
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        try:
+            text = tok.apply_chat_template(messages, req.add_generation_prompt)
+        except (ModelError, Exception) as e:  # a template is user code: any error is EINVAL
+            raise einval(f"tokenize: the chat template failed: {e}") from e
+        return pb.TokenizeReply(ids=tok.encode(text, add_bos=False))
+    return pb.TokenizeReply(ids=tok.encode(req.text, add_bos=None if req.add_special else False))
+
+
+def sys_detokenize(k: Kernel, proc: Process, cred: Cred,
+                   req: pb.DetokenizeRequest) -> pb.DetokenizeReply:
+    tok = _tokenizer(k, "detokenize")
+    ids = _check_ids(k, req.ids, "detokenize")
+    return pb.DetokenizeReply(text=tok.decode(ids, skip_special=not req.keep_special))
+
+
+def _sampling(req: pb.PredRequest, vocab: int) -> SamplingParams:
+    s = req.sampler
+    params = SamplingParams(
+        temperature=s.temperature, top_k=s.top_k,
+        top_p=1.0 if s.top_p == 0 else s.top_p, min_p=s.min_p,
+        seed=s.seed if s.HasField("seed") else None, top_logprobs=s.top_logprobs,
+    )
+    try:
+        params.validate(vocab)
+    except ValueError as e:
+        raise einval(f"pred: sampler: {e}") from e
+    return params
+
+
+async def sys_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> pb.PredReply:
+    handle = _fd(proc, req.fd)
+    if not handle.writable:
+        raise FSError(errno.EBADF, f"pred: fd {req.fd} is not open for writing")
+    tokens = _check_ids(k, req.tokens, "pred")
+    if not tokens:
+        raise einval("pred: no tokens")
+    positions = list(req.positions) or None
+    context = k.engine.config.max_position_embeddings
+    if positions is not None:
+        if len(positions) != len(tokens):
+            raise einval(f"pred: {len(positions)} positions for {len(tokens)} tokens")
+        if min(positions) < 0:
+            raise einval(f"pred: negative position {min(positions)}")
+        if max(positions) >= context:
+            raise FSError(errno.EOVERFLOW, f"pred: position {max(positions)} is past the "
+                          f"model's context ({context})")
+    rows = [] if req.no_outputs else (list(req.outputs) or [len(tokens) - 1])
+    if req.no_outputs and req.outputs:
+        raise einval("pred: outputs given with no_outputs")
+    bad = [r for r in rows if not 0 <= r < len(tokens)]
+    if bad or len(set(rows)) != len(rows):
+        raise einval(f"pred: output rows {rows} are not distinct rows of {len(tokens)} tokens")
+    params = _sampling(req, k.engine.config.vocab_size)
+    future = k.sched.submit(proc, handle, tokens, positions, sorted(rows), params)
+    try:
+        outputs = await future
+    except BaseException:
+        k.sched.cancel(future)  # the caller is gone: its file is left as it was
+        raise
+    return pb.PredReply(outputs=[
+        pb.PredOutput(row=o.row, token=o.token, logprob=o.logprob,
+                      top=[pb.TopLogprob(id=i, logprob=lp) for i, lp in o.top])
+        for o in outputs])
+
+
+# -- KV files -------------------------------------------------------------------------
+
+
+def _fd(proc: Process, fd: int) -> Handle:
+    return proc.handle(fd)
+
+
+def sys_open(k: Kernel, proc: Process, cred: Cred, req: pb.OpenRequest) -> pb.FdReply:
+    if req.flags & ~OPEN_FLAGS:
+        raise einval(f"open {req.path!r}: unsupported flags {req.flags & ~OPEN_FLAGS:#o}")
+    handle = k.fs.open(cred, req.path, req.flags, req.mode or 0o600)
+    return pb.FdReply(fd=proc.add_fd(handle))
+
+
+def sys_close(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.Empty:
+    handle = _fd(proc, req.fd)
+    if k.sched.uses(handle):
+        raise FSError(errno.EBUSY, f"close: fd {req.fd} has a pred in progress")
+    del proc.fds[req.fd]
+    k.fs.close(handle)
+    k.sched.poke()  # pages may have been freed
+    return pb.Empty()
+
+
+def sys_fork(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.FdReply:
+    clone = k.fs.fork(_fd(proc, req.fd), cred)
+    return pb.FdReply(fd=proc.add_fd(clone))
+
+
+def sys_link(k: Kernel, proc: Process, cred: Cred, req: pb.LinkRequest) -> pb.Empty:
+    k.fs.link(_fd(proc, req.fd), req.path)
+    return pb.Empty()
+
+
+def sys_read(k: Kernel, proc: Process, cred: Cred, req: pb.ReadRequest) -> pb.ReadReply:
+    tokens, positions = k.fs.read(_fd(proc, req.fd), req.start, req.count)
+    return pb.ReadReply(tokens=tokens, positions=positions)
+
+
+def sys_splice(k: Kernel, proc: Process, cred: Cred, req: pb.SpliceRequest) -> pb.Empty:
+    k.fs.splice(_fd(proc, req.src_fd), req.start, req.end, _fd(proc, req.dst_fd))
+    return pb.Empty()
+
+
+def sys_truncate(k: Kernel, proc: Process, cred: Cred, req: pb.TruncateRequest) -> pb.Empty:
+    k.fs.truncate(_fd(proc, req.fd), req.length)
+    k.sched.poke()
+    return pb.Empty()
+
+
+def sys_punch(k: Kernel, proc: Process, cred: Cred, req: pb.PunchRequest) -> pb.Empty:
+    k.fs.punch(_fd(proc, req.fd), req.start, req.end)
+    k.sched.poke()
+    return pb.Empty()
+
+
+def stat_reply(k: Kernel, inode) -> pb.StatReply:
+    st = k.fs.stat_inode(inode)
+    return pb.StatReply(
+        ino=st.ino, mode=st.mode, uid=st.uid, gid=st.gid, nlink=st.nlink, tokens=st.tokens,
+        pages=st.pages, size=0 if inode.is_dir else exported_size(inode, k.fs.layout),
+        atime_ns=st.atime, mtime_ns=st.mtime, ctime_ns=st.ctime,
+    )
+
+
+def sys_stat(k: Kernel, proc: Process, cred: Cred, req: pb.StatRequest) -> pb.StatReply:
+    if req.WhichOneof("target") == "fd":
+        inode = _fd(proc, req.fd).inode
+    else:
+        inode = k.fs.lookup(cred, req.path)
+    return stat_reply(k, inode)
+
+
+def sys_readdir(k: Kernel, proc: Process, cred: Cred, req: pb.PathRequest) -> pb.ReaddirReply:
+    return pb.ReaddirReply(entries=[pb.DirEntry(name=name, stat=stat_reply(k, inode))
+                                    for name, inode in k.fs.readdir(cred, req.path)])
+
+
+def sys_mkdir(k: Kernel, proc: Process, cred: Cred, req: pb.ModeRequest) -> pb.Empty:
+    k.fs.mkdir(cred, req.path, req.mode or 0o755)
+    return pb.Empty()
+
+
+def sys_rmdir(k: Kernel, proc: Process, cred: Cred, req: pb.PathRequest) -> pb.Empty:
+    k.fs.rmdir(cred, req.path)
+    return pb.Empty()
+
+
+def sys_unlink(k: Kernel, proc: Process, cred: Cred, req: pb.PathRequest) -> pb.Empty:
+    k.fs.unlink(cred, req.path)
+    k.sched.poke()
+    return pb.Empty()
+
+
+def sys_rename(k: Kernel, proc: Process, cred: Cred, req: pb.RenameRequest) -> pb.Empty:
+    k.fs.rename(cred, req.old, req.new)
+    return pb.Empty()
+
+
+def sys_chmod(k: Kernel, proc: Process, cred: Cred, req: pb.ModeRequest) -> pb.Empty:
+    k.fs.chmod(cred, req.path, req.mode)
+    return pb.Empty()
+
+
+def sys_chown(k: Kernel, proc: Process, cred: Cred, req: pb.ChownRequest) -> pb.Empty:
+    k.fs.chown(cred, req.path, req.uid, req.gid)
+    return pb.Empty()
+
+
+def sys_fsync(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.Empty:
+    k.fs.fsync(_fd(proc, req.fd))
+    return pb.Empty()
+
+
+def sys_export(k: Kernel, proc: Process, cred: Cred,
+               req: pb.ExportRequest) -> Iterator[pb.ExportChunk]:
+    """The canonical form, streamed; [offset, offset + length) when a range is asked.
+
+    It streams from a copy-on-write fork taken first, so a file that changes meanwhile
+    still exports as one consistent snapshot, a chunk in memory at a time.
+    """
+    if req.offset < 0 or req.length < 0:
+        raise einval(f"export: bad range offset {req.offset}, length {req.length}")
+    by_fd = req.WhichOneof("target") == "fd"
+    src = _fd(proc, req.fd) if by_fd else k.fs.open(cred, req.path, os.O_RDONLY)
+    try:
+        snap = k.fs.fork(src, cred)
+    finally:
+        if not by_fd:
+            k.fs.close(src)
+    try:
+        size = exported_size(snap.inode, k.fs.layout)
+        end = size if req.length == 0 else min(size, req.offset + req.length)
+        start = min(req.offset, end)
+        first = k.fs.read_bytes(snap, start, min(EXPORT_CHUNK, end - start))
+        yield pb.ExportChunk(size=end - start, data=first)
+        for off in range(start + len(first), end, EXPORT_CHUNK):
+            yield pb.ExportChunk(data=k.fs.read_bytes(snap, off, min(EXPORT_CHUNK, end - off)))
+    finally:
+        k.fs.close(snap)
+
+
+async def sys_import(k: Kernel, proc: Process, cred: Cred,
+                     chunks: AsyncIterator[pb.ImportChunk]) -> pb.Empty:
+    path, mode, data = None, 0o600, bytearray()
+    async for chunk in chunks:
+        if path is None:
+            path, mode = chunk.path, chunk.mode or 0o600
+        data += chunk.data
+    if not path:
+        raise einval("import: no path in the first chunk")
+    k.fs.import_file(cred, path, bytes(data), mode)
+    return pb.Empty()
+
+
+# -- info -----------------------------------------------------------------------------
+
+
+def sys_procfs(k: Kernel, proc: Process, cred: Cred, req: pb.PathRequest) -> pb.ProcfsReply:
+    return pb.ProcfsReply(text=k.procfs.read(req.path))
+
+
+# name: (function, request type or None for a client stream, reply type, server streams)
+TABLE = {
+    "Attach": (sys_attach, pb.AttachRequest, pb.AttachReply, False),
+    "Exit": (sys_exit, pb.ExitRequest, pb.Empty, False),
+    "GetPid": (sys_getpid, pb.Void, pb.GetPidReply, False),
+    "Ps": (sys_ps, pb.Void, pb.PsReply, False),
+    "Kill": (sys_kill, pb.KillRequest, pb.Empty, False),
+    "Nice": (sys_nice, pb.NiceRequest, pb.NiceReply, False),
+    "ModelInfo": (sys_model_info, pb.Void, pb.ModelInfoReply, False),
+    "Tokenize": (sys_tokenize, pb.TokenizeRequest, pb.TokenizeReply, False),
+    "Detokenize": (sys_detokenize, pb.DetokenizeRequest, pb.DetokenizeReply, False),
+    "Pred": (sys_pred, pb.PredRequest, pb.PredReply, False),
+    "Open": (sys_open, pb.OpenRequest, pb.FdReply, False),
+    "Close": (sys_close, pb.FdRequest, pb.Empty, False),
+    "Fork": (sys_fork, pb.FdRequest, pb.FdReply, False),
+    "Link": (sys_link, pb.LinkRequest, pb.Empty, False),
+    "Read": (sys_read, pb.ReadRequest, pb.ReadReply, False),
+    "Splice": (sys_splice, pb.SpliceRequest, pb.Empty, False),
+    "Truncate": (sys_truncate, pb.TruncateRequest, pb.Empty, False),
+    "Punch": (sys_punch, pb.PunchRequest, pb.Empty, False),
+    "Stat": (sys_stat, pb.StatRequest, pb.StatReply, False),
+    "Readdir": (sys_readdir, pb.PathRequest, pb.ReaddirReply, False),
+    "Mkdir": (sys_mkdir, pb.ModeRequest, pb.Empty, False),
+    "Rmdir": (sys_rmdir, pb.PathRequest, pb.Empty, False),
+    "Unlink": (sys_unlink, pb.PathRequest, pb.Empty, False),
+    "Rename": (sys_rename, pb.RenameRequest, pb.Empty, False),
+    "Chmod": (sys_chmod, pb.ModeRequest, pb.Empty, False),
+    "Chown": (sys_chown, pb.ChownRequest, pb.Empty, False),
+    "Fsync": (sys_fsync, pb.FdRequest, pb.Empty, False),
+    "Export": (sys_export, pb.ExportRequest, pb.ExportChunk, True),
+    "Import": (sys_import, None, pb.Empty, False),
+    "Procfs": (sys_procfs, pb.PathRequest, pb.ProcfsReply, False),
+}

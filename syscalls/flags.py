@@ -1,0 +1,64 @@
+"""Command-line pieces shared by the LIPs and `symphony generate`.
+
+They live here, not in the daemon's package, because LIPs may import only `syscalls`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import sys
+from typing import Any
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
+    p.add_argument("--temperature", type=float, help="sample at this temperature")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags as keyword arguments: `Kernel.pred`, `Context.generate` and the
+    engine's SamplingParams all take these names."""
+    sampled = args.temperature is not None and not args.greedy
+    return {
+        "temperature": args.temperature if sampled else 0.0,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "seed": args.seed,
+    }
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--prompt-ids wants integers: {e}") from e
+
+
+def add_prompt_flags(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-ids", type=parse_ids)
+
+
+def kv_path(home: str, path: str) -> str:
+    """A KV file path from the command line: relative ones are taken from the user's home,
+    since the kernel's namespace has no working directory."""
+    return path if path.startswith("/") else f"{home.rstrip('/')}/{path}"
+
+
+def report(prog: str, e: BaseException) -> int:
+    """Print `prog: message` to stderr and give the exit status for it."""
+    if isinstance(e, OSError) and e.strerror:
+        name = errno.errorcode.get(e.errno or 0)
+        message = f"{e.strerror} ({name})" if name else e.strerror
+    else:
+        message = str(e)
+    print(f"{prog}: {message}", file=sys.stderr)
+    return 1

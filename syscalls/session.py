@@ -1,0 +1,53 @@
+"""Where the kernel listens, and the hello handshake that gives a process its identity.
+
+The gRPC socket carries the calls; the hello socket beside it carries identity. A process
+connects to the hello socket, the kernel reads the peer's uid, gid and pid from the OS
+(SO_PEERCRED) and answers one line: a session token. The connection then stays open for
+the life of the process, so the kernel learns of its death, crash or SIGKILL included,
+from the OS too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+DEFAULT_SOCKET = "/tmp/symphony/kernel.sock"
+SESSION_KEY = "symphony-session"  # gRPC metadata: the token
+AS_KEY = "symphony-as"  # gRPC metadata: "uid:gid", honoured for root sessions only
+TOKEN_BYTES = 32
+
+
+def socket_path(path: str | os.PathLike | None = None) -> Path:
+    """The kernel's socket: the argument, else SYMPHONY_SOCKET, else the default."""
+    return Path(path or os.environ.get("SYMPHONY_SOCKET") or DEFAULT_SOCKET)
+
+
+def hello_path(sock: Path) -> Path:
+    return sock.with_name(sock.name + ".hello")
+
+
+def grpc_target(sock: Path) -> str:
+    return f"unix://{sock.resolve()}"
+
+
+def hello(sock: Path) -> tuple[socket.socket, str]:
+    """Open a session: the lifeline connection (keep it open) and the token it gave.
+
+    Raises ConnectionRefusedError or FileNotFoundError when no kernel listens there.
+    """
+    lifeline = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        lifeline.connect(str(hello_path(sock)))
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = lifeline.recv(256)
+            if not chunk:
+                raise ConnectionResetError(f"{hello_path(sock)}: the kernel hung up in hello")
+            line += chunk
+    except BaseException:
+        lifeline.close()
+        raise
+    lifeline.set_inheritable(False)
+    return lifeline, line.decode().strip()
