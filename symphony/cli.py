@@ -69,6 +69,25 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     return 0
 
 
+def control():
+    from symphony import control
+
+    return control
+
+
+KERNEL_OPTIONS = ("model", "state_dir", "device", "dtype", "kv_pages", "host_pages",
+                  "disk_pages", "token_budget", "max_seqs", "quota")
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    """The kernel's own flags are passed on as given."""
+    flags = []
+    for dest in KERNEL_OPTIONS:
+        if getattr(args, dest) is not None:
+            flags += [f"--{dest.replace('_', '-')}", str(getattr(args, dest))]
+    return control().cmd_start(args, flags)
+
+
 def add_kernel_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument("--model", help="checkpoint directory (default: the shipped model)")
     k.add_argument("--socket", help="gRPC socket (default: $SYMPHONY_SOCKET or "
@@ -106,6 +125,27 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("kernel", help="run the kernel daemon in the foreground")
     add_kernel_flags(k)
     k.set_defaults(func=cmd_kernel)
+    s = sub.add_parser("start", help="start the kernel in the background; return once it answers")
+    add_kernel_flags(s)
+    s.set_defaults(func=cmd_start)
+    for name, doc in (("stop", "stop the kernel, saving every KV file"),
+                      ("status", "is a kernel running, and what it serves")):
+        c = sub.add_parser(name, help=doc)
+        c.add_argument("--socket")
+        c.set_defaults(func=lambda a, n=name: getattr(control(), f"cmd_{n}")(a))
+    r = sub.add_parser("run", help="run a LIP wired to the kernel; exits with its status")
+    r.add_argument("--socket")
+    r.add_argument("program", help="a .py file (run with this Python) or an executable")
+    r.add_argument("args", nargs=argparse.REMAINDER)
+    r.set_defaults(func=lambda a: control().cmd_run(a))
+    ps = sub.add_parser("ps", help="list the kernel's processes")
+    ps.add_argument("--socket")
+    ps.add_argument("--json", action="store_true")
+    ps.set_defaults(func=lambda a: control().cmd_ps(a))
+    kill = sub.add_parser("kill", help="kill processes: their calls end, their files close")
+    kill.add_argument("--socket")
+    kill.add_argument("pids", type=int, nargs="+")
+    kill.set_defaults(func=lambda a: control().cmd_kill(a))
     return parser
 
 
@@ -115,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ModelError, ValueError, MemoryError) as e:
         print(f"symphony: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a kernel's status, or no kernel to talk to
+        print(f"symphony: {e.strerror or e}", file=sys.stderr)
         return 1
 
 

@@ -53,7 +53,7 @@ class ProcFS:
             pairs += [(f"{tier}_total", total), (f"{tier}_free", free),
                       (f"{tier}_used", total - free)]
         pairs.append(("page_size_tokens", self.k.fs.page_size))
-        pairs.append(("page_bytes", self.k.engine.pool.page_bytes()))
+        pairs.append(("page_bytes", self.k.engine.pool.page_bytes))
         pairs.append(("shared", sum(p.refs > 1 for p in store.live)))
         pairs.append(("swapped_out", sum(p.tier != "device" for p in store.live)))
         pairs.append(("on_disk", sum(p.tier == DISK for p in store.live)))

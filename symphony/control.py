@@ -1,0 +1,150 @@
+"""The shell's side of the kernel: start, stop, status, run, ps, kill."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from syscalls.client import Kernel
+from syscalls.session import socket_path
+
+START_TIMEOUT = 300.0  # loading and fingerprinting a large checkpoint takes a while
+STOP_TIMEOUT = 120.0  # stopping saves every changed KV file
+
+
+def pid_path(sock: Path) -> Path:
+    return sock.with_name(sock.name + ".pid")
+
+
+def kernel_pid(sock: Path) -> int | None:
+    try:
+        pid = int(pid_path(sock).read_text())
+        os.kill(pid, 0)
+        return pid
+    except (OSError, ValueError):
+        return None
+
+
+def cmd_start(args: argparse.Namespace, kernel_argv: list[str]) -> int:
+    sock = socket_path(args.socket)
+    if kernel_pid(sock):
+        print(f"symphony: a kernel already runs on {sock} (pid {kernel_pid(sock)})",
+              file=sys.stderr)
+        return 1
+    sock.parent.mkdir(parents=True, exist_ok=True)
+    log = sock.with_name(sock.name + ".log")
+    with open(log, "ab") as out:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "symphony.cli", "kernel", "--socket", str(sock),
+             *kernel_argv],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            tail = log.read_text(errors="replace").splitlines()[-20:]
+            print("\n".join(tail), file=sys.stderr)
+            print(f"symphony: the kernel exited with status {child.returncode} (log: {log})",
+                  file=sys.stderr)
+            return 1
+        try:
+            with Kernel.connect(sock, name="symphony-start") as k:
+                info = k.model_info()
+        except OSError:
+            time.sleep(0.2)
+            continue
+        print(f"kernel {child.pid} serves {info.name} on {sock} (log: {log})")
+        return 0
+    child.terminate()
+    print(f"symphony: the kernel did not answer within {START_TIMEOUT:.0f} s (log: {log})",
+          file=sys.stderr)
+    return 1
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    sock = socket_path(args.socket)
+    pid = kernel_pid(sock)
+    if pid is None:
+        print(f"symphony: no kernel runs on {sock}", file=sys.stderr)
+        return 1
+    os.kill(pid, signal.SIGTERM)  # it saves every changed KV file, then exits
+    deadline = time.monotonic() + STOP_TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print(f"kernel {pid} stopped")
+            return 0
+        time.sleep(0.1)
+    print(f"symphony: kernel {pid} is still running after {STOP_TIMEOUT:.0f} s", file=sys.stderr)
+    return 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    sock = socket_path(args.socket)
+    try:
+        with Kernel.connect(sock, name="symphony-status") as k:
+            info, procs = k.model_info(), k.ps()
+            meminfo = k.procfs("meminfo")
+    except OSError as e:
+        print(f"not running: {e}")
+        return 3  # as in LSB status: not running
+    print(f"kernel {kernel_pid(sock) or '?'} on {sock}")
+    print(f"model {info.name} ({info.architecture}, {info.dtype}), fingerprint "
+          f"{info.fingerprint[:16]}, context {info.context_length}, page {info.page_size}")
+    print(f"processes {len(procs) - 1}")  # not counting this one
+    print(meminfo, end="")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    sock = socket_path(args.socket)
+    prog = args.program
+    argv = [sys.executable, prog, *args.args] if prog.endswith(".py") else [prog, *args.args]
+    env = {**os.environ, "SYMPHONY_SOCKET": str(sock.resolve())}
+    try:
+        child = subprocess.Popen(argv, env=env)
+    except OSError as e:
+        print(f"symphony: {prog}: {e.strerror}", file=sys.stderr)
+        return 127
+    forward = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s))
+               for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        while True:
+            try:
+                code = child.wait()
+                break
+            except KeyboardInterrupt:  # the terminal sent SIGINT to the child as well
+                continue
+    finally:
+        for sig, handler in forward.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    with Kernel.connect(args.socket, name="symphony-ps") as k:
+        procs = k.ps()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(p) for p in procs]))
+        return 0
+    print(f"{'PID':>5} {'OSPID':>7} {'USER':<10} {'STATE':<9} {'NI':>3} {'CALLS':>7} "
+          f"{'TOKENS':>8} {'PAGES':>6} {'CPU':>7} {'ACCEL':>7}  NAME")
+    for p in procs:
+        print(f"{p.pid:>5} {p.os_pid:>7} {p.user[:10]:<10} {p.state:<9} {p.nice:>3} "
+              f"{p.syscalls:>7} {p.tokens:>8} {p.pages:>6} {p.cpu_seconds:>7.2f} "
+              f"{p.accel_seconds:>7.2f}  {p.name}")
+    return 0
+
+
+def cmd_kill(args: argparse.Namespace) -> int:
+    with Kernel.connect(args.socket, name="symphony-kill") as k:
+        for pid in args.pids:
+            k.kill(pid)
+    return 0
