@@ -79,6 +79,7 @@ class ProcFS:
             ("tokens_per_s", f"{sum(tokens) / window:.1f}" if window else "0.0"),
             ("batch_seqs_avg", f"{sum(r.seqs for r in recent) / len(recent):.1f}"
              if recent else "0.0"),
+            ("batch_seqs_max", st.max_seqs),
             ("token_budget", s.token_budget),
             ("budget_use", f"{sum(tokens) / len(recent) / s.token_budget:.2f}"
              if recent else "0.00"),

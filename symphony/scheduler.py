@@ -85,11 +85,13 @@ class SchedStats:
     preemptions: int = 0  # idle processes whose pages were moved down
     pages_swapped_out: int = 0
     waits: int = 0  # admissions deferred for want of KV memory
+    max_seqs: int = 0  # the most sequences one step has packed
     recent: deque = field(default_factory=deque)  # Steps of the last STATS_WINDOW seconds
     delays: deque = field(default_factory=lambda: deque(maxlen=1024))  # queue delays, s
 
     def record(self, step: Step) -> None:
         self.steps += 1
+        self.max_seqs = max(self.max_seqs, step.seqs)
         self.tokens += step.prefill + step.decode
         self.recent.append(step)
         while self.recent and self.recent[0].end < step.end - STATS_WINDOW:

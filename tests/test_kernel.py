@@ -1,0 +1,249 @@
+"""End to end against a real kernel daemon on a Unix socket: LIPs as OS processes, the
+process table freeing what dies, identity from SO_PEERCRED, and errnos that change nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import grpc
+import pytest
+from daemon import ROOT, make_model, meminfo, start_daemon, wait_for
+
+from syscalls import symphony_pb2 as pb
+from syscalls.session import SESSION_KEY, grpc_target, hello
+
+BUDGET = 48  # small, so that prompts are chunked and decodes interleave with prefills
+SYMPHONY = [sys.executable, "-m", "symphony.cli"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def daemon(model):
+    d = start_daemon(model, None, "--kv-pages", "512", "--token-budget", str(BUDGET))
+    yield d
+    assert d.stop() == 0, d.log_text()
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 13 * salt) % 290 + 6 for i in range(n)]
+
+
+def run_lip(daemon, *args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*SYMPHONY, "run", *args], env=daemon.env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, **kw)
+
+
+def generate_alone(model, ids: list[int], n: int) -> list[int]:
+    out = subprocess.run(
+        [*SYMPHONY, "generate", "--model", str(model), "--prompt-ids",
+         ",".join(map(str, ids)), "--max-new-tokens", str(n), "--json"],
+        capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout)["output_ids"]
+
+
+def device_used(k) -> int:
+    return int(meminfo(k)["device_used"])
+
+
+def test_complete_equals_generate(daemon, model):
+    ids = prompt(2 * BUDGET + 7)  # three prefill chunks
+    lip = run_lip(daemon, "lips/complete.py", "--prompt-ids", ",".join(map(str, ids)),
+                  "--max-new-tokens", "24", "--json")
+    assert lip.returncode == 0, lip.stderr
+    assert json.loads(lip.stdout)["output_ids"] == generate_alone(model, ids, 24)
+
+
+def test_sixteen_concurrent_lips_get_what_they_get_alone(daemon, model):
+    prompts = [prompt(3 + 9 * i, salt=i) for i in range(16)]
+    lips = [subprocess.Popen(
+        [*SYMPHONY, "run", "lips/complete.py", "--prompt-ids", ",".join(map(str, ids)),
+         "--max-new-tokens", "16", "--json"],
+        env=daemon.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for ids in prompts]
+    outs = [lip.communicate(timeout=300) for lip in lips]
+    for lip, (out, err) in zip(lips, outs, strict=True):
+        assert lip.returncode == 0, err
+    with daemon.connect() as k:
+        sched = dict(line.split(":", 1) for line in k.procfs("sched").splitlines())
+    assert int(sched["batch_seqs_max"]) > 1, "the LIPs never shared a forward pass"
+    for ids, (out, _) in zip(prompts, outs, strict=True):
+        assert json.loads(out)["output_ids"] == generate_alone(model, ids, 16)
+
+
+HOG = """
+import os, sys
+from syscalls.client import Kernel
+k = Kernel.connect(name="hog")
+f = k.open("", os.O_RDWR)
+ids = [(5 * i) % 290 + 6 for i in range(200)]
+f.pred(ids[:20])
+print(k.pid, flush=True)
+for _ in range(1000):
+    f.pred(ids)
+    f.truncate(0)
+"""
+
+
+@pytest.mark.parametrize("how", ["sigkill", "symphony kill"])
+def test_killed_lip_leaks_nothing(daemon, how):
+    with daemon.connect() as k:
+        baseline = device_used(k)
+        lip = subprocess.Popen([sys.executable, "-c", HOG], env=daemon.env(), cwd=ROOT,
+                               stdout=subprocess.PIPE, text=True)
+        pid = int(lip.stdout.readline())
+
+        def running():
+            return any(p.pid == pid and p.state == "running" for p in k.ps())
+
+        wait_for(running, what="the LIP to be inside pred")
+        assert device_used(k) > baseline
+        if how == "sigkill":
+            lip.send_signal(signal.SIGKILL)
+        else:
+            subprocess.run([*SYMPHONY, "kill", str(pid)], env=daemon.env(), check=True)
+        assert lip.wait(30) == -signal.SIGKILL
+        wait_for(lambda: all(p.pid != pid for p in k.ps()), what="the process to be reaped")
+        wait_for(lambda: device_used(k) == baseline, what="its pages to be freed")
+
+
+def test_loop_answers_while_a_forward_pass_runs(tmp_path):
+    d = start_daemon(ROOT / "models" / "default", None, "--kv-pages", "128",
+                     "--token-budget", "1024")
+    try:
+        with d.connect() as k, k.open("", os.O_RDWR) as f:
+            ids = prompt(1000)
+            done = threading.Event()
+            answered = []
+            t = threading.Thread(target=lambda: (f.pred(ids), done.set()))
+            t.start()
+            wait_for(lambda: any(p.state == "running" for p in k.ps()), what="the pred")
+            while not done.is_set():
+                k.stat("/tmp")
+                answered.append(time.monotonic())
+            t.join()
+        # Were the engine on the loop's thread, nothing could be answered while it ran.
+        assert len(answered) >= 5, answered
+    finally:
+        assert d.stop() == 0, d.log_text()
+
+
+# -- identity ---------------------------------------------------------------------------
+
+AS_USER = """
+import json, os, sys, grpc
+from syscalls.client import Kernel
+from syscalls import symphony_pb2 as pb, symphony_pb2_grpc
+from syscalls.session import SESSION_KEY, AS_KEY, grpc_target, hello, socket_path
+# Become the user only now: Python itself may live where other users cannot read.
+role, uid = sys.argv[1], int(sys.argv[2])
+os.setgroups([])
+os.setgid(uid)
+os.setuid(uid)
+k = Kernel.connect(name="user")
+secret = "/home/uid60001/secret"
+def errno_of(fn):
+    try:
+        fn()
+    except OSError as e:
+        return e.errno
+    return 0
+if role == "owner":
+    with k.open(secret, os.O_CREAT | os.O_RDWR, 0o600) as f:
+        f.pred([7, 8, 9, 10], no_outputs=True)
+    print(k.user, k.home)
+else:
+    results = {
+        "open": errno_of(lambda: k.open(secret, os.O_RDONLY)),
+        "open_rw": errno_of(lambda: k.open(secret, os.O_RDWR)),
+        "unlink": errno_of(lambda: k.unlink(secret)),
+        "rename": errno_of(lambda: k.rename(secret, "/tmp/stolen")),
+        "chmod": errno_of(lambda: k.chmod(secret, 0o666)),
+        "export": errno_of(lambda: k.export(secret)),
+    }
+    # A request that lies: a session of uid 60002 claiming to act as 60001 (or root).
+    sock = socket_path()
+    life, token = hello(sock)
+    stub = symphony_pb2_grpc.KernelStub(grpc.insecure_channel(grpc_target(sock)))
+    for claim in ("60001:60001", "0:0"):
+        reply = stub.Open(pb.OpenRequest(path=secret, flags=os.O_RDONLY),
+                          metadata=[(SESSION_KEY, token), (AS_KEY, claim)])
+        results["as " + claim] = reply.error.errno
+    print(json.dumps(results))
+"""
+
+
+def run_as(daemon, uid: int, role: str) -> str:
+    out = subprocess.run([sys.executable, "-c", AS_USER, role, str(uid)], env=daemon.env(),
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become two users")
+def test_two_users_cannot_touch_each_others_files(daemon):
+    assert run_as(daemon, 60001, "owner").split() == ["uid60001", "/home/uid60001"]
+    results = json.loads(run_as(daemon, 60002, "other"))
+    assert results == {
+        "open": errno.EACCES, "open_rw": errno.EACCES, "unlink": errno.EACCES,
+        "rename": errno.EACCES, "chmod": errno.EPERM, "export": errno.EACCES,
+        "as 60001:60001": errno.EPERM, "as 0:0": errno.EPERM,
+    }
+    with daemon.connect() as k:  # root sees the file as it was
+        st = k.stat("/home/uid60001/secret")
+        assert (st.uid, st.mode & 0o777, st.tokens) == (60001, 0o600, 4)
+
+
+# -- bad input --------------------------------------------------------------------------
+
+
+def test_bad_calls_get_their_errno_and_change_nothing(daemon):
+    with daemon.connect() as k, k.open("/tmp/kept", os.O_CREAT | os.O_RDWR) as f:
+        f.pred(prompt(20), no_outputs=True)
+        def state():  # reading sets atime: everything but that
+            return (k.read(f), dataclasses.replace(k.stat(f), atime_ns=0), device_used(k),
+                    sorted(n for n, _ in k.readdir("/tmp")))
+
+        before = state()
+        context = k.model_info().context_length
+        bad = {
+            errno.EBADF: lambda: k.pred(9999, [1]),
+            errno.EINVAL: lambda: f.pred([1, 400, 2]),  # vocab is 320
+            errno.EOVERFLOW: lambda: f.pred([1], positions=[context]),
+            errno.ENOENT: lambda: k.open("/nowhere/x", os.O_RDONLY),
+            errno.ENOTDIR: lambda: k.open("/tmp/kept/x", os.O_RDONLY),
+            errno.EEXIST: lambda: k.open("/tmp/kept", os.O_CREAT | os.O_EXCL | os.O_RDWR),
+            errno.EISDIR: lambda: k.open("/tmp", os.O_RDONLY),
+        }
+        for code, call in bad.items():
+            with pytest.raises(OSError) as e:
+                call()
+            assert e.value.errno == code, (code, e.value)
+        for outside in ("relative/path", "", "/tmp/" + "x" * 300):
+            with pytest.raises(OSError) as e:
+                k.stat(outside)
+            assert e.value.errno in (errno.EINVAL, errno.ENAMETOOLONG, errno.ENOENT)
+        # Bytes that are no request at all.
+        life, token = hello(daemon.socket)
+        channel = grpc.insecure_channel(grpc_target(daemon.socket))
+        raw = channel.unary_unary("/symphony.Kernel/Pred", request_serializer=None,
+                                  response_deserializer=pb.PredReply.FromString)
+        reply = raw(b"\x0a\xff\xff\xff", metadata=[(SESSION_KEY, token)])
+        assert reply.error.errno == errno.EINVAL and "malformed" in reply.error.message
+        no_session = raw(pb.PredRequest(fd=3, tokens=[1]).SerializeToString())
+        assert no_session.error.errno == errno.EPERM
+        channel.close()
+        life.close()
+        assert state() == before
