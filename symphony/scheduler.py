@@ -29,7 +29,7 @@ import torch
 from kvfs.errors import FSError
 from kvfs.fs import FileSystem, Handle, Reservation
 from kvfs.inode import Inode
-from kvfs.pages import DEVICE
+from kvfs.pages import DEVICE, DISK, HOST
 from symphony.engine.engine import Batch, Engine
 from symphony.engine.sampler import SamplingParams, sample
 from symphony.process import Process
@@ -283,25 +283,34 @@ class Scheduler:
     def _relieve(self, need: int) -> None:
         """Move device pages down, taking first from files no process has open, then from
         idle processes, lowest priority and longest idle first. Pages that a process with
-        queued work uses are never moved."""
+        queued work uses are never moved, and nothing moves unless enough can."""
         if need <= 0:
             return
         procs = list(self.procs())
-        busy = [p for p in procs if p.pending]
-        protected = {id(page) for p in busy for h in p.fds.values()
+        protected = {id(page) for p in procs if p.pending for h in p.fds.values()
                      for page in h.inode.pages if page is not None}
         idle = sorted((p for p in procs if not p.pending),
                       key=lambda p: (-p.nice, p.last_active))
         groups: list[tuple[Process | None, list[Inode]]] = [
             (None, [i for i in self.fs.files() if i.opens == 0])]
         groups += [(p, [h.inode for h in p.fds.values()]) for p in idle]
-        moved = 0
+        plan: list[tuple[Process | None, list]] = []
+        seen: set[int] = set(protected)
         for proc, inodes in groups:
-            pages = [page for inode in inodes for page in inode.pages
-                     if page is not None and page.tier == DEVICE and id(page) not in protected]
-            if not pages:
-                continue
-            n = self.fs.store.move_down(pages[: need - moved])
+            pages = []
+            for page in (pg for inode in inodes for pg in inode.pages):
+                if page is not None and page.tier == DEVICE and id(page) not in seen:
+                    seen.add(id(page))
+                    pages.append(page)
+            if pages:
+                plan.append((proc, pages))
+        store = self.fs.store
+        movable = sum(len(pages) for _, pages in plan)
+        if min(movable, store.free_in(HOST) + store.free_in(DISK)) < need:
+            return  # it cannot help: leave everyone where they are
+        moved = 0
+        for proc, pages in plan:
+            n = store.move_down(pages[: need - moved])
             moved += n
             self.stats.pages_swapped_out += n
             if proc is not None and n:

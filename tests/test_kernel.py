@@ -247,3 +247,33 @@ def test_bad_calls_get_their_errno_and_change_nothing(daemon):
         channel.close()
         life.close()
         assert state() == before
+
+
+# -- level 1: KV memory pressure --------------------------------------------------------
+
+
+def test_idle_process_is_swapped_out_and_back_and_enospc_only_when_nothing_helps(model):
+    d = start_daemon(model, None, "--kv-pages", "24", "--host-pages", "64")
+    try:
+        with d.connect("a") as a, d.connect("b") as b, d.connect("c") as c:
+            ids_a, ids_b = prompt(257, salt=1), prompt(256, salt=2)
+            fa, fb = a.open("", os.O_RDWR), b.open("", os.O_RDWR)
+            fa.pred(ids_a[:-1], no_outputs=True)  # 16 of the 24 device pages
+            fb.pred(ids_b, no_outputs=True)  # room only by moving a's pages to the host
+            states = {p.pid: p.state for p in c.ps()}
+            assert states[a.pid] == "swapped" and states[b.pid] == "sleeping"
+            assert int(meminfo(c)["host_used"]) > 0
+            # a calls again: its pages come back (b's go down), and its K/V are intact.
+            (out,) = fa.pred(ids_a[-1:])
+            assert out.token == generate_alone(model, ids_a, 1)[0]
+            assert {p.pid: p.state for p in c.ps()}[b.pid] == "swapped"
+            # More than the whole device: nothing can make room, and nothing changes.
+            before = meminfo(c)
+            with c.open("", os.O_RDWR) as fc:
+                with pytest.raises(OSError) as e:
+                    fc.pred(prompt(25 * 16), no_outputs=True)
+                assert e.value.errno == errno.ENOSPC
+                assert c.stat(fc).tokens == 0
+            assert meminfo(c) == before
+    finally:
+        assert d.stop() == 0, d.log_text()
