@@ -277,3 +277,46 @@ def test_idle_process_is_swapped_out_and_back_and_enospc_only_when_nothing_helps
             assert meminfo(c) == before
     finally:
         assert d.stop() == 0, d.log_text()
+
+
+# -- the shell's side -------------------------------------------------------------------
+
+EXITS = """
+import sys
+from syscalls.client import Kernel
+with Kernel.connect() as k:
+    print("pid", k.getpid(), flush=True)
+    print("oops", file=sys.stderr)
+sys.exit(3)
+"""
+
+
+def test_symphony_run_streams_output_and_passes_the_exit_status(daemon, tmp_path):
+    prog = tmp_path / "exits.py"
+    prog.write_text(EXITS)
+    lip = run_lip(daemon, str(prog))
+    assert lip.returncode == 3
+    assert lip.stdout.startswith("pid ") and lip.stderr == "oops\n"
+    missing = run_lip(daemon, str(tmp_path / "nope"))
+    assert missing.returncode == 127 and "nope" in missing.stderr
+
+
+def test_stop_persists_named_files_and_start_brings_them_back(model):
+    d = start_daemon(model, None)
+    ids = prompt(40, salt=3)
+    with d.connect() as k:
+        with k.open(k.home + "/doc", os.O_CREAT | os.O_RDWR) as f:
+            f.pred(ids, no_outputs=True)
+            (expected,) = f.pred([ids[-1]])
+            f.truncate(len(ids))
+        exported = k.export(k.home + "/doc")
+    assert d.stop() == 0, d.log_text()
+    again = start_daemon(model, d.socket.parent)
+    try:
+        with again.connect() as k, k.open(k.home + "/doc", os.O_RDWR) as f:
+            assert k.read(f)[0] == ids
+            assert k.export(f) == exported
+            (out,) = f.pred([ids[-1]])  # the K/V came back too: same logits, same token
+            assert out.token == expected.token
+    finally:
+        assert again.stop() == 0, again.log_text()
