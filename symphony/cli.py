@@ -7,7 +7,7 @@ import json
 import sys
 
 from symphony.engine.errors import ModelError
-from syscalls.flags import add_sampling_flags, parse_ids, sampling_kwargs
+from syscalls.flags import add_prompt_flags, add_sampling_flags, sampling_kwargs
 
 
 def sampling_params(args: argparse.Namespace):
@@ -109,9 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="run the engine in-process on one prompt (no daemon)")
     g.add_argument("--model", help="Hugging Face checkpoint directory (default: the shipped model)")
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt")
-    src.add_argument("--prompt-ids", type=parse_ids)
+    add_prompt_flags(g)
     add_sampling_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")

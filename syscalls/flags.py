@@ -6,7 +6,7 @@ They live here, not in the daemon's package, because LIPs may import only `sysca
 from __future__ import annotations
 
 import argparse
-import errno
+import os
 import sys
 from typing import Any
 
@@ -34,6 +34,15 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def check_flags(args: argparse.Namespace, has_tokenizer: bool) -> None:
+    """Refuse what cannot run: no new tokens, or a text prompt for a model without a
+    tokenizer (as `symphony generate` does)."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if getattr(args, "prompt", None) is not None and not has_tokenizer:
+        raise ValueError("the model has no tokenizer; use --prompt-ids")
+
+
 def parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
@@ -55,10 +64,10 @@ def kv_path(home: str, path: str) -> str:
 
 def report(prog: str, e: BaseException) -> int:
     """Print `prog: message` to stderr and give the exit status for it."""
+    message = str(e)
     if isinstance(e, OSError) and e.strerror:
-        name = errno.errorcode.get(e.errno or 0)
-        message = f"{e.strerror} ({name})" if name else e.strerror
-    else:
-        message = str(e)
+        # Kernel messages often name only the object ("'/home/u/x'"): add what went wrong.
+        reason = os.strerror(e.errno) if e.errno else ""
+        message = e.strerror if reason in e.strerror else f"{e.strerror}: {reason}"
     print(f"{prog}: {message}", file=sys.stderr)
     return 1

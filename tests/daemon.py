@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpoints import add_tokenizer, make_checkpoint
+
 from syscalls.client import Kernel
 
 ROOT = Path(__file__).resolve().parents[1]

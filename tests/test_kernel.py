@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -74,7 +73,7 @@ def test_sixteen_concurrent_lips_get_what_they_get_alone(daemon, model):
         env=daemon.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for ids in prompts]
     outs = [lip.communicate(timeout=300) for lip in lips]
-    for lip, (out, err) in zip(lips, outs, strict=True):
+    for lip, (_, err) in zip(lips, outs, strict=True):
         assert lip.returncode == 0, err
     with daemon.connect() as k:
         sched = dict(line.split(":", 1) for line in k.procfs("sched").splitlines())

@@ -1,0 +1,76 @@
+"""complete: continue a prompt, as `symphony generate` does, through the kernel.
+
+    python lips/complete.py --prompt "def fibonacci(n):" --max-new-tokens 64
+    python lips/complete.py --prompt-ids 1,2,3 --json --temperature 0.8 --seed 0
+
+Same flags and output as `symphony generate`: text mode streams the prompt and then each
+token's text as it comes; --json prints {"prompt_ids", "output_ids", "text"}; a model
+without a tokenizer prints ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from syscalls.client import Kernel
+from syscalls.context import Context, TextStream
+from syscalls.flags import (
+    add_prompt_flags,
+    add_sampling_flags,
+    check_flags,
+    report,
+    sampling_kwargs,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="complete", description=__doc__.split("\n")[0])
+    add_prompt_flags(p)
+    add_sampling_flags(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def run(k: Kernel, args: argparse.Namespace) -> int:
+    info = k.model_info()
+    check_flags(args, info.has_tokenizer)
+    # Text gets the tokenizer's own BOS handling, as in `symphony generate`.
+    prompt = args.prompt_ids if args.prompt is None else k.tokenize(args.prompt, add_special=True)
+    if not prompt:
+        raise ValueError("empty prompt")
+    stream = None
+    if info.has_tokenizer and not args.json:
+        stream = TextStream(k)
+        print(args.prompt or "", end="", flush=True)
+    out = []
+    with Context(k, stop=info.eos_ids) as ctx:
+        ctx.fill(prompt)
+        for token in ctx.generate(args.max_new_tokens, **sampling_kwargs(args)):
+            out.append(token)
+            if stream:
+                print(stream.push(token), end="", flush=True)
+    if stream:
+        print(stream.finish())
+    elif args.json:
+        result = {"prompt_ids": prompt, "output_ids": out}
+        if info.has_tokenizer:
+            result["text"] = k.detokenize(out)
+        print(json.dumps(result))
+    else:
+        print(" ".join(map(str, out)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        with Kernel.connect() as k:
+            return run(k, args)
+    except (OSError, ValueError) as e:
+        return report("complete", e)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

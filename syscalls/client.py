@@ -1,0 +1,325 @@
+"""The synchronous LIP-side library: one method per syscall of syscalls/symphony.proto.
+
+    with Kernel.connect() as k:
+        with k.open() as f:  # an anonymous KV file
+            out = f.pred(k.tokenize("def f", add_special=True))
+            print(k.detokenize([out[0].token]))
+
+Kernel statuses raise OSError subclasses (FileNotFoundError for ENOENT, and so on); a kernel
+that is gone raises BrokenPipeError (EPIPE) naming the socket.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from syscalls import convert, errors, session
+from syscalls import symphony_pb2_grpc as pb_grpc
+from syscalls.convert import (
+    Fd,
+    Identity,
+    KvPath,
+    ModelInfo,
+    PredOutput,
+    ProcInfo,
+    Sampling,
+    Stat,
+    Target,
+)
+
+T = TypeVar("T")
+
+# gRPC caps what it receives at 4 MiB; a read of a long file can be larger.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
+
+
+class Session:
+    """What a client holds: the lifeline connection (the kernel frees everything this
+    process held when it closes), the stub, the token sent with every call, and the
+    identity the kernel gave at attach."""
+
+    def __init__(self, sock: os.PathLike, lifeline: socket.socket, token: str, channel):
+        self.socket = sock
+        self._lifeline = lifeline
+        self._channel = channel
+        self._stub = pb_grpc.KernelStub(channel)
+        self._metadata = [(session.SESSION_KEY, token)]
+        self.pid = self.uid = self.gid = -1
+        self.user = self.home = ""
+
+    def _send(self, call: convert.Call) -> Any:
+        """The stub's answer: the reply itself, or on grpc.aio something to await."""
+        return getattr(self._stub, call.rpc)(call.request, metadata=self._metadata)
+
+    def _identify(self, ident: Identity) -> None:
+        self.pid, self.uid, self.gid = ident.pid, ident.uid, ident.gid
+        self.user, self.home = ident.user, ident.home
+
+
+class Kernel(Session):
+    """A session with the kernel; one method per syscall."""
+
+    @classmethod
+    def connect(
+        cls,
+        socket: KvPath | None = None,
+        name: str | None = None,
+        argv: Sequence[str] | None = None,
+    ) -> Kernel:
+        """Open a session (socket: the argument, else $SYMPHONY_SOCKET, else the default)
+        and attach as `name` (default: this program's file name) with `argv`."""
+        sock = session.socket_path(socket)
+        try:
+            lifeline, token = session.hello(sock)
+        except OSError as e:
+            raise convert.connect_error(e, sock) from e
+        channel = grpc.insecure_channel(session.grpc_target(sock), options=CHANNEL_OPTIONS)
+        k = cls(sock, lifeline, token, channel)
+        try:
+            k.attach(name, argv)
+        except BaseException:
+            k.close()
+            raise
+        return k
+
+    def close(self, fd: Fd | None = None) -> None:
+        """close(fd) is the close syscall; close() ends the session, and the kernel frees
+        everything this process held."""
+        if fd is not None:
+            self._do(convert.close(fd))
+            return
+        self._channel.close()
+        self._lifeline.close()
+
+    def __enter__(self) -> Kernel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _do(self, call: convert.Call[T]) -> T:
+        try:
+            reply = self._send(call)
+        except grpc.RpcError as e:
+            raise convert.transport_error(e, self.socket) from e
+        return call.result(errors.check(reply))
+
+    # -- process ----------------------------------------------------------------------
+
+    def attach(self, name: str | None = None, argv: Sequence[str] | None = None) -> None:
+        """Join the process table (connect does it); the kernel says who we are."""
+        self._identify(self._do(convert.attach(name, argv)))
+
+    def exit(self, code: int = 0) -> None:
+        """Leave with a status, freeing everything, and end the session."""
+        try:
+            self._do(convert.exit(code))
+        finally:
+            self.close()
+
+    def getpid(self) -> int:
+        return self._do(convert.getpid())
+
+    def ps(self) -> list[ProcInfo]:
+        return self._do(convert.ps())
+
+    def kill(self, pid: int) -> None:
+        self._do(convert.kill(pid))
+
+    def nice(self, increment: int) -> int:
+        """Add to this process's nice value (lowering it needs root); the new value."""
+        return self._do(convert.nice(increment))
+
+    # -- model ------------------------------------------------------------------------
+
+    def model_info(self) -> ModelInfo:
+        return self._do(convert.model_info())
+
+    def tokenize(
+        self,
+        text: str = "",
+        messages: Iterable[Mapping[str, str]] | None = None,
+        add_generation_prompt: bool = False,
+        add_special: bool = False,
+    ) -> list[int]:
+        """Token ids of `text`, or of `messages` ({"role", "content"}) rendered by the chat
+        template. add_special: BOS as the tokenizer itself would add it."""
+        return self._do(convert.tokenize(text, messages, add_generation_prompt, add_special))
+
+    def detokenize(self, ids: Iterable[int], keep_special: bool = False) -> str:
+        return self._do(convert.detokenize(ids, keep_special))
+
+    def pred(
+        self,
+        fd: Fd,
+        tokens: Iterable[int],
+        positions: Iterable[int] | None = None,
+        outputs: Iterable[int] | None = None,
+        sampler: Sampling | None = None,
+        *,
+        no_outputs: bool = False,
+        **sampling: Any,
+    ) -> list[PredOutput]:
+        """Append `tokens` to the KV file and sample at the `outputs` rows (default: the
+        last). Sampling comes from `sampler` or from keywords naming Sampling's fields
+        (temperature, top_k, top_p, min_p, seed, top_logprobs); the default is greedy."""
+        s = convert.sampler(sampler, sampling)
+        return self._do(convert.pred(fd, tokens, positions, outputs, s, no_outputs))
+
+    # -- KV files ---------------------------------------------------------------------
+
+    def open(self, path: KvPath = "", flags: int = os.O_RDONLY, mode: int = 0o600) -> File:
+        """Open a KV file; path "" makes an anonymous one (always read-write)."""
+        return File(self, self._do(convert.open(path, flags, mode)))
+
+    def fork(self, fd: Fd) -> File:
+        """A copy-on-write clone of the file, anonymous."""
+        return File(self, self._do(convert.fork(fd)))
+
+    def link(self, fd: Fd, path: KvPath) -> None:
+        self._do(convert.link(fd, path))
+
+    def read(self, fd: Fd, start: int = 0, count: int | None = None) -> tuple[list[int], list[int]]:
+        """(token ids, positions) of entries [start, start + count), clipped to the end."""
+        return self._do(convert.read(fd, start, count))
+
+    def splice(self, src: Fd, start: int, end: int, dst: Fd) -> None:
+        """Append entries [start, end) of src to dst, sharing pages, computing nothing."""
+        self._do(convert.splice(src, start, end, dst))
+
+    def truncate(self, fd: Fd, length: int) -> None:
+        self._do(convert.truncate(fd, length))
+
+    def punch(self, fd: Fd, start: int, end: int) -> None:
+        """Drop entries [start, end) from attention, freeing their whole pages."""
+        self._do(convert.punch(fd, start, end))
+
+    def stat(self, target: Target) -> Stat:
+        """Stat a path, or an open file (int or File)."""
+        return self._do(convert.stat(target))
+
+    def readdir(self, path: KvPath) -> list[tuple[str, Stat]]:
+        return self._do(convert.readdir(path))
+
+    def mkdir(self, path: KvPath, mode: int = 0o755) -> None:
+        self._do(convert.mkdir(path, mode))
+
+    def rmdir(self, path: KvPath) -> None:
+        self._do(convert.rmdir(path))
+
+    def unlink(self, path: KvPath) -> None:
+        self._do(convert.unlink(path))
+
+    def rename(self, old: KvPath, new: KvPath) -> None:
+        self._do(convert.rename(old, new))
+
+    def chmod(self, path: KvPath, mode: int) -> None:
+        self._do(convert.chmod(path, mode))
+
+    def chown(self, path: KvPath, uid: int = -1, gid: int = -1) -> None:
+        self._do(convert.chown(path, uid, gid))
+
+    def fsync(self, fd: Fd) -> None:
+        self._do(convert.fsync(fd))
+
+    def export_iter(self, target: Target, offset: int = 0, length: int = 0) -> Iterator[bytes]:
+        """The canonical serialized form (docs/kv-format.md) of bytes [offset, offset +
+        length) (length 0: to the end), as the kernel streams it."""
+        call = convert.export(target, offset, length)
+        try:
+            for chunk in self._send(call):
+                yield call.result(errors.check(chunk))
+        except grpc.RpcError as e:
+            raise convert.transport_error(e, self.socket) from e
+
+    def export(self, target: Target, offset: int = 0, length: int = 0) -> bytes:
+        return b"".join(self.export_iter(target, offset, length))
+
+    def import_file(self, path: KvPath, data: bytes | Iterable[bytes], mode: int = 0o600) -> None:
+        """Make the file at `path` from its serialized form: bytes, or an iterable of
+        chunks of it. The kernel checks it whole; nothing appears when it is refused."""
+        self._do(convert.import_file(convert.import_chunks(path, mode, data)))
+
+    # -- info -------------------------------------------------------------------------
+
+    def procfs(self, path: KvPath) -> str:
+        """The text of a /proc entry: "meminfo", "sched", "PID/status"."""
+        return self._do(convert.procfs(path))
+
+
+class OpenFile:
+    """What File and AsyncFile share: the kernel and the fd."""
+
+    def __init__(self, kernel: Any, fd: int):
+        self.kernel, self.fd = kernel, fd
+        self.closed = False
+
+    def __int__(self) -> int:
+        return self.fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} fd={self.fd}{' closed' if self.closed else ''}>"
+
+
+class File(OpenFile):
+    """An open KV file; closing it is the close syscall."""
+
+    kernel: Kernel
+
+    def close(self) -> None:
+        if not self.closed:
+            self.kernel.close(self.fd)  # EBUSY while a pred runs: still open then
+            self.closed = True
+
+    def __enter__(self) -> File:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def pred(
+        self,
+        tokens: Iterable[int],
+        positions: Iterable[int] | None = None,
+        outputs: Iterable[int] | None = None,
+        sampler: Sampling | None = None,
+        *,
+        no_outputs: bool = False,
+        **sampling: Any,
+    ) -> list[PredOutput]:
+        return self.kernel.pred(
+            self, tokens, positions, outputs, sampler, no_outputs=no_outputs, **sampling
+        )
+
+    def read(self, start: int = 0, count: int | None = None) -> tuple[list[int], list[int]]:
+        return self.kernel.read(self, start, count)
+
+    def fork(self) -> File:
+        return self.kernel.fork(self)
+
+    def link(self, path: KvPath) -> None:
+        self.kernel.link(self, path)
+
+    def truncate(self, length: int) -> None:
+        self.kernel.truncate(self, length)
+
+    def punch(self, start: int, end: int) -> None:
+        self.kernel.punch(self, start, end)
+
+    def splice_from(self, src: Fd, start: int, end: int) -> None:
+        """Append entries [start, end) of `src` to this file."""
+        self.kernel.splice(src, start, end, self)
+
+    def stat(self) -> Stat:
+        return self.kernel.stat(self)
+
+    def fsync(self) -> None:
+        self.kernel.fsync(self)

@@ -1,0 +1,260 @@
+"""A thin layer over the syscalls for the common shape of a LIP: grow a context, sample from
+it, branch it.
+
+A Context is one KV file plus the tokens not yet in it ("pending"). pred returns samples
+only for rows it computes, so the token to sample after must go in with the pred that
+samples: fill() writes all pending tokens but the last, and each generation step sends the
+pending ones and keeps the sampled token pending for the next.
+
+    with Context(k) as ctx:
+        ctx.fill(k.tokenize("def f", add_special=True))
+        ids = list(ctx.generate(16))
+        branch = ctx.fork()  # copy-on-write, pending tokens copied
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any
+
+from syscalls.aio import AsyncFile, AsyncKernel
+from syscalls.client import File, Kernel
+from syscalls.convert import KvPath, PredOutput
+
+
+def _step_sampling(sampling: dict[str, Any], step: int) -> dict[str, Any]:
+    """Sampling for one step: a seed becomes seed + step, so a seeded run is reproducible
+    without every step drawing the same noise."""
+    if sampling.get("seed") is None:
+        return sampling
+    return {**sampling, "seed": sampling["seed"] + step}
+
+
+def _kept(pending: list[int], written: int, length: int) -> list[int]:
+    """The pending tokens left when a context of `written` file tokens is cut to `length`."""
+    return pending[: max(0, length - written)]
+
+
+class Context:
+    """A KV file (anonymous unless given; the context closes it) and its pending tokens."""
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        file: File | None = None,
+        pending: Iterable[int] = (),
+        stop: Iterable[int] | None = None,
+    ):
+        self.kernel = kernel
+        self.file = kernel.open() if file is None else file
+        self.pending = list(pending)
+        self._stop = None if stop is None else tuple(stop)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def tokens(self) -> list[int]:
+        """The file's tokens, then the pending ones."""
+        return self.file.read()[0] + self.pending
+
+    @property
+    def stop(self) -> tuple[int, ...]:
+        """Default stop tokens: the model's EOS ids."""
+        if self._stop is None:
+            self._stop = self.kernel.model_info().eos_ids
+        return self._stop
+
+    def fill(self, text_or_ids: str | Iterable[int], add_special: bool = False) -> None:
+        """Add tokens (text is tokenized; add_special: with the tokenizer's BOS); all but
+        the last go into the file now."""
+        if isinstance(text_or_ids, str):
+            text_or_ids = self.kernel.tokenize(text_or_ids, add_special=add_special)
+        self.pending += text_or_ids
+        if len(self.pending) > 1:
+            self.file.pred(self.pending[:-1], no_outputs=True)
+            del self.pending[:-1]
+
+    def flush(self) -> None:
+        """Write the pending tokens into the file."""
+        if self.pending:
+            self.file.pred(self.pending, no_outputs=True)
+            self.pending.clear()
+
+    def step(self, **sampling: Any) -> PredOutput:
+        """Send the pending tokens, sample after them; the sample becomes pending."""
+        if not self.pending:
+            # Nothing to send: take the file's last token back to recompute it.
+            n = self.file.stat().tokens
+            if n == 0:
+                raise ValueError("context: nothing to predict from")
+            last = self.file.read(n - 1, 1)[0]
+            self.file.truncate(n - 1)
+            self.pending = last
+        (out,) = self.file.pred(self.pending, **sampling)
+        self.pending = [out.token]
+        return out
+
+    def samples(
+        self, max_new_tokens: int, stop: Iterable[int] | None = None, **sampling: Any
+    ) -> Iterator[PredOutput]:
+        """Up to max_new_tokens steps, ending after a stop token (default: EOS), which is
+        yielded too. Sampling keywords as Kernel.pred's; the default is greedy."""
+        stop = self.stop if stop is None else tuple(stop)
+        for i in range(max_new_tokens):
+            out = self.step(**_step_sampling(sampling, i))
+            yield out
+            if out.token in stop:
+                return
+
+    def generate(
+        self, max_new_tokens: int, stop: Iterable[int] | None = None, **sampling: Any
+    ) -> Iterator[int]:
+        """The tokens of samples()."""
+        for out in self.samples(max_new_tokens, stop, **sampling):
+            yield out.token
+
+    def fork(self) -> Context:
+        """A copy-on-write branch: a forked file and the same pending tokens."""
+        return Context(self.kernel, self.file.fork(), self.pending, self._stop)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens."""
+        written = self.file.stat().tokens
+        if length < written:
+            self.file.truncate(length)
+        self.pending = _kept(self.pending, written, length)
+
+    def save(self, path: KvPath) -> None:
+        """Give the file, pending tokens written, a name."""
+        self.flush()
+        self.file.link(path)
+
+
+class AsyncContext:
+    """Context for asyncio: the same methods, awaitable; make one with `create`."""
+
+    def __init__(
+        self,
+        kernel: AsyncKernel,
+        file: AsyncFile,
+        pending: Iterable[int] = (),
+        stop: Iterable[int] | None = None,
+    ):
+        self.kernel = kernel
+        self.file = file
+        self.pending = list(pending)
+        self._stop = None if stop is None else tuple(stop)
+
+    @classmethod
+    async def create(
+        cls,
+        kernel: AsyncKernel,
+        file: AsyncFile | None = None,
+        stop: Iterable[int] | None = None,
+    ) -> AsyncContext:
+        """A context over `file`, or over a new anonymous file."""
+        return cls(kernel, await kernel.open() if file is None else file, stop=stop)
+
+    async def close(self) -> None:
+        await self.file.close()
+
+    async def __aenter__(self) -> AsyncContext:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def tokens(self) -> list[int]:
+        return (await self.file.read())[0] + self.pending
+
+    async def stop(self) -> tuple[int, ...]:
+        if self._stop is None:
+            self._stop = (await self.kernel.model_info()).eos_ids
+        return self._stop
+
+    async def fill(self, text_or_ids: str | Iterable[int], add_special: bool = False) -> None:
+        if isinstance(text_or_ids, str):
+            text_or_ids = await self.kernel.tokenize(text_or_ids, add_special=add_special)
+        self.pending += text_or_ids
+        if len(self.pending) > 1:
+            await self.file.pred(self.pending[:-1], no_outputs=True)
+            del self.pending[:-1]
+
+    async def flush(self) -> None:
+        if self.pending:
+            await self.file.pred(self.pending, no_outputs=True)
+            self.pending.clear()
+
+    async def step(self, **sampling: Any) -> PredOutput:
+        if not self.pending:
+            n = (await self.file.stat()).tokens
+            if n == 0:
+                raise ValueError("context: nothing to predict from")
+            last = (await self.file.read(n - 1, 1))[0]
+            await self.file.truncate(n - 1)
+            self.pending = last
+        (out,) = await self.file.pred(self.pending, **sampling)
+        self.pending = [out.token]
+        return out
+
+    async def samples(
+        self, max_new_tokens: int, stop: Iterable[int] | None = None, **sampling: Any
+    ) -> AsyncIterator[PredOutput]:
+        stop = await self.stop() if stop is None else tuple(stop)
+        for i in range(max_new_tokens):
+            out = await self.step(**_step_sampling(sampling, i))
+            yield out
+            if out.token in stop:
+                return
+
+    async def generate(
+        self, max_new_tokens: int, stop: Iterable[int] | None = None, **sampling: Any
+    ) -> AsyncIterator[int]:
+        async for out in self.samples(max_new_tokens, stop, **sampling):
+            yield out.token
+
+    async def fork(self) -> AsyncContext:
+        return AsyncContext(self.kernel, await self.file.fork(), self.pending, self._stop)
+
+    async def truncate(self, length: int) -> None:
+        written = (await self.file.stat()).tokens
+        if length < written:
+            await self.file.truncate(length)
+        self.pending = _kept(self.pending, written, length)
+
+    async def save(self, path: KvPath) -> None:
+        await self.flush()
+        await self.file.link(path)
+
+
+class TextStream:
+    """The text of a growing list of tokens, piece by piece. Each push decodes the whole
+    list, since a token alone may be part of a character; an incomplete character at the
+    end waits for the tokens that complete it."""
+
+    def __init__(self, kernel: Kernel):
+        self.kernel = kernel
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        """The text that `token` adds."""
+        self.ids.append(token)
+        text = self.kernel.detokenize(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.text = text[len(self.text) :], text
+        return new
+
+    def finish(self) -> str:
+        """What is still held back (an incomplete character at the very end)."""
+        text = self.kernel.detokenize(self.ids)
+        new, self.text = text[len(self.text) :], text
+        return new

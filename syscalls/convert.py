@@ -1,0 +1,397 @@
+"""What the sync and asyncio clients share: each syscall as a request built from Python
+arguments plus the conversion of its reply, the values replies turn into, and the mapping
+of transport failures to OSError.
+
+A client runs a `Call` by sending `call.request` to the stub method named `call.rpc`,
+checking the reply's error (syscalls.errors.check) and returning `call.result(reply)`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat as _stat
+import sys
+from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Generic, SupportsInt, TypeVar
+
+import grpc
+
+from syscalls import errors
+from syscalls import symphony_pb2 as pb
+
+T = TypeVar("T")
+
+# An fd: a plain int or anything holding one (File, AsyncFile).
+Fd = SupportsInt
+# A path in the kernel's namespace (absolute: there is no working directory).
+KvPath = str | os.PathLike
+# What stat and export take: a path, or an open file.
+Target = KvPath | SupportsInt
+
+CHUNK_BYTES = 1 << 20  # per ImportChunk: well under gRPC's 4 MiB message limit
+READ_ALL = (1 << 63) - 1  # read's count when none is given: the kernel clips it to the end
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    rpc: str  # the KernelStub method
+    request: Any
+    result: Callable[[Any], T]  # applied to the checked reply
+
+
+# -- values -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How pred picks a token; the defaults are greedy. The names are the sampling flags'."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    top_logprobs: int = 0  # also return the n most likely (id, logprob) per output
+
+    def proto(self) -> pb.Sampler:
+        return pb.Sampler(**asdict(self))  # seed None leaves the optional field unset
+
+
+@dataclass(frozen=True)
+class Identity:
+    pid: int
+    uid: int
+    gid: int
+    user: str
+    home: str
+
+
+@dataclass(frozen=True)
+class PredOutput:
+    row: int  # index into the tokens of the pred call
+    token: int
+    logprob: float  # of `token` under the model's unmodified distribution
+    top: list[tuple[int, float]]  # (id, logprob), most likely first, when top_logprobs > 0
+
+
+@dataclass(frozen=True)
+class Stat:
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    tokens: int
+    pages: int
+    size: int  # bytes of the canonical form; 0 for a directory
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @property
+    def is_dir(self) -> bool:
+        return _stat.S_ISDIR(self.mode)
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    os_pid: int
+    uid: int
+    user: str
+    name: str
+    argv: tuple[str, ...]
+    state: str
+    nice: int
+    syscalls: int
+    tokens: int
+    pages: int
+    cpu_seconds: float
+    accel_seconds: float
+    fds: int
+    started: float
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    vocab_size: int
+    bos_id: int  # -1 when the model has none
+    eos_ids: tuple[int, ...]
+    special_tokens: dict[str, int]
+    chat_template: str
+    page_size: int
+    context_length: int
+    fingerprint: str
+    dtype: str
+    has_tokenizer: bool
+
+
+def _record(cls: type[T], msg: Any) -> T:
+    """The dataclass `cls` from the message fields of the same names."""
+    values = {}
+    for f in fields(cls):
+        v = getattr(msg, f.name)
+        if isinstance(v, Mapping):
+            v = dict(v)
+        elif isinstance(v, Sequence) and not isinstance(v, str | bytes):
+            v = tuple(v)
+        values[f.name] = v
+    return cls(**values)
+
+
+def _pred_output(o: pb.PredOutput) -> PredOutput:
+    return PredOutput(o.row, o.token, o.logprob, [(t.id, t.logprob) for t in o.top])
+
+
+def _none(reply: Any) -> None:
+    return None
+
+
+def _fd(reply: Any) -> int:
+    return reply.fd
+
+
+def _text(reply: Any) -> str:
+    return reply.text
+
+
+def _stat_of(reply: Any) -> Stat:
+    return _record(Stat, reply)
+
+
+# -- the syscalls, in the proto's order ---------------------------------------------------
+
+
+def attach(name: str | None, argv: Sequence[str] | None) -> Call[Identity]:
+    """By default a process shows in ps as its program's file name, with its sys.argv."""
+    argv = sys.argv if argv is None else argv
+    name = name or (os.path.basename(argv[0]) if argv and argv[0] else "python")
+    return Call("Attach", pb.AttachRequest(name=name, argv=argv), lambda r: _record(Identity, r))
+
+
+def exit(code: int) -> Call[None]:
+    return Call("Exit", pb.ExitRequest(code=code), _none)
+
+
+def getpid() -> Call[int]:
+    return Call("GetPid", pb.Void(), lambda r: r.pid)
+
+
+def ps() -> Call[list[ProcInfo]]:
+    return Call("Ps", pb.Void(), lambda r: [_record(ProcInfo, p) for p in r.procs])
+
+
+def kill(pid: int) -> Call[None]:
+    return Call("Kill", pb.KillRequest(pid=pid), _none)
+
+
+def nice(increment: int) -> Call[int]:
+    return Call("Nice", pb.NiceRequest(increment=increment), lambda r: r.nice)
+
+
+def model_info() -> Call[ModelInfo]:
+    return Call("ModelInfo", pb.Void(), lambda r: _record(ModelInfo, r))
+
+
+def tokenize(
+    text: str,
+    messages: Iterable[Mapping[str, str]] | None,
+    add_generation_prompt: bool,
+    add_special: bool,
+) -> Call[list[int]]:
+    request = pb.TokenizeRequest(
+        text=text,
+        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
+        add_generation_prompt=add_generation_prompt,
+        add_special=add_special,
+    )
+    return Call("Tokenize", request, lambda r: list(r.ids))
+
+
+def detokenize(ids: Iterable[int], keep_special: bool) -> Call[str]:
+    return Call("Detokenize", pb.DetokenizeRequest(ids=ids, keep_special=keep_special), _text)
+
+
+def sampler(given: Sampling | None, sampling: Mapping[str, Any]) -> Sampling:
+    """pred's sampler: a Sampling, or keyword arguments naming its fields, not both."""
+    if given is not None and sampling:
+        raise TypeError("pred: give a Sampling or sampling keywords, not both")
+    return given or Sampling(**sampling)
+
+
+def pred(
+    fd: Fd,
+    tokens: Iterable[int],
+    positions: Iterable[int] | None,
+    outputs: Iterable[int] | None,
+    sampling: Sampling,
+    no_outputs: bool,
+) -> Call[list[PredOutput]]:
+    request = pb.PredRequest(
+        fd=int(fd),
+        tokens=tokens,
+        positions=positions,
+        outputs=outputs,
+        no_outputs=no_outputs,
+        sampler=sampling.proto(),
+    )
+    return Call("Pred", request, lambda r: [_pred_output(o) for o in r.outputs])
+
+
+def open(path: KvPath, flags: int, mode: int) -> Call[int]:
+    return Call("Open", pb.OpenRequest(path=os.fspath(path), flags=flags, mode=mode), _fd)
+
+
+def close(fd: Fd) -> Call[None]:
+    return Call("Close", pb.FdRequest(fd=int(fd)), _none)
+
+
+def fork(fd: Fd) -> Call[int]:
+    return Call("Fork", pb.FdRequest(fd=int(fd)), _fd)
+
+
+def link(fd: Fd, path: KvPath) -> Call[None]:
+    return Call("Link", pb.LinkRequest(fd=int(fd), path=os.fspath(path)), _none)
+
+
+def read(fd: Fd, start: int, count: int | None) -> Call[tuple[list[int], list[int]]]:
+    request = pb.ReadRequest(fd=int(fd), start=start, count=READ_ALL if count is None else count)
+    return Call("Read", request, lambda r: (list(r.tokens), list(r.positions)))
+
+
+def splice(src: Fd, start: int, end: int, dst: Fd) -> Call[None]:
+    request = pb.SpliceRequest(src_fd=int(src), start=start, end=end, dst_fd=int(dst))
+    return Call("Splice", request, _none)
+
+
+def truncate(fd: Fd, length: int) -> Call[None]:
+    return Call("Truncate", pb.TruncateRequest(fd=int(fd), length=length), _none)
+
+
+def punch(fd: Fd, start: int, end: int) -> Call[None]:
+    return Call("Punch", pb.PunchRequest(fd=int(fd), start=start, end=end), _none)
+
+
+def _target(target: Target) -> dict[str, Any]:
+    if isinstance(target, str | os.PathLike):
+        return {"path": os.fspath(target)}
+    return {"fd": int(target)}
+
+
+def stat(target: Target) -> Call[Stat]:
+    return Call("Stat", pb.StatRequest(**_target(target)), _stat_of)
+
+
+def readdir(path: KvPath) -> Call[list[tuple[str, Stat]]]:
+    return Call(
+        "Readdir",
+        pb.PathRequest(path=os.fspath(path)),
+        lambda r: [(e.name, _stat_of(e.stat)) for e in r.entries],
+    )
+
+
+def mkdir(path: KvPath, mode: int) -> Call[None]:
+    return Call("Mkdir", pb.ModeRequest(path=os.fspath(path), mode=mode), _none)
+
+
+def rmdir(path: KvPath) -> Call[None]:
+    return Call("Rmdir", pb.PathRequest(path=os.fspath(path)), _none)
+
+
+def unlink(path: KvPath) -> Call[None]:
+    return Call("Unlink", pb.PathRequest(path=os.fspath(path)), _none)
+
+
+def rename(old: KvPath, new: KvPath) -> Call[None]:
+    request = pb.RenameRequest(old=os.fspath(old), new=os.fspath(new))
+    return Call("Rename", request, _none)
+
+
+def chmod(path: KvPath, mode: int) -> Call[None]:
+    return Call("Chmod", pb.ModeRequest(path=os.fspath(path), mode=mode), _none)
+
+
+def chown(path: KvPath, uid: int, gid: int) -> Call[None]:
+    return Call("Chown", pb.ChownRequest(path=os.fspath(path), uid=uid, gid=gid), _none)
+
+
+def fsync(fd: Fd) -> Call[None]:
+    return Call("Fsync", pb.FdRequest(fd=int(fd)), _none)
+
+
+def export(target: Target, offset: int, length: int) -> Call[bytes]:
+    """A server stream: `result` applies to each chunk, giving its bytes."""
+    request = pb.ExportRequest(**_target(target), offset=offset, length=length)
+    return Call("Export", request, lambda chunk: chunk.data)
+
+
+class ImportChunks:
+    """The Import stream of one file: the first chunk names it, none is over CHUNK_BYTES,
+    and an empty file is still one (naming) chunk."""
+
+    def __init__(self, path: KvPath, mode: int):
+        self._first: pb.ImportChunk | None = pb.ImportChunk(path=os.fspath(path), mode=mode)
+
+    def of(self, data: bytes) -> Iterator[pb.ImportChunk]:
+        for i in range(0, len(data), CHUNK_BYTES):
+            chunk = self._first or pb.ImportChunk()
+            self._first = None
+            chunk.data = bytes(data[i : i + CHUNK_BYTES])
+            yield chunk
+
+    def end(self) -> Iterator[pb.ImportChunk]:
+        if self._first is not None:
+            yield self._first
+            self._first = None
+
+
+def import_chunks(
+    path: KvPath, mode: int, data: bytes | Iterable[bytes]
+) -> Iterator[pb.ImportChunk]:
+    chunks = ImportChunks(path, mode)
+    for piece in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
+        yield from chunks.of(piece)
+    yield from chunks.end()
+
+
+def import_file(chunks: Iterable[pb.ImportChunk] | AsyncIterable[pb.ImportChunk]) -> Call[None]:
+    """A client stream: its request is the stream of chunks (import_chunks)."""
+    return Call("Import", chunks, _none)
+
+
+def procfs(path: KvPath) -> Call[str]:
+    return Call("Procfs", pb.PathRequest(path=os.fspath(path)), _text)
+
+
+# -- transport ----------------------------------------------------------------------------
+
+# A gRPC status means the call never got a kernel's answer; UNAVAILABLE is the usual one:
+# the kernel died or was stopped.
+_TRANSPORT_ERRNO = {
+    grpc.StatusCode.UNAVAILABLE: errno.EPIPE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errno.ETIMEDOUT,
+    grpc.StatusCode.CANCELLED: errno.ECANCELED,
+    grpc.StatusCode.UNAUTHENTICATED: errno.EACCES,
+    grpc.StatusCode.PERMISSION_DENIED: errno.EACCES,
+    grpc.StatusCode.UNIMPLEMENTED: errno.ENOSYS,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errno.EMSGSIZE,
+    grpc.StatusCode.INVALID_ARGUMENT: errno.EINVAL,
+}
+
+
+def transport_error(e: grpc.RpcError, sock: os.PathLike | str) -> OSError:
+    """The OSError for a failed gRPC call: BrokenPipeError (EPIPE) when the kernel is gone."""
+    code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = e.details() if callable(getattr(e, "details", None)) else str(e)
+    what = "kernel unreachable" if code == grpc.StatusCode.UNAVAILABLE else code.name.lower()
+    return errors.error(_TRANSPORT_ERRNO.get(code, errno.EIO), f"{sock}: {what}: {details}")
+
+
+def connect_error(e: OSError, sock: os.PathLike | str) -> OSError:
+    """The hello handshake's failure, saying which socket had no kernel behind it."""
+    reason = e.strerror or str(e)
+    return errors.error(e.errno or errno.ECONNREFUSED, f"no Symphony kernel at {sock}: {reason}")

@@ -1,0 +1,304 @@
+"""The LIP-side library without a kernel: requests, replies, errors, flags, and what a client
+sees when no kernel answers. (Calls against a running kernel are tested end to end.)"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import inspect
+import os
+import socket
+
+import grpc
+import grpc.aio
+import pytest
+
+from syscalls import convert, errors, session
+from syscalls import symphony_pb2 as pb
+from syscalls.aio import AsyncFile, AsyncKernel
+from syscalls.client import File, Kernel
+from syscalls.context import AsyncContext, Context, _kept, _step_sampling
+from syscalls.flags import add_sampling_flags, kv_path, parse_ids, report, sampling_kwargs
+
+# -- errors -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "code, exc",
+    [
+        (errno.ENOENT, FileNotFoundError),
+        (errno.EACCES, PermissionError),
+        (errno.EPERM, PermissionError),
+        (errno.EEXIST, FileExistsError),
+        (errno.EISDIR, IsADirectoryError),
+        (errno.ENOTDIR, NotADirectoryError),
+        (errno.ESRCH, ProcessLookupError),
+        (errno.EPIPE, BrokenPipeError),
+        (errno.EINVAL, OSError),
+        (errno.ENOSPC, OSError),
+    ],
+)
+def test_a_reply_error_raises_the_oserror_its_errno_names(code, exc):
+    reply = pb.Empty(error=pb.Error(errno=code, message="what happened"))
+    with pytest.raises(exc) as info:
+        errors.check(reply)
+    assert info.value.errno == code and info.value.strerror == "what happened"
+
+
+def test_a_reply_without_error_is_returned():
+    reply = pb.FdReply(fd=3)
+    assert errors.check(reply) is reply
+
+
+@pytest.mark.parametrize(
+    "status, exc, code",
+    [
+        (grpc.StatusCode.UNAVAILABLE, BrokenPipeError, errno.EPIPE),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, TimeoutError, errno.ETIMEDOUT),
+        (grpc.StatusCode.UNIMPLEMENTED, OSError, errno.ENOSYS),
+        (grpc.StatusCode.INTERNAL, OSError, errno.EIO),
+    ],
+)
+def test_transport_failures_become_oserrors_naming_the_socket(status, exc, code):
+    rpc_error = grpc.aio.AioRpcError(status, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
+    e = convert.transport_error(rpc_error, "/run/k.sock")
+    assert isinstance(e, exc) and e.errno == code
+    assert "/run/k.sock" in e.strerror and "gone" in e.strerror
+
+
+def test_connect_without_a_kernel_says_which_socket(tmp_path):
+    sock = tmp_path / "k.sock"
+    with pytest.raises(FileNotFoundError, match=f"no Symphony kernel at {sock}"):
+        Kernel.connect(sock)
+
+
+def test_connect_to_a_dead_kernels_socket_is_refused(tmp_path):
+    sock = tmp_path / "k.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(session.hello_path(sock)))  # bound, never listening: a kernel that died
+    try:
+        with pytest.raises(ConnectionRefusedError, match=str(sock)):
+            Kernel.connect(sock)
+    finally:
+        stale.close()
+
+
+def test_a_call_to_a_kernel_that_is_gone_raises_broken_pipe(tmp_path):
+    sock = tmp_path / "k.sock"
+    lifeline, _ = socket.socketpair()
+    channel = grpc.insecure_channel(session.grpc_target(sock))
+    k = Kernel(sock, lifeline, "token", channel)
+    with k, pytest.raises(BrokenPipeError, match="kernel unreachable"):
+        k.getpid()
+    assert lifeline.fileno() == -1  # closing the session closed the lifeline
+
+
+def test_an_async_call_to_a_kernel_that_is_gone_raises_broken_pipe(tmp_path):
+    sock = tmp_path / "k.sock"
+
+    async def calls():
+        with pytest.raises(FileNotFoundError, match=str(sock)):
+            await AsyncKernel.connect(sock)
+        lifeline, _ = socket.socketpair()
+        channel = grpc.aio.insecure_channel(session.grpc_target(sock))
+        async with AsyncKernel(sock, lifeline, "token", channel) as k:
+            with pytest.raises(BrokenPipeError, match="kernel unreachable"):
+                await k.model_info()
+
+    asyncio.run(calls())
+
+
+# -- requests -----------------------------------------------------------------------------
+
+
+def test_pred_request_from_keywords():
+    f = File(None, 7)
+    sampling = convert.sampler(None, {"temperature": 0.7, "top_k": 5, "seed": 0})
+    call = convert.pred(f, [1, 2, 3], None, [0, 2], sampling, False)
+    req = call.request
+    assert call.rpc == "Pred" and req.fd == 7 and list(req.tokens) == [1, 2, 3]
+    assert list(req.positions) == [] and list(req.outputs) == [0, 2]
+    assert req.sampler.top_k == 5 and req.sampler.top_p == 1.0
+    assert req.sampler.HasField("seed") and req.sampler.seed == 0  # seed 0 is a seed
+
+
+def test_pred_defaults_to_greedy_without_a_seed():
+    req = convert.pred(3, [1], None, None, convert.sampler(None, {}), True).request
+    assert req.sampler.temperature == 0 and not req.sampler.HasField("seed") and req.no_outputs
+
+
+def test_pred_takes_a_sampler_or_keywords_not_both():
+    with pytest.raises(TypeError):
+        convert.sampler(convert.Sampling(temperature=1.0), {"seed": 1})
+    with pytest.raises(TypeError):
+        convert.sampler(None, {"temprature": 1.0})
+
+
+def test_fds_are_ints_or_files_and_targets_paths_or_fds():
+    assert convert.close(File(None, 4)).request.fd == 4
+    assert convert.fork(AsyncFile(None, 5)).request.fd == 5
+    by_fd = convert.stat(0).request
+    assert by_fd.WhichOneof("target") == "fd" and by_fd.fd == 0
+    by_path = convert.export(os.path.join("/home", "u", "x"), 10, 0).request
+    assert by_path.path == "/home/u/x" and by_path.offset == 10
+    assert convert.read(1, 0, None).request.count == convert.READ_ALL
+
+
+def test_tokenize_messages():
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    req = convert.tokenize("", messages, True, False).request
+    assert [(m.role, m.content) for m in req.messages] == [("system", "be brief"), ("user", "hi")]
+    assert req.add_generation_prompt and not req.add_special
+
+
+def test_attach_names_the_program_by_default():
+    req = convert.attach(None, ["/usr/lib/lips/chat.py", "--x"]).request
+    assert req.name == "chat.py" and list(req.argv) == ["/usr/lib/lips/chat.py", "--x"]
+    assert convert.attach("mine", []).request.name == "mine"
+
+
+def test_import_chunks_name_the_file_first_and_stay_small():
+    data = bytes(range(256)) * (3 * convert.CHUNK_BYTES // 256 + 1)
+    chunks = list(convert.import_chunks("/home/u/f", 0o640, data))
+    assert (chunks[0].path, chunks[0].mode) == ("/home/u/f", 0o640)
+    assert all(c.path == "" for c in chunks[1:])
+    assert all(len(c.data) <= convert.CHUNK_BYTES for c in chunks)
+    assert b"".join(c.data for c in chunks) == data
+    pieces = list(convert.import_chunks("/f", 0o600, iter([b"ab", b"", b"c"])))
+    assert [c.data for c in pieces] == [b"ab", b"c"] and pieces[0].path == "/f"
+
+
+def test_an_empty_import_is_one_naming_chunk():
+    (chunk,) = convert.import_chunks("/f", 0o600, b"")
+    assert chunk.path == "/f" and chunk.data == b""
+
+
+# -- replies ------------------------------------------------------------------------------
+
+
+def test_replies_become_plain_values():
+    info = convert.model_info().result(
+        pb.ModelInfoReply(name="m", eos_ids=[2, 7], special_tokens={"<|eos|>": 2}, bos_id=-1)
+    )
+    assert info.eos_ids == (2, 7) and info.special_tokens == {"<|eos|>": 2}
+    assert info.bos_id == -1 and not info.has_tokenizer
+    outs = convert.pred(0, [1], None, None, convert.Sampling(), False).result(
+        pb.PredReply(
+            outputs=[pb.PredOutput(row=0, token=9, logprob=-0.5, top=[pb.TopLogprob(id=9)])]
+        )
+    )
+    assert outs == [convert.PredOutput(0, 9, -0.5, [(9, 0.0)])]
+    entries = convert.readdir("/d").result(
+        pb.ReaddirReply(entries=[pb.DirEntry(name="x", stat=pb.StatReply(mode=0o40755, ino=3))])
+    )
+    assert entries[0][0] == "x" and entries[0][1].ino == 3 and entries[0][1].is_dir
+    procs = convert.ps().result(pb.PsReply(procs=[pb.ProcInfo(pid=1, argv=["a", "b"])]))
+    assert procs[0].pid == 1 and procs[0].argv == ("a", "b")
+    assert convert.read(0, 0, 2).result(pb.ReadReply(tokens=[5, 6], positions=[0, 1])) == (
+        [5, 6],
+        [0, 1],
+    )
+
+
+# -- the two clients ----------------------------------------------------------------------
+
+
+def _api(cls) -> dict[str, list]:
+    """Public methods and their parameters: names, kinds and defaults."""
+    return {
+        name: [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+        for name, fn in inspect.getmembers(cls, inspect.isfunction)
+        if not name.startswith("_")
+    }
+
+
+@pytest.mark.parametrize(
+    "sync, async_", [(Kernel, AsyncKernel), (File, AsyncFile), (Context, AsyncContext)]
+)
+def test_the_asyncio_twin_has_the_same_api(sync, async_):
+    ours, theirs = _api(sync), _api(async_)
+    theirs.pop("create", None)  # AsyncContext's constructor, which can await
+    if sync is Context:
+        assert {"tokens", "stop"} <= set(theirs) - set(ours)  # properties on the sync side
+        theirs.pop("tokens"), theirs.pop("stop")
+    assert ours == theirs
+
+
+def test_every_rpc_has_a_method():
+    rpcs = pb.DESCRIPTOR.services_by_name["Kernel"].methods_by_name
+    snake = {"GetPid": "getpid", "ModelInfo": "model_info", "Import": "import_file"}
+    for rpc in rpcs:
+        name = snake.get(rpc, rpc.lower())
+        assert callable(getattr(Kernel, name)) and callable(getattr(AsyncKernel, name)), rpc
+
+
+# -- context helpers ----------------------------------------------------------------------
+
+
+def test_seeded_steps_draw_different_reproducible_seeds():
+    assert _step_sampling({"temperature": 1.0, "seed": 10}, 3) == {"temperature": 1.0, "seed": 13}
+    assert _step_sampling({"temperature": 1.0, "seed": None}, 3)["seed"] is None
+    assert _step_sampling({}, 3) == {}
+
+
+def test_truncating_keeps_the_pending_tokens_below_the_cut():
+    assert _kept([7, 8, 9], written=10, length=12) == [7, 8]
+    assert _kept([7, 8, 9], written=10, length=10) == []
+    assert _kept([7, 8, 9], written=10, length=4) == []
+
+
+# -- flags --------------------------------------------------------------------------------
+
+
+def _flags(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_sampling_flags(p)
+    return p.parse_args(argv)
+
+
+def test_sampling_flags_are_greedy_unless_a_temperature_is_given():
+    assert sampling_kwargs(_flags())["temperature"] == 0.0
+    assert sampling_kwargs(_flags("--temperature", "0.8", "--seed", "3")) == {
+        "temperature": 0.8,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "seed": 3,
+    }
+    assert sampling_kwargs(_flags("--temperature", "0.8", "--greedy"))["temperature"] == 0.0
+    convert.Sampling(**sampling_kwargs(_flags("--top-k", "4")))  # the names Sampling takes
+
+
+def test_parse_ids_and_kv_paths():
+    assert parse_ids("1,2 3") == [1, 2, 3]
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_ids("1,x")
+    assert kv_path("/home/u", "a/b.kv") == "/home/u/a/b.kv"
+    assert kv_path("/home/u", "/tmp/b.kv") == "/tmp/b.kv"
+
+
+def test_report_says_what_went_wrong(capsys):
+    assert report("chat", FileNotFoundError(errno.ENOENT, "'/home/u/x'")) == 1
+    assert capsys.readouterr().err == "chat: '/home/u/x': No such file or directory\n"
+    report("chat", ValueError("empty prompt"))
+    assert capsys.readouterr().err == "chat: empty prompt\n"
+
+
+# -- LIPs without a kernel ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "lip, argv",
+    [
+        ("complete", ["--prompt", "x"]),
+        ("chat", ["--message", "hi"]),
+        ("best_of_n", ["--prompt-ids", "1,2"]),
+        ("prompt_cache", ["--document", "d.txt", "--cache", "c", "--question", "q"]),
+    ],
+)
+def test_lips_report_a_missing_kernel(lip, argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SYMPHONY_SOCKET", str(tmp_path / "k.sock"))
+    module = __import__(f"lips.{lip}", fromlist=["main"])
+    assert module.main(argv) == 1
+    assert capsys.readouterr().err.startswith(f"{lip}: no Symphony kernel at {tmp_path}")
