@@ -248,6 +248,53 @@ def test_bad_calls_get_their_errno_and_change_nothing(daemon):
         assert state() == before
 
 
+
+def lip_json(daemon, *args: str) -> dict:
+    lip = run_lip(daemon, *args, "--json")
+    assert lip.returncode == 0, lip.stderr
+    return json.loads(lip.stdout)
+
+
+def test_prompt_cache_answers_as_a_full_prefill_would(daemon, model, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The quick brown fox jumps over the lazy dog. " * 6)
+    args = ("lips/prompt_cache.py", "--document", str(doc), "--cache", "doc.kv",
+            "--question", "fox?", "--question", "dog?", "--max-new-tokens", "8")
+    first, second = lip_json(daemon, *args), lip_json(daemon, *args)
+    assert first["built"] and not second["built"]  # the second run only forks the file
+    with daemon.connect() as k:
+        document = k.tokenize(doc.read_text(), add_special=True)
+        for a in first["answers"]:
+            question = k.tokenize(f"\n\nQ: {a['question']}\nA:")
+            assert a["output_ids"] == generate_alone(model, document + question, 8)
+    assert [a["output_ids"] for a in second["answers"]] == [
+        a["output_ids"] for a in first["answers"]]
+
+
+def test_best_of_n_picks_the_most_likely_of_n_reproducible_branches(daemon):
+    args = ("lips/best_of_n.py", "--prompt", "def fibonacci(n):", "--n", "4", "--seed", "1",
+            "--max-new-tokens", "6")
+    one, two = lip_json(daemon, *args), lip_json(daemon, *args)
+    assert len(one["candidates"]) == 4
+    # Same seeds, same tokens; the logprobs only to rounding, as batches differ run to run.
+    for a, b in zip(one["candidates"], two["candidates"], strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["mean_logprob"] == pytest.approx(b["mean_logprob"], abs=1e-4)
+    means = [c["mean_logprob"] for c in one["candidates"]]
+    assert one["pick"] == means.index(max(means))
+
+
+def test_chat_keeps_the_conversation_in_one_kv_file(daemon):
+    lip = run_lip(daemon, "lips/chat.py", "--message", "hi", "--message", "the fox?",
+                  "--save", "chat.kv", "--max-new-tokens", "5")
+    assert lip.returncode == 0, lip.stderr
+    with daemon.connect() as k, k.open(k.home + "/chat.kv") as f:
+        tokens = k.read(f)[0]
+        first = k.tokenize(messages=[{"role": "user", "content": "hi"}],
+                           add_generation_prompt=True)
+        assert tokens[: len(first)] == first
+        assert k.stat(f).tokens == len(tokens) > len(first) + 5
+
 # -- level 1: KV memory pressure --------------------------------------------------------
 
 
