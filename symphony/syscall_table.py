@@ -16,7 +16,6 @@ from kvfs.errors import FSError
 from kvfs.format import exported_size
 from kvfs.fs import Handle
 from kvfs.perm import Cred
-from symphony.engine.errors import ModelError
 from symphony.engine.sampler import SamplingParams
 from symphony.process import NICE_MAX, NICE_MIN, Process
 from syscalls import symphony_pb2 as pb
@@ -110,7 +109,7 @@ def sys_tokenize(k: Kernel, proc: Process, cred: Cred,
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
             text = tok.apply_chat_template(messages, req.add_generation_prompt)
-        except (ModelError, Exception) as e:  # a template is user code: any error is EINVAL
+        except Exception as e:  # a template is user code: any error is EINVAL
             raise einval(f"tokenize: the chat template failed: {e}") from e
         return pb.TokenizeReply(ids=tok.encode(text, add_bos=False))
     return pb.TokenizeReply(ids=tok.encode(req.text, add_bos=None if req.add_special else False))
@@ -183,7 +182,8 @@ def _fd(proc: Process, fd: int) -> Handle:
 def sys_open(k: Kernel, proc: Process, cred: Cred, req: pb.OpenRequest) -> pb.FdReply:
     if req.flags & ~OPEN_FLAGS:
         raise einval(f"open {req.path!r}: unsupported flags {req.flags & ~OPEN_FLAGS:#o}")
-    handle = k.fs.open(cred, req.path, req.flags, req.mode or 0o600)
+    mode = req.mode if req.HasField("mode") else 0o600
+    handle = k.fs.open(cred, req.path, req.flags, mode)
     return pb.FdReply(fd=proc.add_fd(handle))
 
 
@@ -252,7 +252,7 @@ def sys_readdir(k: Kernel, proc: Process, cred: Cred, req: pb.PathRequest) -> pb
 
 
 def sys_mkdir(k: Kernel, proc: Process, cred: Cred, req: pb.ModeRequest) -> pb.Empty:
-    k.fs.mkdir(cred, req.path, req.mode or 0o755)
+    k.fs.mkdir(cred, req.path, req.mode if req.HasField("mode") else 0o755)
     return pb.Empty()
 
 
@@ -273,6 +273,8 @@ def sys_rename(k: Kernel, proc: Process, cred: Cred, req: pb.RenameRequest) -> p
 
 
 def sys_chmod(k: Kernel, proc: Process, cred: Cred, req: pb.ModeRequest) -> pb.Empty:
+    if not req.HasField("mode"):
+        raise einval(f"chmod {req.path!r}: no mode")
     k.fs.chmod(cred, req.path, req.mode)
     return pb.Empty()
 
@@ -320,7 +322,7 @@ async def sys_import(k: Kernel, proc: Process, cred: Cred,
     path, mode, data = None, 0o600, bytearray()
     async for chunk in chunks:
         if path is None:
-            path, mode = chunk.path, chunk.mode or 0o600
+            path, mode = chunk.path, chunk.mode if chunk.HasField("mode") else 0o600
         data += chunk.data
     if not path:
         raise einval("import: no path in the first chunk")
