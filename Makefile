@@ -24,9 +24,25 @@ install:
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The tour: a kernel on the default model, three LIPs as shell processes, the process
+# table and /proc, then a clean stop. Nothing is left running, even when a step fails.
+TOUR := /tmp/symphony-tour
+SYM := $(VENV)/bin/symphony
 run: $(STAMP)
-	$(VENV)/bin/symphony generate --prompt "def fibonacci(n):" --max-new-tokens 64
-	$(VENV)/bin/symphony generate --prompt "The" --max-new-tokens 64 --temperature 0.8 --seed 0
+	@rm -rf $(TOUR) && mkdir -p $(TOUR) && printf 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' > $(TOUR)/doc.py
+	@export SYMPHONY_SOCKET=$(TOUR)/kernel.sock; trap '$(SYM) stop >/dev/null 2>&1 || true' EXIT; set -e; \
+	say() { printf '\n\033[1m$$ %s\033[0m\n' "$$*"; }; \
+	say symphony start; $(SYM) start --state-dir $(TOUR)/state --kv-pages 512; \
+	say symphony run lips/complete.py --prompt '"def fibonacci(n):"' --max-new-tokens 48; \
+	$(SYM) run lips/complete.py --prompt "def fibonacci(n):" --max-new-tokens 48; echo; \
+	say symphony run lips/best_of_n.py --prompt '"The"' --n 4 --seed 0 --max-new-tokens 24; \
+	$(SYM) run lips/best_of_n.py --prompt "The" --n 4 --seed 0 --max-new-tokens 24; \
+	say symphony run lips/prompt_cache.py --document doc.py --cache doc.kv --question ... ; \
+	$(SYM) run lips/prompt_cache.py --document $(TOUR)/doc.py --cache doc.kv \
+		--question "What does it return?" --question "Is it recursive?" --max-new-tokens 24; \
+	say symphony ps; $(SYM) ps; \
+	say symphony status; $(SYM) status; \
+	say symphony stop; $(SYM) stop; trap - EXIT
 
 bench: $(STAMP)
 	$(PY) bench/engine.py
