@@ -24,7 +24,7 @@ from symphony.procfs import ProcFS
 from symphony.scheduler import Scheduler
 from symphony.server import Front, Hello
 from syscalls import symphony_pb2 as pb
-from syscalls.session import hello_path
+from syscalls.session import SHUTDOWN, hello_path
 
 log = logging.getLogger("symphony.kernel")
 
@@ -140,6 +140,8 @@ class Kernel:
         finally:
             log.info("shutting down")
             hello.close()
+            for lifeline in self.lifelines.values():
+                lifeline.write(SHUTDOWN)  # a clean stop, not a crash: the mount unmounts
             await server.stop(grace=1.0)
             for proc in list(self.procs):
                 await self.reap(proc)

@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from symphony.daemon import Kernel
 
 
+FILES = ("kv", "meminfo", "sched")
+PROC_FILES = ("fds", "status", "syscalls")
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -30,16 +34,20 @@ class ProcFS:
     def __init__(self, kernel: Kernel):
         self.k = kernel
 
-    def entries(self) -> list[str]:
-        return ["meminfo", "sched", "kv", *(str(p.pid) for p in self.k.procs)]
-
     def read(self, path: str) -> str:
+        """The text of a file; for a directory, its entries a line each, subdirectories
+        ending in "/"."""
         parts = [p for p in path.split("/") if p]
         if parts[:1] == ["proc"]:
             parts = parts[1:]
-        if parts in (["meminfo"], ["sched"], ["kv"]):
+        if not parts:
+            return "".join(f"{name}\n" for name in FILES) + "".join(
+                f"{p.pid}/\n" for p in self.k.procs)
+        if len(parts) == 1 and parts[0].isdigit() and int(parts[0]) in self.k.procs.by_pid:
+            return "".join(f"{name}\n" for name in PROC_FILES)
+        if len(parts) == 1 and parts[0] in FILES:
             return getattr(self, parts[0])()
-        if len(parts) == 2 and parts[0].isdigit() and parts[1] in ("status", "fds", "syscalls"):
+        if len(parts) == 2 and parts[0].isdigit() and parts[1] in PROC_FILES:
             proc = self.k.procs.by_pid.get(int(parts[0]))
             if proc is not None:
                 return getattr(self, parts[1])(proc)

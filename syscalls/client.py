@@ -11,10 +11,11 @@ that is gone raises BrokenPipeError (EPIPE) naming the socket.
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import grpc
 
@@ -59,6 +60,20 @@ class Session:
     def _identify(self, ident: Identity) -> None:
         self.pid, self.uid, self.gid = ident.pid, ident.uid, ident.gid
         self.user, self.home = ident.user, ident.home
+
+    def acting_as(self, uid: int, gid: int) -> Self:
+        """The same session, its calls checked as uid:gid would be. Only a root session may
+        (the mount does, for the process behind each request); others get EPERM. The view
+        shares the connection: close the session, not the view."""
+        view = copy.copy(self)
+        view._metadata = [(session.SESSION_KEY, self._metadata[0][1]),
+                          (session.AS_KEY, f"{uid}:{gid}")]
+        return view
+
+    def lifeline(self) -> socket.socket:
+        """The hello connection: it reads "shutdown" when the kernel stops cleanly and
+        end-of-file when it dies."""
+        return self._lifeline
 
 
 class Kernel(Session):

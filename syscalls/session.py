@@ -17,6 +17,7 @@ DEFAULT_SOCKET = "/tmp/symphony/kernel.sock"
 SESSION_KEY = "symphony-session"  # gRPC metadata: the token
 AS_KEY = "symphony-as"  # gRPC metadata: "uid:gid", honoured for root sessions only
 TOKEN_BYTES = 32
+SHUTDOWN = b"shutdown\n"  # said on the lifeline when the kernel stops cleanly
 
 
 def socket_path(path: str | os.PathLike | None = None) -> Path:

@@ -366,3 +366,33 @@ def test_stop_persists_named_files_and_start_brings_them_back(model):
             assert out.token == expected.token
     finally:
         assert again.stop() == 0, again.log_text()
+
+
+# -- /proc ------------------------------------------------------------------------------
+
+
+def test_proc_agrees_with_the_kernel(daemon):
+    with daemon.connect("prober") as k:
+        listing = k.procfs("/proc").split()
+        assert {"meminfo", "sched", "kv", f"{k.pid}/"} <= set(listing)
+        assert k.procfs(f"/proc/{k.pid}").split() == ["fds", "status", "syscalls"]
+        before = meminfo(k)
+        with k.open("", os.O_RDWR) as f:
+            f.pred(prompt(40), no_outputs=True)  # 3 pages, the last one partly filled
+            with f.fork() as g:
+                after = meminfo(k)
+                # The fork shares the two full pages and copies the partial one.
+                assert int(after["device_used"]) - int(before["device_used"]) == 4
+                assert int(after["shared"]) - int(before["shared"]) == 2
+                shared = [line.split("\t") for line in k.procfs("kv").splitlines()[1:]]
+                assert [row[3] for row in shared].count(f"{f.stat().ino},{g.stat().ino}") == 2
+                fds = k.procfs(f"{k.pid}/fds").splitlines()[1:]
+                assert [line.split("\t")[3:] for line in fds] == [["40", "3"], ["40", "3"]]
+        status = dict(line.split(":", 1) for line in k.procfs(f"{k.pid}/status").splitlines())
+        assert status["name"].strip() == "prober" and status["tokens"].strip() == "40"
+        calls = {line.split("\t")[0]: int(line.split("\t")[1])
+                 for line in k.procfs(f"{k.pid}/syscalls").splitlines()[1:]}
+        assert calls["Pred"] == 1 and calls["Fork"] == 1 and calls["Open"] == 1
+        assert calls["Close"] == 2 and calls["Procfs"] >= 6
+        with pytest.raises(FileNotFoundError):
+            k.procfs("/proc/nope")
