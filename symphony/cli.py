@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
+from symphony import kv, mount, top
 from symphony.engine.errors import ModelError
-from syscalls.flags import add_prompt_flags, add_sampling_flags, sampling_kwargs
+from syscalls.flags import add_prompt_flags, add_sampling_flags, report, sampling_kwargs
 
 
 def sampling_params(args: argparse.Namespace):
@@ -144,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     kill.add_argument("--socket")
     kill.add_argument("pids", type=int, nargs="+")
     kill.set_defaults(func=lambda a: control().cmd_kill(a))
+    top.add_parser(sub)
+    kv.add_parser(sub)
+    mount.add_parsers(sub)
     return parser
 
 
@@ -155,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"symphony: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a kernel's status, or no kernel to talk to
-        print(f"symphony: {e.strerror or e}", file=sys.stderr)
-        return 1
+        return report("symphony", e)
 
 
 if __name__ == "__main__":

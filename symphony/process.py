@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import pwd
 import secrets
 import time
 from collections import Counter
@@ -13,6 +12,7 @@ from dataclasses import dataclass, field
 from kvfs.errors import FSError
 from kvfs.fs import Handle
 from kvfs.perm import Cred
+from symphony.users import user_name
 from syscalls.session import TOKEN_BYTES
 
 FIRST_FD = 3  # an fd left at the proto default (0) is never valid
@@ -22,13 +22,6 @@ NICE_MIN, NICE_MAX = -20, 19
 def nice_weight(nice: int) -> float:
     """CFS's weight: each nice step is worth about 10% of CPU, nice 0 weighs 1024."""
     return 1024 / 1.25**nice
-
-
-def user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid{uid}"
 
 
 def os_groups(os_pid: int) -> frozenset[int]:

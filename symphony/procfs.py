@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 from kvfs.errors import FSError
 from kvfs.pages import DISK, TIERS
-from symphony.process import Process, os_cpu_seconds, user_name
+from symphony.process import Process, os_cpu_seconds
+from symphony.users import user_name
 
 if TYPE_CHECKING:
     from symphony.daemon import Kernel

@@ -1,0 +1,185 @@
+"""`symphony kv`: the kernel's KV files from the shell, through the syscalls.
+
+In `ls`, `cat` and `rm` every path is a kernel path. In `cp` a kernel path is written
+`kv:PATH` and any other argument is a local file. A kernel path is absolute, or relative to
+your home: `kv:doc.kv` is /home/<user>/doc.kv, and `kv:` alone is the home. A file's bytes
+are its canonical serialized form (docs/kv-format.md), the bytes the mount shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import posixpath
+import stat
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from functools import partial
+from itertools import chain
+from pathlib import Path
+
+from symphony.users import user_name
+from syscalls.client import Kernel
+from syscalls.convert import CHUNK_BYTES, Stat
+
+PREFIX = "kv:"
+
+
+def kernel_path(k: Kernel, arg: str) -> str:
+    """The absolute kernel path that `arg` (with or without the kv: prefix) names."""
+    path = arg.removeprefix(PREFIX)
+    return path if path.startswith("/") else f"{k.home}/{path}".rstrip("/")
+
+
+def long_lines(entries: list[tuple[str, Stat]]) -> list[str]:
+    """ls -l: mode, owner, tokens, pages, size, mtime, name; columns as wide as needed."""
+    rows = [
+        (
+            stat.filemode(s.mode),
+            user_name(s.uid),
+            str(s.tokens),
+            str(s.pages),
+            str(s.size),
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(s.mtime_ns / 1e9)),
+            name,
+        )
+        for name, s in entries
+    ]
+    widths = [max((len(row[i]) for row in rows), default=0) for i in range(5)]
+    return [
+        f"{r[0]} {r[1]:<{widths[1]}} {r[2]:>{widths[2]}} {r[3]:>{widths[3]}} "
+        f"{r[4]:>{widths[4]}} {r[5]} {r[6]}"
+        for r in rows
+    ]
+
+
+def cmd_ls(k: Kernel, args: argparse.Namespace) -> int:
+    path = kernel_path(k, args.path)
+    st = k.stat(path)
+    entries = sorted(k.readdir(path), key=lambda e: e[0]) if st.is_dir else [(args.path, st)]
+    for line in long_lines(entries) if args.long else [name for name, _ in entries]:
+        print(line)
+    return 0
+
+
+def cmd_cat(k: Kernel, args: argparse.Namespace) -> int:
+    out = sys.stdout.buffer
+    for arg in args.paths:
+        for chunk in k.export_iter(kernel_path(k, arg)):
+            out.write(chunk)
+    out.flush()
+    return 0
+
+
+def read_chunks(path: str) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        yield from iter(partial(f.read, CHUNK_BYTES), b"")
+
+
+def source(k: Kernel, arg: str) -> tuple[str, int, Iterator[bytes]]:
+    """cp's SRC: its file name, permission bits and bytes in chunks. The first chunk is
+    fetched here so that a refusal (ENOENT, EACCES, EISDIR) raises as itself, not inside the
+    import stream, where gRPC would report it only as a failed request iterator."""
+    if arg.startswith(PREFIX):
+        path = kernel_path(k, arg)
+        mode, chunks = k.stat(path).mode, k.export_iter(path)
+    else:
+        path = arg
+        mode, chunks = os.stat(path).st_mode, read_chunks(path)
+    return posixpath.basename(path), stat.S_IMODE(mode), chain([next(chunks, b"")], chunks)
+
+
+def write_local(path: Path, chunks: Iterable[bytes], mode: int) -> None:
+    """Whole or not at all, as import is: the bytes go to a temporary file beside `path`,
+    renamed over it once they have all arrived."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def is_kernel_dir(k: Kernel, path: str) -> bool:
+    try:
+        return k.stat(path).is_dir
+    except FileNotFoundError:
+        return False
+
+
+def cmd_cp(k: Kernel, args: argparse.Namespace) -> int:
+    """Kernel to local exports, local to kernel imports (the kernel checks the file and
+    refuses it whole), kernel to kernel does both. The copy keeps SRC's permission bits; a
+    DST that is a directory receives a file of SRC's name."""
+    if not (args.src.startswith(PREFIX) or args.dst.startswith(PREFIX)):
+        raise ValueError(
+            f"kv cp: neither {args.src} nor {args.dst} is a kernel path (write one as {PREFIX}PATH)"
+        )
+    name, mode, chunks = source(k, args.src)
+    if args.dst.startswith(PREFIX):
+        dst = kernel_path(k, args.dst)
+        if is_kernel_dir(k, dst):
+            dst = f"{dst.rstrip('/')}/{name}"
+        k.import_file(dst, chunks, mode)
+    else:
+        local = Path(args.dst)
+        write_local(local / name if local.is_dir() else local, chunks, mode)
+    return 0
+
+
+def cmd_rm(k: Kernel, args: argparse.Namespace) -> int:
+    """As rm(1): one path that cannot be removed does not stop the others."""
+    status = 0
+    for arg in args.paths:
+        try:
+            k.unlink(kernel_path(k, arg))
+        except OSError as e:
+            print(f"symphony: kv rm: {arg}: {os.strerror(e.errno)}", file=sys.stderr)
+            status = 1
+    return status
+
+
+def run(args: argparse.Namespace) -> int:
+    with Kernel.connect(args.socket, name="symphony-kv") as k:
+        return args.kv_command(k, args)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    kv = sub.add_parser(
+        "kv",
+        help="list, print, copy and remove KV files through the kernel",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    kv.set_defaults(func=run)
+    # --socket goes on each command, not on `kv`: a subparser's default would override it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--socket")
+    ops = kv.add_subparsers(dest="kv_op", required=True)
+    ls = ops.add_parser("ls", parents=[common], help="list a directory (default: your home)")
+    ls.add_argument(
+        "-l", dest="long", action="store_true", help="mode, owner, tokens, pages, size, mtime, name"
+    )
+    ls.add_argument("path", nargs="?", default="")
+    ls.set_defaults(kv_command=cmd_ls)
+    cat = ops.add_parser("cat", parents=[common], help="write files' serialized bytes to stdout")
+    cat.add_argument("paths", nargs="+")
+    cat.set_defaults(kv_command=cmd_cat)
+    cp = ops.add_parser(
+        "cp",
+        parents=[common],
+        help="copy between kv:PATH and local files",
+        description=cmd_cp.__doc__,
+    )
+    cp.add_argument("src")
+    cp.add_argument("dst")
+    cp.set_defaults(kv_command=cmd_cp)
+    rm = ops.add_parser("rm", parents=[common], help="remove files")
+    rm.add_argument("paths", nargs="+")
+    rm.set_defaults(kv_command=cmd_rm)

@@ -1,0 +1,158 @@
+"""`symphony top`: the kernel's KV memory, scheduler and processes, refreshed like top(1).
+
+q quits; any other key refreshes now. --once prints one frame instead, for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import curses
+import os
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from contextlib import suppress
+from dataclasses import dataclass
+
+from syscalls.client import Kernel
+from syscalls.convert import ProcInfo
+
+COLUMNS = (
+    f"{'PID':>5} {'USER':<10} {'STATE':<9} {'NI':>3} {'TOK/S':>8} {'TOKENS':>9} "
+    f"{'PAGES':>6} {'CALLS':>7} {'CPU':>7} {'ACCEL':>7}  NAME"
+)
+QUIT = (ord("q"), ord("Q"))
+
+
+@dataclass(frozen=True)
+class Sample:
+    taken: float  # time.time()
+    procs: list[ProcInfo]
+    meminfo: dict[str, str]
+    sched: dict[str, str]
+
+
+def parse(text: str) -> dict[str, str]:
+    """A /proc file of `key: value` lines."""
+    pairs = (line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def sample(k: Kernel) -> Sample:
+    return Sample(time.time(), k.ps(), parse(k.procfs("meminfo")), parse(k.procfs("sched")))
+
+
+def rates(before: Sample, after: Sample) -> dict[int, float]:
+    """Tokens per second of each process of `after` since `before`. One missing from
+    `before` attached since, so it counts from 0."""
+    dt = after.taken - before.taken
+    old = {p.pid: p.tokens for p in before.procs}
+    return {
+        p.pid: max(p.tokens - old.get(p.pid, 0), 0) / dt if dt > 0 else 0.0 for p in after.procs
+    }
+
+
+def frame(s: Sample, rate: Mapping[int, float]) -> list[str]:
+    """The screen: summary lines, COLUMNS, then the processes, busiest first. A process
+    without a rate (the first frame) shows "-"."""
+    # A field this kernel does not report shows as "-": an older or newer kernel still draws.
+    m, q = defaultdict(lambda: "-", s.meminfo), defaultdict(lambda: "-", s.sched)
+    tiers = [key.removesuffix("_total") for key in s.meminfo if key.endswith("_total")]
+    states = Counter(p.state for p in s.procs)
+    quotas = [
+        f"{key.removeprefix('quota_')} {value}"
+        for key, value in s.meminfo.items()
+        if key.startswith("quota_")
+    ]
+    lines = [
+        f"symphony top - {time.strftime('%H:%M:%S', time.localtime(s.taken))}  "
+        f"processes {len(s.procs)}: "
+        + ", ".join(f"{n} {state}" for state, n in sorted(states.items())),
+        "KV pages: "
+        + " | ".join(
+            f"{t} {m[t + '_used']}/{m[t + '_total']} used, {m[t + '_free']} free" for t in tiers
+        )
+        + f"; shared {m['shared']}, swapped {m['swapped_out']}, on disk {m['on_disk']}",
+        f"Sched: run queue {q['run_queue']}, waiting for memory {q['waiting_for_memory']}, "
+        f"{q['steps_per_s']} steps/s, {q['tokens_per_s']} tokens/s, "
+        f"batch {q['batch_seqs_avg']} avg {q['batch_seqs_max']} max",
+        f"       budget use {q['budget_use']} of {q['token_budget']} tokens, prefill share "
+        f"{q['prefill_share']}, queue delay p50 {q['queue_delay_p50_ms']} p90 "
+        f"{q['queue_delay_p90_ms']} p99 {q['queue_delay_p99_ms']} ms",
+        f"       preemptions {q['preemptions']}, pages swapped out {q['pages_swapped_out']}, "
+        f"admission waits {q['admission_waits']}",
+        *([f"Quota (pages used / limit): {', '.join(quotas)}"] if quotas else []),
+        "",
+        COLUMNS,
+    ]
+    for p in sorted(s.procs, key=lambda p: (-rate.get(p.pid, 0.0), -p.tokens, p.pid)):
+        r = f"{rate[p.pid]:.1f}" if p.pid in rate else "-"
+        lines.append(
+            f"{p.pid:>5} {p.user[:10]:<10} {p.state:<9} {p.nice:>3} {r:>8} "
+            f"{p.tokens:>9} {p.pages:>6} {p.syscalls:>7} {p.cpu_seconds:>7.2f} "
+            f"{p.accel_seconds:>7.2f}  {p.name}"
+        )
+    return lines
+
+
+def draw(screen: curses.window, lines: list[str]) -> None:
+    height, width = screen.getmaxyx()
+    screen.erase()
+    for y, line in enumerate(lines[:height]):
+        attr = curses.A_REVERSE if line == COLUMNS else curses.A_NORMAL
+        # Not the last column: writing the bottom-right cell is an error in curses.
+        screen.addnstr(y, 0, line, width - 1, attr)
+    screen.refresh()
+
+
+def live(screen: curses.window, k: Kernel, interval: float) -> None:
+    with suppress(curses.error):  # not every terminal can hide its cursor
+        curses.curs_set(0)
+    screen.timeout(int(interval * 1000))
+    last, rate = sample(k), {}
+    while True:
+        draw(screen, frame(last, rate))
+        if screen.getch() in QUIT:  # -1 when the interval passed without a key
+            return
+        now = sample(k)
+        rate, last = rates(last, now), now
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise ValueError("top: --interval must be positive")
+    if not (args.once or sys.stdout.isatty()):
+        raise ValueError("top: stdout is not a terminal (use --once)")
+    try:
+        with Kernel.connect(args.socket, name="symphony-top") as k:
+            if args.once:
+                first = sample(k)
+                time.sleep(args.interval)
+                last = sample(k)
+                print("\n".join(frame(last, rates(first, last))))
+            else:
+                # ncurses prefers LINES and COLUMNS to the terminal's own size, even after a
+                # resize; a shell may have exported them for a size the terminal has left.
+                for name in ("LINES", "COLUMNS"):
+                    os.environ.pop(name, None)
+                curses.wrapper(live, k, args.interval)
+    except KeyboardInterrupt:  # Ctrl-C is how many quit top; curses.wrapper restored the tty
+        pass
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    top = sub.add_parser(
+        "top",
+        help="a live view of the kernel's memory, scheduler and processes",
+        description=__doc__,
+    )
+    top.add_argument("--socket")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument(
+        "--once",
+        action="store_true",
+        help="print one frame, rates measured over one interval, and exit",
+    )
+    top.set_defaults(func=run)

@@ -1,0 +1,278 @@
+"""`symphony kv` and `symphony top` against a real kernel daemon."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+from daemon import ROOT, make_model, start_daemon, wait_for
+
+from symphony.top import COLUMNS, Sample, frame, parse, rates
+from syscalls.convert import ProcInfo
+
+SYMPHONY = [sys.executable, "-m", "symphony.cli"]
+IDS = [(7 * i) % 290 + 6 for i in range(40)]  # 40 tokens: 3 pages of 16
+
+# A LIP that computes tokens until it is killed.
+BUSY = """
+import os
+from syscalls.client import Kernel
+k = Kernel.connect(name="busy")
+f = k.open("", os.O_RDWR)
+ids = [(5 * i) % 290 + 6 for i in range(32)]
+f.pred(ids, no_outputs=True)
+print(k.pid, flush=True)
+while True:
+    f.truncate(0)
+    f.pred(ids, no_outputs=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = start_daemon(make_model(tmp_path_factory.mktemp("model")), None, "--kv-pages", "128")
+    yield d
+    assert d.stop() == 0, d.log_text()
+
+
+@pytest.fixture(scope="module")
+def doc(daemon) -> str:
+    """A 40-token file in root's home."""
+    with daemon.connect() as k:
+        path = k.home + "/doc.kv"
+        with k.open(path, os.O_CREAT | os.O_RDWR) as f:
+            f.pred(IDS, no_outputs=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def busy(daemon):
+    lip = subprocess.Popen(
+        [sys.executable, "-c", BUSY], env=daemon.env(), cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    yield int(lip.stdout.readline())
+    lip.kill()
+    lip.wait()
+
+
+def symphony(daemon, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*SYMPHONY, *args, "--socket", str(daemon.socket)],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def kv(daemon, *args: str) -> subprocess.CompletedProcess:
+    return symphony(daemon, "kv", *args)
+
+
+def ok(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 0, out.stderr.decode()
+    return out.stdout.decode()
+
+
+def refused(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 1 and out.stdout == b""
+    err = out.stderr.decode()
+    assert err.startswith("symphony: ") and "Traceback" not in err, err
+    return err
+
+
+# -- kv ---------------------------------------------------------------------------------
+
+
+def test_kv_ls_lists_the_home_and_long_form_says_what_stat_says(daemon, doc):
+    assert "doc.kv" in ok(kv(daemon, "ls")).split()
+    assert ok(kv(daemon, "ls", "kv:/home")).split() == ["root"]
+    with daemon.connect() as k:
+        st = k.stat(doc)
+    (line,) = [
+        x for x in ok(kv(daemon, "ls", "-l", "/home/root")).splitlines() if x.endswith(" doc.kv")
+    ]
+    mode, user, tokens, pages, size, _day, _time, name = line.split()
+    assert (mode, user, name) == ("-rw-------", "root", "doc.kv")
+    assert (int(tokens), int(pages), int(size)) == (40, 3, st.size)
+    # A file lists as itself, under the name it was given.
+    assert ok(kv(daemon, "ls", "-l", "doc.kv")).split()[-1] == "doc.kv"
+    refused(kv(daemon, "ls", "/nowhere"))
+
+
+def test_kv_cat_writes_the_exported_bytes(daemon, doc):
+    with daemon.connect() as k:
+        exported = k.export(doc)
+    out = kv(daemon, "cat", doc)
+    assert out.returncode == 0 and out.stdout == exported
+    assert kv(daemon, "cat", "doc.kv", "kv:doc.kv").stdout == exported * 2
+    refused(kv(daemon, "cat", "/home"))
+
+
+def test_kv_cp_round_trips_through_a_local_file(daemon, doc, tmp_path):
+    with daemon.connect() as k:
+        exported = k.export(doc)
+        ok(kv(daemon, "cp", "kv:doc.kv", str(tmp_path / "doc.kv")))
+        assert (tmp_path / "doc.kv").read_bytes() == exported
+        ok(kv(daemon, "cp", f"kv:{doc}", str(tmp_path)))  # into a directory: same name
+        assert (tmp_path / "doc.kv").read_bytes() == exported
+        ok(kv(daemon, "cp", str(tmp_path / "doc.kv"), "kv:back.kv"))
+        assert k.export(k.home + "/back.kv") == exported
+        with k.open(k.home + "/back.kv") as f:
+            assert k.read(f)[0] == IDS
+        ok(kv(daemon, "cp", "kv:back.kv", "kv:/tmp"))  # kernel to kernel
+        assert k.export("/tmp/back.kv") == exported
+        ok(kv(daemon, "cp", "kv:back.kv", str(tmp_path / "again.kv")))
+        assert (tmp_path / "again.kv").read_bytes() == exported
+        ok(kv(daemon, "rm", "back.kv", "/tmp/back.kv"))
+        assert "back.kv" not in [n for n, _ in k.readdir(k.home)]
+        assert "back.kv" not in [n for n, _ in k.readdir("/tmp")]
+
+
+def test_kv_cp_of_a_corrupt_file_is_refused_and_leaves_nothing(daemon, doc, tmp_path):
+    with daemon.connect() as k:
+        good = k.export(doc)
+        before = sorted(n for n, _ in k.readdir(k.home))
+        for name, data in [
+            ("short.kv", good[:-5]),
+            ("garbage.kv", b"not a kv file at all"),
+            ("empty.kv", b""),
+        ]:
+            (tmp_path / name).write_bytes(data)
+            err = refused(kv(daemon, "cp", str(tmp_path / name), "kv:"))
+            assert "Invalid argument" in err or "kv file" in err, err
+            with pytest.raises(FileNotFoundError):
+                k.stat(f"{k.home}/{name}")
+        assert sorted(n for n, _ in k.readdir(k.home)) == before
+    # Export failures leave no local file, not even a partial one.
+    refused(kv(daemon, "cp", "kv:missing.kv", str(tmp_path / "out.kv")))
+    refused(kv(daemon, "cp", "kv:/home", str(tmp_path / "out.kv")))
+    assert not (tmp_path / "out.kv").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.kv", "garbage.kv", "short.kv"]
+    assert "kv:PATH" in refused(kv(daemon, "cp", str(tmp_path / "short.kv"), "elsewhere"))
+    refused(kv(daemon, "cp", str(tmp_path / "nope"), "kv:"))
+
+
+def test_kv_rm_removes_what_it_can_and_says_what_it_cannot(daemon, doc):
+    with daemon.connect() as k:
+        for name in ("a.kv", "b.kv"):
+            with k.open(f"{k.home}/{name}", os.O_CREAT | os.O_RDWR) as f:
+                f.pred(IDS[:5], no_outputs=True)
+        err = refused(kv(daemon, "rm", "a.kv", "nope.kv", f"kv:{k.home}/b.kv", "/home"))
+        assert err.splitlines() == [
+            "symphony: kv rm: nope.kv: No such file or directory",
+            "symphony: kv rm: /home: Is a directory",
+        ]
+        names = [n for n, _ in k.readdir(k.home)]
+        assert "a.kv" not in names and "b.kv" not in names and "doc.kv" in names
+
+
+# -- top --------------------------------------------------------------------------------
+
+
+def proc(pid: int, tokens: int, name: str) -> ProcInfo:
+    return ProcInfo(
+        pid=pid,
+        os_pid=1000 + pid,
+        uid=0,
+        user="root",
+        name=name,
+        argv=(name,),
+        state="sleeping",
+        nice=0,
+        syscalls=3,
+        tokens=tokens,
+        pages=1,
+        cpu_seconds=0.5,
+        accel_seconds=0.25,
+        fds=1,
+        started=0.0,
+    )
+
+
+def test_frame_sorts_by_rate_and_shows_what_it_lacks_as_a_dash():
+    meminfo = parse(
+        "device_total: 8\ndevice_free: 6\ndevice_used: 2\nhost_total: 4\nhost_free: 4\n"
+        "host_used: 0\nshared: 1\nquota_alice:   2 / 10\n"
+    )
+    before = Sample(100.0, [proc(2, 50, "slow"), proc(3, 0, "fast")], meminfo, {})
+    after = Sample(
+        102.0,
+        [*before.procs[:1], proc(3, 400, "fast"), proc(4, 20, "new")],
+        meminfo,
+        {"run_queue": "1", "tokens_per_s": "210.0"},
+    )
+    assert rates(before, after) == {2: 0.0, 3: 200.0, 4: 10.0}  # 4 attached in between
+    screen = frame(after, rates(before, after))
+    assert screen[1].startswith(
+        "KV pages: device 2/8 used, 6 free | host 0/4 used, 4 free; shared 1, swapped -, on disk -"
+    )
+    assert screen[2].startswith(
+        "Sched: run queue 1, waiting for memory -, - steps/s, 210.0 tokens/s"
+    )
+    assert "Quota (pages used / limit): alice 2 / 10" in screen
+    assert [p[-1] for p in process_lines("\n".join(screen))] == ["fast", "new", "slow"]
+    assert (
+        process_lines("\n".join(screen))[0]
+        == "3 root sleeping 0 200.0 400 1 3 0.50 0.25 fast".split()
+    )
+    # The first frame has no rates yet.
+    assert {p[4] for p in process_lines("\n".join(frame(before, {})))} == {"-"}
+
+
+def process_lines(screen: str) -> list[list[str]]:
+    lines = screen.splitlines()
+    return [line.split() for line in lines[lines.index(COLUMNS) + 1 :] if line.strip()]
+
+
+def test_top_once_shows_the_busy_lip_first_with_its_rate(daemon, busy):
+    screen = ok(symphony(daemon, "top", "--once", "--interval", "0.5"))
+    assert screen.startswith("symphony top - ")
+    assert "KV pages: device " in screen and "tokens/s" in screen and "preemptions" in screen
+    procs = process_lines(screen)
+    # The busiest first: the only process computing tokens.
+    pid, user, _state, _nice, rate, tokens, _pages, calls, *_, name = procs[0]
+    assert (int(pid), user, name) == (busy, "root", "busy")
+    assert float(rate) > 0 and int(tokens) > 0 and int(calls) > 0
+    assert "symphony-top" in [p[-1] for p in procs]
+    refused(symphony(daemon, "top", "--interval", "0"))
+    assert "--once" in refused(symphony(daemon, "top"))  # stdout is no terminal here
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+@pytest.mark.parametrize("key", ["q", "C-c"])
+def test_top_in_a_terminal_draws_and_quits(daemon, busy, tmp_path, key):
+    status = tmp_path / "status"
+    # TERM=screen: tmux's own default terminal (tmux-256color) may have no terminfo entry here.
+    command = (
+        f"cd {shlex.quote(str(ROOT))} && TERM=screen {shlex.join(SYMPHONY)} top "
+        f"--socket {shlex.quote(str(daemon.socket))} --interval 0.3; "
+        f"echo $? > {shlex.quote(str(status))}"
+    )
+    tmux = ["tmux", "-L", f"symphony-test-{os.getpid()}", "-f", "/dev/null"]
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", "top", "-x", "160", "-y", "40", command], check=True
+    )
+
+    def pane() -> str:
+        return subprocess.run(
+            [*tmux, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True
+        ).stdout
+
+    def busy_has_a_rate() -> bool:
+        screen = pane()
+        return COLUMNS in screen and any(
+            p[0] == str(busy) and p[-1] == "busy" and p[4] != "-" for p in process_lines(screen)
+        )
+
+    try:
+        wait_for(busy_has_a_rate, what="top to show the busy LIP's rate")
+        assert pane().startswith("symphony top - ")
+        subprocess.run([*tmux, "send-keys", "-t", "top", key], check=True)
+        wait_for(lambda: status.exists() and status.read_text().strip(), what="top to exit")
+        assert status.read_text().strip() == "0"
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
