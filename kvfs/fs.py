@@ -218,6 +218,8 @@ class FileSystem:
 
     def page_count(self, inode: Inode) -> int:
         """Pages a file holds (computed, so it holds before a restored file's pages load)."""
+        if not inode.excluded:  # no holes: stat of a long file stays O(1)
+            return self._pages_for(inode.length)
         return self._holes(inode.length, inode.excluded).count(False)
 
     def stat_inode(self, inode: Inode) -> StatResult:

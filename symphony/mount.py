@@ -23,8 +23,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if os.path.ismount(target):
         return fail(f"mount: {target}: already a mount point")
     if args.foreground:
+        import logging
+
         from kvfs.fuse import mount
 
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         return mount(target, args.socket)
     # The child mounts and says "ok" on the pipe once the mount is live, or why it could
     # not. It forks before any gRPC channel exists: channels do not survive a fork.

@@ -1,0 +1,717 @@
+"""The mount: the kernel's namespace as a FUSE file system (pyfuse3), plus a read-only /proc.
+
+The mount is a client of the kernel like any LIP: every operation is a syscall, made for the
+process behind the FUSE request (`acting_as` its uid and gid, which a root session may do),
+so the kernel decides access; the mount itself checks none. A KV file's bytes are its
+canonical serialized form (docs/kv-format.md):
+
+- reading opens the file, forks it (a copy-on-write snapshot, so a reader sees one version
+  even while a LIP appends) and serves reads from an `export` stream of the snapshot,
+  restarted at the new offset when a read jumps ahead;
+- writing collects the bytes in a spool per open file and imports them when the file is
+  closed (flush); the kernel checks the whole file, and a refused one leaves nothing. A new
+  file exists only in the mount until then.
+
+DIR/proc shows the kernel's /proc texts (`procfs`), read-only. Entry and attribute caches
+are off (timeout 0) and files are opened direct_io, bypassing the page cache, so changes
+made through syscalls show at once. direct_io also keeps reads large (as the reader asks:
+1 MiB for cp, by st_blksize) and spares a getattr (a stat) before each one, which the page
+cache would send with attributes never cached; the price is that shared mmap is refused
+(ENODEV; private mappings, as safetensors makes, work).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import itertools
+import logging
+import os
+import signal
+import stat
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyfuse3
+import trio
+
+from syscalls.client import Kernel
+from syscalls.convert import CHUNK_BYTES, Stat
+from syscalls.session import SHUTDOWN
+
+log = logging.getLogger("symphony.mount")
+
+OPTIONS = frozenset({"allow_other", "fsname=symphony", "subtype=symphony"})
+PROC = "/proc"
+# Inodes the mount makes itself (/proc entries, files being written) sit above the
+# kernel's, which count up from 1.
+OWN_INODES = 1 << 62
+SLACK = 4 << 20  # how far a read may land behind or ahead of the last and reuse the stream
+BLKSIZE = 1 << 20  # st_blksize: tools size their buffers by it
+SPOOL_MEMORY = 8 << 20  # a file being written moves from memory to a temporary file past this
+XATTR_PREFIX = b"user.symphony."
+XATTRS = tuple(XATTR_PREFIX + n for n in (b"tokens", b"pages", b"text", b"model"))
+XATTR_MAX = 1 << 16  # Linux's limit on an attribute value
+
+
+def fuse_error(e: OSError) -> pyfuse3.FUSEError:
+    # EPIPE is the client's word for "no kernel there"; to a file's user that is an I/O error.
+    code = e.errno or errno.EIO
+    return pyfuse3.FUSEError(errno.EIO if code == errno.EPIPE else code)
+
+
+def child(parent: str, name: bytes) -> str:
+    return ("" if parent == "/" else parent) + "/" + os.fsdecode(name)
+
+
+def in_proc(path: str) -> bool:
+    return path == PROC or path.startswith(PROC + "/")
+
+
+def entry(
+    ino: int,
+    mode: int,
+    size: int = 0,
+    nlink: int = 1,
+    uid: int = 0,
+    gid: int = 0,
+    times: tuple[int, int, int] | None = None,
+) -> pyfuse3.EntryAttributes:
+    a = pyfuse3.EntryAttributes()
+    a.st_ino, a.st_mode, a.st_nlink, a.st_uid, a.st_gid = ino, mode, nlink, uid, gid
+    a.st_size, a.st_blksize, a.st_blocks = size, BLKSIZE, -(-size // 512)
+    a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns = times or (time.time_ns(),) * 3
+    a.entry_timeout = a.attr_timeout = 0
+    return a
+
+
+def stat_entry(st: Stat, ino: int) -> pyfuse3.EntryAttributes:
+    return entry(
+        ino, st.mode, st.size, st.nlink, st.uid, st.gid, (st.atime_ns, st.mtime_ns, st.ctime_ns)
+    )
+
+
+class Reader:
+    """A KV file open for reading: the kernel fd of its snapshot, and one export stream of
+    it that sequential reads consume. The bytes just behind the last read are kept (FUSE may
+    send neighbouring reads out of order); older ones are dropped."""
+
+    def __init__(self, kernel: Kernel, fd: int):
+        self.kernel, self.fd = kernel, fd
+        self.stream: Iterator[bytes] | None = None
+        self.start = self.end = 0  # the offsets `chunks` cover
+        self.chunks: list[bytes] = []
+        self.done = False  # the stream reached the end of the file
+        self.lock = trio.Lock()
+
+    def restart(self, off: int) -> None:
+        self.close()
+        self.stream = self.kernel.export_iter(self.fd, off)
+        self.start = self.end = off
+        self.chunks, self.done = [], False
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()  # cancels the call
+            self.stream = None
+
+    def pull(self) -> None:
+        """The stream's next chunk (blocking)."""
+        assert self.stream is not None
+        chunk = next(self.stream, None)
+        if chunk is None:
+            self.done = True
+        else:
+            self.chunks.append(chunk)
+            self.end += len(chunk)
+
+    def take(self, off: int, size: int) -> bytes:
+        out, pos = [], self.start
+        for chunk in self.chunks:
+            a, b = max(off - pos, 0), min(off + size - pos, len(chunk))
+            if a < b:
+                out.append(chunk[a:b])
+            pos += len(chunk)
+        while self.chunks and self.start + len(self.chunks[0]) < off - SLACK:
+            self.start += len(self.chunks.pop(0))
+        return b"".join(out)
+
+
+@dataclass
+class Writer:
+    """A KV file open for writing: its bytes so far, imported as `uid`:`gid` on close."""
+
+    path: str
+    ino: int
+    uid: int
+    gid: int
+    mode: int
+    existed: bool  # the kernel has a file at `path` (which the import replaces)
+    base_size: int = 0  # that file's size, while its bytes are not yet in the spool
+    unseeded: bool = False  # opened without O_TRUNC: the spool must start from its bytes
+    dirty: bool = False
+    length: int = 0  # of the spool (not asked of the spool: an import may be reading it)
+    owner: tuple[int, int] | None = None  # (uid, gid) to give the file once imported
+    born_ns: int = field(default_factory=time.time_ns)
+    spool: Any = field(default_factory=lambda: tempfile.SpooledTemporaryFile(SPOOL_MEMORY))
+    lock: trio.Lock = field(default_factory=trio.Lock)
+
+    def size(self) -> int:
+        return self.base_size if self.unseeded else self.length
+
+    def chunks(self) -> Iterator[bytes]:
+        self.spool.seek(0)
+        return iter(functools.partial(self.spool.read, CHUNK_BYTES), b"")
+
+
+@dataclass
+class ProcText:
+    """A /proc file open for reading: its text as it was at open."""
+
+    data: bytes
+
+
+@dataclass
+class Listing:
+    """An open directory: (name, attributes, path) per entry, as it was at opendir."""
+
+    entries: list[tuple[bytes, pyfuse3.EntryAttributes, str]]
+
+
+class KvFS(pyfuse3.Operations):
+    """The FUSE operations; one instance per mount."""
+
+    def __init__(self, kernel: Kernel):
+        super().__init__()
+        self.kernel = kernel
+        self.dead = False  # the kernel died: everything fails with EIO until unmounted
+        self.paths: dict[int, str] = {pyfuse3.ROOT_INODE: "/"}  # FUSE inode -> path
+        self.lookups: Counter[int] = Counter()  # what FUSE remembers of each inode
+        self.own: dict[str, int] = {}  # /proc path -> its inode
+        self.inodes = itertools.count(OWN_INODES)
+        self.handles: dict[int, Reader | Writer | ProcText | Listing] = {}
+        self.fhs = itertools.count(1)
+        self.writing: dict[str, Writer] = {}  # path -> the open file that will import there
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def who(self, uid: int, gid: int) -> Kernel:
+        return self.kernel.acting_as(uid, gid)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A blocking client call in a worker thread, so a slow export or import does not
+        hold up other requests (the sync gRPC channel is thread-safe)."""
+        if self.dead:
+            raise pyfuse3.FUSEError(errno.EIO)
+        try:
+            return await trio.to_thread.run_sync(functools.partial(fn, *args))
+        except OSError as e:
+            raise (pyfuse3.FUSEError(errno.EIO) if self.dead else fuse_error(e)) from None
+
+    def path_of(self, inode: int) -> str:
+        try:
+            return self.paths[inode]
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+
+    def remember(self, a: pyfuse3.EntryAttributes, path: str) -> pyfuse3.EntryAttributes:
+        """FUSE now knows the inode (a lookup, by its rules): keep its path until forget."""
+        self.paths[a.st_ino] = path
+        self.lookups[a.st_ino] += 1
+        return a
+
+    def add(self, handle: Reader | Writer | ProcText | Listing) -> int:
+        fh = next(self.fhs)
+        self.handles[fh] = handle
+        return fh
+
+    def own_inode(self, path: str) -> int:
+        if path not in self.own:
+            self.own[path] = next(self.inodes)
+        return self.own[path]
+
+    async def attrs(self, path: str, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if in_proc(path):
+            return await self.proc_attrs(path, ctx)
+        w = self.writing.get(path)
+        if w is not None and not w.existed:
+            return entry(w.ino, stat.S_IFREG | w.mode, w.size(), 1, w.uid, w.gid, (w.born_ns,) * 3)
+        st = await self.run(self.who(ctx.uid, ctx.gid).stat, path)
+        a = stat_entry(st, pyfuse3.ROOT_INODE if path == "/" else st.ino)
+        if w is not None:
+            a.st_size = w.size()
+        return a
+
+    # -- /proc ----------------------------------------------------------------------------
+
+    async def proc_text(self, path: str, ctx: pyfuse3.RequestContext) -> str:
+        return await self.run(self.who(ctx.uid, ctx.gid).procfs, path)
+
+    async def proc_entry(
+        self, path: str, is_dir: bool, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        if is_dir:
+            return entry(self.own_inode(path), stat.S_IFDIR | 0o555, nlink=2)
+        size = len((await self.proc_text(path, ctx)).encode())
+        return entry(self.own_inode(path), stat.S_IFREG | 0o444, size)
+
+    async def proc_attrs(self, path: str, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if path == PROC:
+            return await self.proc_entry(path, True, ctx)
+        parent, name = path.rsplit("/", 1)
+        listing = (await self.proc_text(parent, ctx)).splitlines()
+        if name + "/" in listing:
+            return await self.proc_entry(path, True, ctx)
+        if name in listing:
+            return await self.proc_entry(path, False, ctx)
+        raise pyfuse3.FUSEError(errno.ENOENT)
+
+    # -- names ----------------------------------------------------------------------------
+
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        path = child(self.path_of(parent_inode), name)
+        return self.remember(await self.attrs(path, ctx), path)
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for inode, n in inode_list:
+            self.lookups[inode] -= n
+            if self.lookups[inode] > 0 or inode == pyfuse3.ROOT_INODE:
+                continue
+            del self.lookups[inode]
+            path = self.paths.pop(inode, None)
+            if self.own.get(path) == inode:
+                del self.own[path]
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        a = await self.attrs(self.path_of(inode), ctx)
+        if a.st_ino != inode:  # the name now holds another file; this one has none
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return a
+
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        path = self.path_of(inode)
+        if in_proc(path):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        k = self.who(ctx.uid, ctx.gid)
+        w = self.handles.get(fh) if fh is not None else self.writing.get(path)
+        w = w if isinstance(w, Writer) else None
+        if fields.update_size:
+            await self.resize(w, path, attr.st_size, ctx)
+        if fields.update_mode:
+            if w is None or w.existed:
+                await self.run(k.chmod, path, attr.st_mode & 0o7777)
+            if w is not None:
+                w.mode = attr.st_mode & 0o7777
+        if fields.update_uid or fields.update_gid:
+            uid = attr.st_uid if fields.update_uid else -1
+            gid = attr.st_gid if fields.update_gid else -1
+            if w is None or w.existed:
+                await self.run(k.chown, path, uid, gid)
+            elif ctx.uid != 0:  # the kernel's rule, for a file it has not seen yet
+                raise pyfuse3.FUSEError(errno.EPERM)
+            if w is not None:
+                was = w.owner or (w.uid, w.gid)
+                w.owner = (was[0] if uid == -1 else uid, was[1] if gid == -1 else gid)
+        # atime/mtime: the kernel keeps its own times and has no call to set them.
+        return await self.getattr(inode, ctx)
+
+    async def resize(
+        self, w: Writer | None, path: str, size: int, ctx: pyfuse3.RequestContext
+    ) -> None:
+        """Only a file open for writing can change length: cutting a KV file's bytes
+        anywhere else would leave a file that is no KV file."""
+        if w is None:
+            if (await self.attrs(path, ctx)).st_size != size:
+                raise pyfuse3.FUSEError(errno.EINVAL)
+            return
+        if size:
+            await self.seed(w)
+        async with w.lock:  # a cut to nothing needs none of the old bytes
+            w.unseeded = False
+            w.spool.truncate(size)
+            w.length = size
+        w.dirty = True
+        self.writing[w.path] = w
+
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        path = child(self.path_of(parent_inode), name)
+        if in_proc(path):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        await self.run(self.who(ctx.uid, ctx.gid).mkdir, path, mode & ~ctx.umask & 0o7777)
+        return self.remember(await self.attrs(path, ctx), path)
+
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        path = child(self.path_of(parent_inode), name)
+        if in_proc(path):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        await self.run(self.who(ctx.uid, ctx.gid).unlink, path)
+
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        path = child(self.path_of(parent_inode), name)
+        if in_proc(path):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        await self.run(self.who(ctx.uid, ctx.gid).rmdir, path)
+
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        old = child(self.path_of(parent_inode_old), name_old)
+        new = child(self.path_of(parent_inode_new), name_new)
+        if in_proc(old) or in_proc(new):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        k = self.who(ctx.uid, ctx.gid)
+        if flags & pyfuse3.RENAME_NOREPLACE:
+            try:
+                await self.run(k.stat, new)
+            except pyfuse3.FUSEError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+            else:
+                raise pyfuse3.FUSEError(errno.EEXIST)
+        await self.run(k.rename, old, new)
+        for inode, path in list(self.paths.items()):
+            if path == old or path.startswith(old + "/"):
+                self.paths[inode] = new + path[len(old) :]
+
+    async def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        src = self.path_of(inode)
+        path = child(self.path_of(new_parent_inode), new_name)
+        if in_proc(src) or in_proc(path):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        k = self.who(ctx.uid, ctx.gid)
+
+        def link() -> None:  # the kernel names open files: open the source, link, close
+            with k.open(src) as f:
+                f.link(path)
+
+        await self.run(link)
+        return self.remember(await self.attrs(path, ctx), path)
+
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = BLKSIZE
+        s.f_namemax = 255
+        return s
+
+    # -- directories ----------------------------------------------------------------------
+
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        path = self.path_of(inode)
+        entries = []
+        if in_proc(path):
+            for line in (await self.proc_text(path, ctx)).splitlines():
+                name = line.rstrip("/")
+                sub = child(path, name.encode())
+                entries.append((name, await self.proc_entry(sub, line.endswith("/"), ctx), sub))
+        else:
+            for name, st in await self.run(self.who(ctx.uid, ctx.gid).readdir, path):
+                if not (path == "/" and name == "proc"):  # the mount's /proc hides it
+                    entries.append((name, stat_entry(st, st.ino), child(path, name.encode())))
+            for p, w in self.writing.items():
+                if not w.existed and p.rsplit("/", 1)[0] == ("" if path == "/" else path):
+                    entries.append((p.rsplit("/", 1)[1], await self.attrs(p, ctx), p))
+            if path == "/":
+                entries.append(("proc", await self.proc_attrs(PROC, ctx), PROC))
+        return self.add(Listing([(os.fsencode(n), a, p) for n, a, p in entries]))
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        listing = self.handles[fh]
+        assert isinstance(listing, Listing)
+        for i in range(start_id, len(listing.entries)):
+            name, a, path = listing.entries[i]
+            if not pyfuse3.readdir_reply(token, name, a, i + 1):
+                return
+            self.remember(a, path)
+
+    async def releasedir(self, fh: int) -> None:
+        del self.handles[fh]
+
+    # -- files ----------------------------------------------------------------------------
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        path = self.path_of(inode)
+        access = flags & os.O_ACCMODE
+        if in_proc(path):
+            if access != os.O_RDONLY:
+                raise pyfuse3.FUSEError(errno.EACCES)
+            text = await self.proc_text(path, ctx)
+            # Sizes change between stat and read: direct_io reads to the end regardless.
+            return pyfuse3.FileInfo(fh=self.add(ProcText(text.encode())), direct_io=True)
+        k = self.who(ctx.uid, ctx.gid)
+        if access == os.O_RDONLY:
+
+            def snapshot() -> int:
+                with k.open(path) as f:  # the kernel checks access here
+                    return k.fork(f).fd
+
+            reader = Reader(self.kernel, await self.run(snapshot))
+            return pyfuse3.FileInfo(fh=self.add(reader), direct_io=True)
+
+        def check() -> Stat:  # access checked now; the bytes import on close
+            with k.open(path, access):
+                return k.stat(path)
+
+        st = await self.run(check)
+        trunc = bool(flags & os.O_TRUNC)
+        # The import makes a new file, the writer's; root can give it back to its owner.
+        keep = ctx.uid == 0 and (st.uid, st.gid) != (ctx.uid, ctx.gid)
+        w = Writer(
+            path,
+            inode,
+            ctx.uid,
+            ctx.gid,
+            st.mode & 0o7777,
+            existed=True,
+            base_size=st.size,
+            unseeded=not trunc,
+            dirty=trunc,
+            owner=(st.uid, st.gid) if keep else None,
+        )
+        if trunc:
+            self.writing[path] = w
+        return pyfuse3.FileInfo(fh=self.add(w), direct_io=True)
+
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        path = child(self.path_of(parent_inode), name)
+        if in_proc(path):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if self.dead:
+            raise pyfuse3.FUSEError(errno.EIO)
+        # Nothing in the kernel yet: the file shows in the mount only, until it imports.
+        w = Writer(
+            path,
+            next(self.inodes),
+            ctx.uid,
+            ctx.gid,
+            mode & ~ctx.umask & 0o7777,
+            existed=False,
+            dirty=True,
+        )
+        self.writing[path] = w
+        fi = pyfuse3.FileInfo(fh=self.add(w), direct_io=True)
+        return fi, self.remember(await self.attrs(path, ctx), path)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        h = self.handles[fh]
+        if self.dead:
+            raise pyfuse3.FUSEError(errno.EIO)
+        if isinstance(h, ProcText):
+            return h.data[off : off + size]
+        if isinstance(h, Writer):
+            await self.seed(h)
+            async with h.lock:
+                h.spool.seek(off)
+                return h.spool.read(size)
+        assert isinstance(h, Reader)
+        async with h.lock:
+            if h.stream is not None and off < h.start:  # a straggler: leave the stream be
+                return await self.run(self.kernel.export, h.fd, off, size)
+            if h.stream is None or off > h.end + SLACK:
+                h.restart(off)
+            try:
+                while h.end < off + size and not h.done:
+                    await self.run(h.pull)
+            except pyfuse3.FUSEError:
+                h.close()  # a broken stream must not look like the end of the file
+                raise
+            return h.take(off, size)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        w = self.handles[fh]
+        if self.dead:
+            raise pyfuse3.FUSEError(errno.EIO)
+        assert isinstance(w, Writer)
+        await self.seed(w)
+        async with w.lock:  # not while an import reads the spool
+            w.spool.seek(off)
+            w.spool.write(buf)
+            w.length = max(w.length, off + len(buf))
+        w.dirty = True
+        self.writing[w.path] = w
+        return len(buf)
+
+    async def seed(self, w: Writer) -> None:
+        """Start the spool from the file's current bytes (an open without O_TRUNC). The
+        mount's own session reads them: the opener may write but not read the file."""
+        async with w.lock:
+            if not w.unseeded:
+                return
+
+            def copy() -> None:
+                for chunk in self.kernel.export_iter(w.path):
+                    w.spool.write(chunk)
+                    w.length += len(chunk)
+
+            try:
+                await self.run(copy)
+            except pyfuse3.FUSEError:
+                w.spool.seek(0)  # start over next time
+                w.spool.truncate()
+                w.length = 0
+                raise
+            w.unseeded = False
+
+    async def publish(self, w: Writer) -> None:
+        """Import what was written, as the writer; the kernel checks it whole."""
+        await self.seed(w)
+        w.dirty = False
+        if self.writing.get(w.path) is w:
+            del self.writing[w.path]  # imported or refused: from now on the kernel answers
+        k = self.who(w.uid, w.gid)
+        async with w.lock:
+            await self.run(k.import_file, w.path, w.chunks(), w.mode)
+        if w.owner is not None:
+            await self.run(k.chown, w.path, *w.owner)
+
+    async def flush(self, fh: int) -> None:
+        # close(2) returns what flush says: a refused import is cp's error. No bytes are no
+        # KV file; the file stays open, as when a shell closes the fd it dup'ed to stdout.
+        w = self.handles[fh]
+        if isinstance(w, Writer) and w.dirty:
+            if not w.size():
+                raise pyfuse3.FUSEError(errno.EINVAL)
+            await self.publish(w)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self.flush(fh)
+
+    async def release(self, fh: int) -> None:
+        h = self.handles.pop(fh)
+        if isinstance(h, Reader):
+            h.close()
+            await self.run(self.kernel.close, h.fd)
+        elif isinstance(h, Writer):
+            try:
+                if h.dirty and h.size():  # written after its last flush
+                    await self.publish(h)
+            finally:
+                if self.writing.get(h.path) is h:
+                    del self.writing[h.path]
+                h.spool.close()
+
+    # -- extended attributes --------------------------------------------------------------
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        a = await self.getattr(inode, ctx)
+        # The mount's own inodes are /proc's and files not imported yet: no KV files.
+        return list(XATTRS) if stat.S_ISREG(a.st_mode) and inode < OWN_INODES else []
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if name not in await self.listxattr(inode, ctx):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        path, key = self.path_of(inode), name.removeprefix(XATTR_PREFIX)
+        k = self.who(ctx.uid, ctx.gid)
+        if key == b"model":
+            info = await self.run(k.model_info)
+            value = f"{info.name} {info.fingerprint}"
+        elif key == b"text":
+
+            def text() -> str:
+                with k.open(path) as f:
+                    return k.detokenize(f.read()[0])
+
+            value = await self.run(text)
+        else:
+            value = str(getattr(await self.run(k.stat, path), key.decode()))
+        data = value.encode()
+        if len(data) > XATTR_MAX:
+            raise pyfuse3.FUSEError(errno.E2BIG)
+        return data
+
+    async def setxattr(
+        self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
+    ) -> None:
+        raise pyfuse3.FUSEError(errno.ENOTSUP)
+
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise pyfuse3.FUSEError(errno.ENOTSUP)
+
+    # -- life cycle -----------------------------------------------------------------------
+
+    async def watch_kernel(self) -> None:
+        """The lifeline says "shutdown" when the kernel stops cleanly: unmount. End of file
+        without it means the kernel died: stay mounted, failing with EIO, until umount."""
+        sock = self.kernel.lifeline()
+        sock.setblocking(False)
+        said = b""
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            try:
+                data = sock.recv(256)
+            except OSError:  # reset: as dead as end of file
+                data = b""
+            said += data
+            if SHUTDOWN in said:
+                log.info("the kernel stopped: unmounting")
+                pyfuse3.terminate()
+                return
+            if not data:
+                log.error("the kernel died: every operation fails with EIO until umount")
+                self.dead = True
+                return
+
+    async def serve(self, ready: Callable[[], None] | None = None) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.watch_kernel)
+            nursery.start_soon(stop_on_signals)
+            if ready is not None:
+                ready()  # mounted: requests wait for main, which starts now
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+
+
+async def stop_on_signals() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for _ in signals:
+            pyfuse3.terminate()
+            return
+
+
+def mount(
+    mountpoint: str, socket: str | None = None, ready: Callable[[], None] | None = None
+) -> int:
+    """Mount the kernel at `mountpoint` and serve until it is unmounted (umount, a signal,
+    or the kernel stopping); `ready` is called once the mount is live. Must run as root."""
+    kernel = Kernel.connect(socket, name="mount", argv=["symphony", "mount", mountpoint])
+    try:
+        if kernel.uid != 0:
+            raise PermissionError(
+                errno.EPERM,
+                "the mount must run as root (it acts for each user, and mounts with allow_other)",
+            )
+        fs = KvFS(kernel)
+        pyfuse3.init(fs, mountpoint, OPTIONS)
+        try:
+            trio.run(fs.serve, ready)
+        finally:
+            pyfuse3.close(unmount=True)  # a no-op when umount already did it
+    finally:
+        kernel.close()
+    return 0

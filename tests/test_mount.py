@@ -1,0 +1,378 @@
+"""`symphony mount` for real: a FUSE mount of a kernel daemon, used with the shell's tools
+and checked against the syscalls; other users through it; the kernel stopped or killed
+under it."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from daemon import ROOT, make_model, start_daemon, wait_for
+
+from kvfs.fuse import SLACK
+
+SYMPHONY = [sys.executable, "-m", "symphony.cli"]
+OWNER, OTHER = 60001, 60002
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
+    reason="needs root, /dev/fuse and fusermount3",
+)
+
+
+def mounted_at(target: Path) -> bool:
+    """From the mount table: stat on a mount whose kernel died would fail."""
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == str(target) for line in f)
+
+
+@contextlib.contextmanager
+def mounted(daemon, foreground: bool = True):
+    """The kernel mounted at DIR (the process too when in the foreground); always unmounted
+    at the end, lazily if it must be."""
+    target = daemon.socket.parent / "mnt"
+    target.mkdir(exist_ok=True)
+    cmd = [*SYMPHONY, "mount", str(target), "--socket", str(daemon.socket)]
+    process = None
+    if foreground:
+        process = subprocess.Popen([*cmd, "--foreground"], cwd=ROOT)
+        wait_for(lambda: mounted_at(target) or process.poll() is not None, what="the mount")
+        assert process.poll() is None, "the mount process exited"
+    else:
+        subprocess.run(cmd, cwd=ROOT, check=True, timeout=60)
+        assert mounted_at(target)
+    try:
+        yield target, process
+    finally:
+        if mounted_at(target):
+            umount = subprocess.run([*SYMPHONY, "umount", str(target)], cwd=ROOT)
+            if umount.returncode:
+                subprocess.run(["fusermount3", "-u", "-z", str(target)])
+        if process is not None:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def daemon(model):
+    d = start_daemon(model, None, "--kv-pages", "512")
+    yield d
+    assert d.stop() == 0, d.log_text()
+
+
+@pytest.fixture(scope="module")
+def mnt(daemon):
+    with mounted(daemon) as (target, _):
+        yield target
+
+
+@pytest.fixture()
+def k(daemon):
+    with daemon.connect() as k:
+        yield k
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 13 * salt) % 290 + 6 for i in range(n)]
+
+
+def make(k, path: str, n: int, mode: int = 0o644, salt: int = 0) -> None:
+    with k.open(path, os.O_CREAT | os.O_RDWR, mode) as f:
+        f.pred(prompt(n, salt), no_outputs=True)
+
+
+def errno_of(fn, *args) -> int:
+    try:
+        fn(*args)
+    except OSError as e:
+        return e.errno
+    return 0
+
+
+def as_user(uid: int, *cmd: str) -> subprocess.CompletedProcess:
+    """A plain system tool run as another user (the venv's Python lives where they cannot
+    read)."""
+    return subprocess.run(
+        cmd, user=uid, group=uid, extra_groups=[], capture_output=True, cwd="/", timeout=60
+    )
+
+
+def test_ls_and_stat_show_the_kernels_files(k, mnt):
+    make(k, "/tmp/ls.kv", 40, 0o640)
+    st, ks = os.stat(mnt / "tmp/ls.kv"), k.stat("/tmp/ls.kv")
+    assert (st.st_ino, st.st_mode, st.st_nlink, st.st_uid, st.st_gid, st.st_size) == (
+        ks.ino,
+        ks.mode,
+        ks.nlink,
+        ks.uid,
+        ks.gid,
+        ks.size,
+    )
+    assert (st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns) == (
+        ks.atime_ns,
+        ks.mtime_ns,
+        ks.ctime_ns,
+    )
+    assert {"home", "tmp", "proc"} <= set(os.listdir(mnt))
+    assert "ls.kv" in os.listdir(mnt / "tmp")
+    ls = subprocess.run(["ls", "-ln", mnt / "tmp"], capture_output=True, text=True, check=True)
+    line = next(x for x in ls.stdout.splitlines() if x.endswith(" ls.kv"))
+    assert line.split()[:5] == ["-rw-r-----", "1", "0", "0", str(ks.size)]
+
+
+def test_cat_and_cp_out_give_the_export(daemon, k, mnt, tmp_path):
+    # Longer than the read stream's slack, so that reads reuse, restart and bypass it.
+    with k.open("", os.O_RDWR) as block, k.open("/tmp/big.kv", os.O_CREAT | os.O_RDWR) as f:
+        block.pred(prompt(1024), no_outputs=True)
+        while f.stat().size < 2 * SLACK:
+            f.splice_from(block, 0, 1024)
+    blob = k.export("/tmp/big.kv")
+    subprocess.run(["cp", mnt / "tmp/big.kv", tmp_path / "out.kv"], check=True)
+    assert (tmp_path / "out.kv").read_bytes() == blob
+    cat = subprocess.run(["cat", mnt / "tmp/big.kv"], capture_output=True, check=True)
+    kv_cat = subprocess.run(
+        [*SYMPHONY, "kv", "cat", "--socket", str(daemon.socket), "/tmp/big.kv"],
+        capture_output=True,
+        check=True,
+        cwd=ROOT,
+    )
+    assert cat.stdout == kv_cat.stdout == blob
+    fd = os.open(mnt / "tmp/big.kv", os.O_RDONLY)
+    try:
+        for off in (0, 3, len(blob) // 2, 100, len(blob) - 10, 3 * SLACK, 7):
+            assert os.pread(fd, 5000, off) == blob[off : off + 5000], off
+    finally:
+        os.close(fd)
+
+
+def test_a_reader_sees_one_version_while_a_lip_appends(k, mnt):
+    make(k, "/tmp/growing.kv", 20)
+    with k.open("/tmp/growing.kv", os.O_RDWR) as f, open(mnt / "tmp/growing.kv", "rb") as r:
+        before = k.export(f)
+        f.pred(prompt(50, salt=1), no_outputs=True)
+        assert r.read() == before  # opened before the change: that version, whole
+        with open(mnt / "tmp/growing.kv", "rb") as again:
+            assert again.read() == k.export(f)
+
+
+def test_lip_changes_show_in_the_mount_at_once(k, mnt):
+    with k.open("/tmp/live.kv", os.O_CREAT | os.O_RDWR) as f:
+        for n in (3, 17, 1):
+            f.pred(prompt(n, salt=n), no_outputs=True)
+            assert os.stat(mnt / "tmp/live.kv").st_size == k.stat(f).size
+            assert (mnt / "tmp/live.kv").read_bytes() == k.export(f)
+    k.rename("/tmp/live.kv", "/tmp/moved.kv")
+    assert not (mnt / "tmp/live.kv").exists() and (mnt / "tmp/moved.kv").exists()
+    k.unlink("/tmp/moved.kv")
+    assert "moved.kv" not in os.listdir(mnt / "tmp")
+
+
+def test_cp_in_imports_and_a_bad_file_leaves_nothing(k, mnt, tmp_path):
+    make(k, "/tmp/src.kv", 30)
+    good = k.export("/tmp/src.kv")
+    (tmp_path / "good.kv").write_bytes(good)
+    subprocess.run(["cp", tmp_path / "good.kv", mnt / "tmp/in.kv"], check=True)
+    assert k.export("/tmp/in.kv") == good
+    assert stat.S_IMODE(k.stat("/tmp/in.kv").mode) == 0o644 & ~current_umask()
+    fingerprint = k.model_info().fingerprint.encode()
+    bad = {
+        "garbage": b"not a kv file at all",
+        "truncated": good[:-8],
+        "foreign": good.replace(fingerprint, b"0" * len(fingerprint), 1),
+        "empty": b"",
+    }
+    for name, data in bad.items():
+        (tmp_path / name).write_bytes(data)
+        cp = subprocess.run(
+            ["cp", tmp_path / name, mnt / f"tmp/{name}.kv"], capture_output=True, text=True
+        )
+        assert cp.returncode != 0 and "Invalid argument" in cp.stderr, (name, cp.stderr)
+        assert not (mnt / f"tmp/{name}.kv").exists(), name
+        assert errno_of(k.stat, f"/tmp/{name}.kv") == errno.ENOENT, name
+        # Over an existing file: refused whole, the old one stays.
+        cp = subprocess.run(["cp", tmp_path / name, mnt / "tmp/in.kv"], capture_output=True)
+        assert cp.returncode != 0 and k.export("/tmp/in.kv") == good, name
+    make(k, "/tmp/other.kv", 5, salt=2)
+    other = k.export("/tmp/other.kv")
+    (tmp_path / "other.kv").write_bytes(other)
+    subprocess.run(["cp", tmp_path / "other.kv", mnt / "tmp/in.kv"], check=True)
+    assert (mnt / "tmp/in.kv").read_bytes() == k.export("/tmp/in.kv") == other
+
+
+def test_writing_into_a_file_changes_those_bytes(k, mnt):
+    make(k, "/tmp/patch.kv", 8)
+    blob = bytearray(k.export("/tmp/patch.kv"))
+    off = len(blob) - 4  # the last V value of the last entry
+    blob[off:] = b"\x00\x00\x80\x3f"  # 1.0f
+    fd = os.open(mnt / "tmp/patch.kv", os.O_WRONLY)  # no O_TRUNC: starts from the file
+    try:
+        assert os.pwrite(fd, bytes(blob[off:]), off) == 4
+    finally:
+        os.close(fd)
+    assert k.export("/tmp/patch.kv") == blob
+    fd = os.open(mnt / "tmp/patch.kv", os.O_WRONLY)
+    os.pwrite(fd, b"X", 8)  # into the header: no KV file any more
+    assert errno_of(os.close, fd) == errno.EINVAL
+    assert k.export("/tmp/patch.kv") == blob
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_mv_rm_mkdir_rmdir_chmod_ln_as_on_a_disk(k, mnt):
+    d = mnt / "tmp/dir"
+    os.mkdir(d, 0o750)
+    assert k.stat("/tmp/dir").is_dir and stat.S_IMODE(k.stat("/tmp/dir").mode) == 0o750
+    make(k, "/tmp/f.kv", 10)
+    subprocess.run(["mv", mnt / "tmp/f.kv", d / "g.kv"], check=True)
+    assert errno_of(k.stat, "/tmp/f.kv") == errno.ENOENT and k.stat("/tmp/dir/g.kv").tokens == 10
+    os.chmod(d / "g.kv", 0o600)
+    assert stat.S_IMODE(k.stat("/tmp/dir/g.kv").mode) == 0o600
+    subprocess.run(["ln", d / "g.kv", d / "h.kv"], check=True)
+    assert k.stat("/tmp/dir/h.kv").ino == k.stat("/tmp/dir/g.kv").ino
+    assert os.stat(d / "h.kv").st_nlink == 2 == k.stat("/tmp/dir/g.kv").nlink
+    assert (d / "h.kv").read_bytes() == k.export("/tmp/dir/g.kv")
+    assert errno_of(os.rmdir, d) == errno.ENOTEMPTY
+    assert errno_of(os.mkdir, d) == errno.EEXIST
+    assert errno_of(os.rename, mnt / "tmp/nope", d / "x") == errno.ENOENT
+    assert errno_of(os.unlink, d) == errno.EISDIR
+    assert errno_of(os.rename, d, d / "inside") == errno.EINVAL
+    assert errno_of(os.link, d / "g.kv", d / "h.kv") == errno.EEXIST
+    assert errno_of(os.truncate, d / "g.kv", 100) == errno.EINVAL  # no KV file would be left
+    subprocess.run(["rm", d / "g.kv", d / "h.kv"], check=True)
+    os.rmdir(d)
+    assert errno_of(k.stat, "/tmp/dir") == errno.ENOENT
+
+
+def test_extended_attributes(k, mnt):
+    ids = k.tokenize("The quick brown fox")
+    with k.open("/tmp/x.kv", os.O_CREAT | os.O_RDWR) as f:
+        f.pred(ids, no_outputs=True)
+    path, info, st = mnt / "tmp/x.kv", k.model_info(), k.stat("/tmp/x.kv")
+    assert sorted(os.listxattr(path)) == [
+        f"user.symphony.{n}" for n in ("model", "pages", "text", "tokens")
+    ]
+    assert os.getxattr(path, "user.symphony.tokens") == str(len(ids)).encode()
+    assert os.getxattr(path, "user.symphony.pages") == str(st.pages).encode()
+    assert os.getxattr(path, "user.symphony.text").decode() == k.detokenize(ids)
+    assert os.getxattr(path, "user.symphony.model").decode() == f"{info.name} {info.fingerprint}"
+    assert errno_of(os.getxattr, path, "user.other") == errno.ENODATA
+    assert errno_of(os.setxattr, path, "user.symphony.tokens", b"1") == errno.ENOTSUP
+    assert os.listxattr(mnt / "tmp") == []
+
+
+def test_the_kernel_decides_access_for_each_user(daemon, k, mnt):
+    owner = k.acting_as(OWNER, OWNER)
+    owner.mkdir("/tmp/u1", 0o755)
+    with owner.open("/tmp/u1/secret", os.O_CREAT | os.O_RDWR, 0o600) as f:
+        f.pred(prompt(12), no_outputs=True)
+    secret = str(mnt / "tmp/u1/secret")
+    denied = as_user(OTHER, "cat", secret)
+    assert denied.returncode != 0 and b"Permission denied" in denied.stderr
+    assert as_user(OWNER, "cat", secret).stdout == k.export("/tmp/u1/secret")
+    ls = as_user(OTHER, "ls", "-ln", secret)  # stat needs no read permission
+    assert ls.stdout.split()[:4] == [b"-rw-------", b"1", b"%d" % OWNER, b"%d" % OWNER]
+    rm = as_user(OTHER, "rm", "-f", secret)
+    assert rm.returncode != 0 and b"Permission denied" in rm.stderr
+    good = daemon.socket.parent / "good.kv"  # where the other user can read it
+    good.write_bytes(k.export("/tmp/u1/secret"))
+    good.chmod(0o644)
+    cp = as_user(OTHER, "cp", str(good), str(mnt / "tmp/u1/mine.kv"))
+    assert cp.returncode != 0 and b"Permission denied" in cp.stderr
+    assert errno_of(k.stat, "/tmp/u1/mine.kv") == errno.ENOENT
+    assert as_user(OWNER, "cp", str(good), str(mnt / "tmp/u1/mine.kv")).returncode == 0
+    assert k.stat("/tmp/u1/mine.kv").uid == OWNER
+    # Root writes over it: a new file (the import's), given back to its owner.
+    subprocess.run(["cp", good, mnt / "tmp/u1/mine.kv"], check=True)
+    st = k.stat("/tmp/u1/mine.kv")
+    assert (st.uid, st.gid, stat.S_IMODE(st.mode)) == (OWNER, OWNER, 0o644 & ~current_umask())
+
+
+def proc_pairs(text: str) -> dict[str, str]:
+    return {a.strip(): b.strip() for a, b in (line.split(":", 1) for line in text.splitlines())}
+
+
+def test_proc_agrees_with_the_kernel(k, mnt):
+    proc = mnt / "proc"
+    assert {"meminfo", "sched", "kv", str(k.pid)} <= set(os.listdir(proc))
+    assert sorted(os.listdir(proc / str(k.pid))) == ["fds", "status", "syscalls"]
+    assert stat.S_ISDIR(os.stat(proc / str(k.pid)).st_mode)
+    with k.open("", os.O_RDWR) as f, f.fork():
+        f.pred(prompt(40), no_outputs=True)
+        assert (proc / f"{k.pid}/fds").read_text() == k.procfs(f"{k.pid}/fds")
+        assert (proc / "kv").read_text() == k.procfs("kv")
+        # Equal once the snapshots of readers of earlier tests are closed (FUSE releases a
+        # file after close(2) returns).
+        wait_for(lambda: (proc / "meminfo").read_text() == k.procfs("meminfo"), what="meminfo")
+        assert os.stat(proc / "meminfo").st_size == len(k.procfs("meminfo"))
+    status = proc_pairs((proc / f"{k.pid}/status").read_text())
+    assert status["name"] == "test" and status["tokens"] == "40"
+    calls = (proc / f"{k.pid}/syscalls").read_text()
+    assert calls.startswith("call\tcount") and "\nPred\t1\t" in calls
+    sched = subprocess.run(["cat", proc / "sched"], capture_output=True, text=True, check=True)
+    assert "run_queue" in proc_pairs(sched.stdout)
+    mount_pid = next(p.pid for p in k.ps() if p.name == "mount")
+    assert proc_pairs((proc / f"{mount_pid}/status").read_text())["name"] == "mount"
+    assert errno_of(open, proc / "meminfo", "w") == errno.EACCES
+    assert errno_of(open, proc / "new", "w") == errno.EROFS
+    assert errno_of(os.mkdir, proc / "d") == errno.EROFS
+    assert errno_of(os.unlink, proc / "meminfo") == errno.EROFS
+    assert errno_of(os.chmod, proc / "meminfo", 0o666) == errno.EROFS
+    assert errno_of(os.stat, proc / "99999") == errno.ENOENT
+
+
+def test_a_kernel_that_stops_unmounts_the_mount(model):
+    d = start_daemon(model)
+    try:
+        with mounted(d) as (target, process):
+            assert d.stop() == 0, d.log_text()
+            assert process.wait(30) == 0
+            assert not mounted_at(target)
+    finally:
+        d.stop()
+
+
+def test_a_killed_kernel_leaves_eio_and_umount_works(model):
+    d = start_daemon(model)
+    try:
+        with mounted(d, foreground=False) as (target, _):  # `symphony mount` forks
+            with d.connect() as k:
+                pid = next(p.os_pid for p in k.ps() if p.name == "mount")
+                make(k, "/tmp/kept.kv", 5)
+            d.process.send_signal(signal.SIGKILL)
+            d.process.wait()
+            wait_for(lambda: errno_of(os.listdir, target) == errno.EIO, what="EIO")
+            assert errno_of(os.stat, target / "tmp/kept.kv") == errno.EIO
+            assert errno_of(open, target / "tmp/new.kv", "wb") == errno.EIO
+            umount = subprocess.run([*SYMPHONY, "umount", str(target)], cwd=ROOT)
+            assert umount.returncode == 0 and not mounted_at(target)
+            wait_for(lambda: not alive(pid), what="the mount process to exit")
+    finally:
+        d.stop()
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
