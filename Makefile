@@ -24,15 +24,20 @@ install:
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The tour: a kernel on the default model, three LIPs as shell processes, the process
-# table and /proc, then a clean stop. Nothing is left running, even when a step fails.
+# The tour: a kernel on the default model, mounted; three LIPs as shell processes; the
+# files and /proc through the mount; then unmount and stop. Nothing is left running, even
+# when a step fails. (The mount needs root; without it the tour lists files with kv ls.)
 TOUR := /tmp/symphony-tour
 SYM := $(VENV)/bin/symphony
 run: $(STAMP)
-	@rm -rf $(TOUR) && mkdir -p $(TOUR) && printf 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' > $(TOUR)/doc.py
-	@export SYMPHONY_SOCKET=$(TOUR)/kernel.sock; trap '$(SYM) stop >/dev/null 2>&1 || true' EXIT; set -e; \
+	@if [ -d $(TOUR)/mnt ]; then $(SYM) umount $(TOUR)/mnt >/dev/null 2>&1 || true; fi
+	@rm -rf $(TOUR) && mkdir -p $(TOUR)/mnt && printf 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' > $(TOUR)/doc.py
+	@export SYMPHONY_SOCKET=$(TOUR)/kernel.sock; \
+	trap '$(SYM) umount $(TOUR)/mnt >/dev/null 2>&1; $(SYM) stop >/dev/null 2>&1; true' EXIT; set -e; \
 	say() { printf '\n\033[1m$$ %s\033[0m\n' "$$*"; }; \
+	root=$$([ "$$(id -u)" = 0 ] && echo yes || true); \
 	say symphony start; $(SYM) start --state-dir $(TOUR)/state --kv-pages 512; \
+	if [ -n "$$root" ]; then say symphony mount $(TOUR)/mnt; $(SYM) mount $(TOUR)/mnt; fi; \
 	say symphony run lips/complete.py --prompt '"def fibonacci(n):"' --max-new-tokens 48; \
 	$(SYM) run lips/complete.py --prompt "def fibonacci(n):" --max-new-tokens 48; echo; \
 	say symphony run lips/best_of_n.py --prompt '"The"' --n 4 --seed 0 --max-new-tokens 24; \
@@ -40,8 +45,13 @@ run: $(STAMP)
 	say symphony run lips/prompt_cache.py --document doc.py --cache doc.kv --question ... ; \
 	$(SYM) run lips/prompt_cache.py --document $(TOUR)/doc.py --cache doc.kv \
 		--question "What does it return?" --question "Is it recursive?" --max-new-tokens 24; \
+	if [ -n "$$root" ]; then \
+		say ls -l $(TOUR)/mnt/home/root; ls -l $(TOUR)/mnt/home/root; \
+		say cat $(TOUR)/mnt/proc/meminfo; cat $(TOUR)/mnt/proc/meminfo; \
+		say cat $(TOUR)/mnt/proc/sched; cat $(TOUR)/mnt/proc/sched; \
+		say symphony umount $(TOUR)/mnt; $(SYM) umount $(TOUR)/mnt; \
+	else say symphony kv ls -l; $(SYM) kv ls -l; fi; \
 	say symphony ps; $(SYM) ps; \
-	say symphony status; $(SYM) status; \
 	say symphony stop; $(SYM) stop; trap - EXIT
 
 bench: $(STAMP)
