@@ -45,12 +45,24 @@ def run_lip(daemon, *args: str, **kw) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, **kw)
 
 
-def generate_alone(model, ids: list[int], n: int) -> list[int]:
+def generate_cli(model, ids: list[int], n: int) -> list[int]:
+    """What `symphony generate` prints for a prompt."""
     out = subprocess.run(
         [*SYMPHONY, "generate", "--model", str(model), "--prompt-ids",
          ",".join(map(str, ids)), "--max-new-tokens", str(n), "--json"],
         capture_output=True, text=True, check=True, cwd=ROOT)
     return json.loads(out.stdout)["output_ids"]
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    """Greedy tokens of one prompt alone, from the engine in this process."""
+    from symphony.engine.engine import Engine
+    from symphony.engine.generate import generate
+    from symphony.engine.sampler import GREEDY
+
+    engine = Engine(model, device="cpu", kv_pages=512)
+    return lambda ids, n: generate(engine, [ids], GREEDY, n)[0]
 
 
 def device_used(k) -> int:
@@ -62,10 +74,10 @@ def test_complete_equals_generate(daemon, model):
     lip = run_lip(daemon, "lips/complete.py", "--prompt-ids", ",".join(map(str, ids)),
                   "--max-new-tokens", "24", "--json")
     assert lip.returncode == 0, lip.stderr
-    assert json.loads(lip.stdout)["output_ids"] == generate_alone(model, ids, 24)
+    assert json.loads(lip.stdout)["output_ids"] == generate_cli(model, ids, 24)
 
 
-def test_sixteen_concurrent_lips_get_what_they_get_alone(daemon, model):
+def test_sixteen_concurrent_lips_get_what_they_get_alone(daemon, alone):
     prompts = [prompt(3 + 9 * i, salt=i) for i in range(16)]
     lips = [subprocess.Popen(
         [*SYMPHONY, "run", "lips/complete.py", "--prompt-ids", ",".join(map(str, ids)),
@@ -79,7 +91,7 @@ def test_sixteen_concurrent_lips_get_what_they_get_alone(daemon, model):
         sched = dict(line.split(":", 1) for line in k.procfs("sched").splitlines())
     assert int(sched["batch_seqs_max"]) > 1, "the LIPs never shared a forward pass"
     for ids, (out, _) in zip(prompts, outs, strict=True):
-        assert json.loads(out)["output_ids"] == generate_alone(model, ids, 16)
+        assert json.loads(out)["output_ids"] == alone(ids, 16)
 
 
 HOG = """
@@ -255,7 +267,7 @@ def lip_json(daemon, *args: str) -> dict:
     return json.loads(lip.stdout)
 
 
-def test_prompt_cache_answers_as_a_full_prefill_would(daemon, model, tmp_path):
+def test_prompt_cache_answers_as_a_full_prefill_would(daemon, alone, tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text("The quick brown fox jumps over the lazy dog. " * 6)
     args = ("lips/prompt_cache.py", "--document", str(doc), "--cache", "doc.kv",
@@ -266,7 +278,7 @@ def test_prompt_cache_answers_as_a_full_prefill_would(daemon, model, tmp_path):
         document = k.tokenize(doc.read_text(), add_special=True)
         for a in first["answers"]:
             question = k.tokenize(f"\n\nQ: {a['question']}\nA:")
-            assert a["output_ids"] == generate_alone(model, document + question, 8)
+            assert a["output_ids"] == alone(document + question, 8)
     assert [a["output_ids"] for a in second["answers"]] == [
         a["output_ids"] for a in first["answers"]]
 
@@ -298,7 +310,7 @@ def test_chat_keeps_the_conversation_in_one_kv_file(daemon):
 # -- level 1: KV memory pressure --------------------------------------------------------
 
 
-def test_idle_process_is_swapped_out_and_back_and_enospc_only_when_nothing_helps(model):
+def test_idle_process_is_swapped_out_and_back_and_enospc_only_when_nothing_helps(model, alone):
     d = start_daemon(model, None, "--kv-pages", "24", "--host-pages", "64")
     try:
         with d.connect("a") as a, d.connect("b") as b, d.connect("c") as c:
@@ -311,7 +323,7 @@ def test_idle_process_is_swapped_out_and_back_and_enospc_only_when_nothing_helps
             assert int(meminfo(c)["host_used"]) > 0
             # a calls again: its pages come back (b's go down), and its K/V are intact.
             (out,) = fa.pred(ids_a[-1:])
-            assert out.token == generate_alone(model, ids_a, 1)[0]
+            assert out.token == alone(ids_a, 1)[0]
             assert {p.pid: p.state for p in c.ps()}[b.pid] == "swapped"
             # More than the whole device: nothing can make room, and nothing changes.
             before = meminfo(c)
