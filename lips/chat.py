@@ -16,7 +16,13 @@ from collections.abc import Iterable, Iterator
 
 from syscalls.client import Kernel
 from syscalls.context import Context, TextStream
-from syscalls.flags import add_sampling_flags, check_flags, kv_path, report, sampling_kwargs
+from syscalls.flags import (
+    add_sampling_flags,
+    check_flags,
+    kv_path,
+    lip_main,
+    sampling_kwargs,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,12 +97,7 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        with Kernel.connect() as k:
-            return run(k, args)
-    except (OSError, ValueError) as e:
-        return report("chat", e)
+    return lip_main("chat", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

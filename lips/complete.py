@@ -20,7 +20,7 @@ from syscalls.flags import (
     add_prompt_flags,
     add_sampling_flags,
     check_flags,
-    report,
+    lip_main,
     sampling_kwargs,
 )
 
@@ -64,12 +64,7 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        with Kernel.connect() as k:
-            return run(k, args)
-    except (OSError, ValueError) as e:
-        return report("complete", e)
+    return lip_main("complete", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,13 @@ from pathlib import Path
 
 from syscalls.client import Kernel
 from syscalls.context import Context
-from syscalls.flags import add_sampling_flags, check_flags, kv_path, report, sampling_kwargs
+from syscalls.flags import (
+    add_sampling_flags,
+    check_flags,
+    kv_path,
+    lip_main,
+    sampling_kwargs,
+)
 
 QUESTION = "\n\nQ: {question}\nA:"
 
@@ -94,12 +100,7 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        with Kernel.connect() as k:
-            return run(k, args)
-    except (OSError, ValueError) as e:
-        return report("prompt_cache", e)
+    return lip_main("prompt_cache", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from syscalls.client import Kernel
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -71,3 +75,20 @@ def report(prog: str, e: BaseException) -> int:
         message = e.strerror if reason in e.strerror else f"{e.strerror}: {reason}"
     print(f"{prog}: {message}", file=sys.stderr)
     return 1
+
+
+def lip_main(
+    prog: str,
+    parser: argparse.ArgumentParser,
+    run: Callable[[Kernel, argparse.Namespace], int],
+    argv: list[str] | None,
+) -> int:
+    """What a synchronous LIP's main does: parse, connect, run, and report a failure."""
+    from syscalls.client import Kernel
+
+    args = parser.parse_args(argv)
+    try:
+        with Kernel.connect() as k:
+            return run(k, args)
+    except (OSError, ValueError) as e:
+        return report(prog, e)
