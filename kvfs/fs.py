@@ -243,6 +243,10 @@ class FileSystem:
         inode.touch(modified=False)
         self.on_namespace_change()
 
+    def access(self, cred: Cred, path: str, want: int) -> None:
+        """Raise ENOENT or EACCES unless `path` exists and cred may R/W/X it as asked."""
+        check(cred, self.lookup(cred, path), want, f"access {path!r}: permission denied")
+
     def chown(self, cred: Cred, path: str, uid: int, gid: int) -> None:
         """uid or gid -1 leaves that one as it is."""
         inode = self.lookup(cred, path)

@@ -412,6 +412,20 @@ class KvFS(pyfuse3.Operations):
         await self.run(link)
         return self.remember(await self.attrs(path, ctx), path)
 
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
+        path = self.path_of(inode)
+        if in_proc(path):
+            return not mode & os.W_OK
+        if path in self.writing:  # not imported yet: only its writer knows it
+            return True
+        try:
+            await self.run(self.who(ctx.uid, ctx.gid).access, path, mode)
+        except pyfuse3.FUSEError as e:
+            if e.errno == errno.EACCES:
+                return False
+            raise
+        return True
+
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = BLKSIZE
@@ -502,8 +516,10 @@ class KvFS(pyfuse3.Operations):
         path = child(self.path_of(parent_inode), name)
         if in_proc(path):
             raise pyfuse3.FUSEError(errno.EROFS)
-        if self.dead:
-            raise pyfuse3.FUSEError(errno.EIO)
+        # Refuse now what the import at close would refuse for want of permission.
+        await self.run(
+            self.who(ctx.uid, ctx.gid).access, self.path_of(parent_inode), os.W_OK | os.X_OK
+        )
         # Nothing in the kernel yet: the file shows in the mount only, until it imports.
         w = Writer(
             path,

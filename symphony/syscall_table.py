@@ -279,6 +279,14 @@ def sys_chmod(k: Kernel, proc: Process, cred: Cred, req: pb.ModeRequest) -> pb.E
     return pb.Empty()
 
 
+def sys_access(k: Kernel, proc: Process, cred: Cred, req: pb.ModeRequest) -> pb.Empty:
+    """access(2): may the caller read, write or search `path` (mode 0: does it exist)?"""
+    if req.mode & ~(os.R_OK | os.W_OK | os.X_OK):
+        raise einval(f"access {req.path!r}: bad mode {req.mode:#o}")
+    k.fs.access(cred, req.path, req.mode)
+    return pb.Empty()
+
+
 def sys_chown(k: Kernel, proc: Process, cred: Cred, req: pb.ChownRequest) -> pb.Empty:
     k.fs.chown(cred, req.path, req.uid, req.gid)
     return pb.Empty()
@@ -364,6 +372,7 @@ TABLE = {
     "Unlink": (sys_unlink, pb.PathRequest, pb.Empty, False),
     "Rename": (sys_rename, pb.RenameRequest, pb.Empty, False),
     "Chmod": (sys_chmod, pb.ModeRequest, pb.Empty, False),
+    "Access": (sys_access, pb.ModeRequest, pb.Empty, False),
     "Chown": (sys_chown, pb.ChownRequest, pb.Empty, False),
     "Fsync": (sys_fsync, pb.FdRequest, pb.Empty, False),
     "Export": (sys_export, pb.ExportRequest, pb.ExportChunk, True),

@@ -190,6 +190,9 @@ class AsyncKernel(Session):
     async def rename(self, old: KvPath, new: KvPath) -> None:
         await self._do(convert.rename(old, new))
 
+    async def access(self, path: KvPath, mode: int = os.F_OK) -> None:
+        await self._do(convert.access(path, mode))
+
     async def chmod(self, path: KvPath, mode: int) -> None:
         await self._do(convert.chmod(path, mode))
 

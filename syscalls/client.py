@@ -233,6 +233,10 @@ class Kernel(Session):
     def rename(self, old: KvPath, new: KvPath) -> None:
         self._do(convert.rename(old, new))
 
+    def access(self, path: KvPath, mode: int = os.F_OK) -> None:
+        """Raise unless path exists and may be read/written/searched (os.R_OK|W_OK|X_OK)."""
+        self._do(convert.access(path, mode))
+
     def chmod(self, path: KvPath, mode: int) -> None:
         self._do(convert.chmod(path, mode))
 

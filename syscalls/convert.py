@@ -311,6 +311,10 @@ def rename(old: KvPath, new: KvPath) -> Call[None]:
     return Call("Rename", request, _none)
 
 
+def access(path: KvPath, mode: int) -> Call[None]:
+    return Call("Access", pb.ModeRequest(path=os.fspath(path), mode=mode), _none)
+
+
 def chmod(path: KvPath, mode: int) -> Call[None]:
     return Call("Chmod", pb.ModeRequest(path=os.fspath(path), mode=mode), _none)
 

@@ -159,6 +159,11 @@ class KernelStub:
                 request_serializer=syscalls_dot_symphony__pb2.ModeRequest.SerializeToString,
                 response_deserializer=syscalls_dot_symphony__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Access = channel.unary_unary(
+                '/symphony.Kernel/Access',
+                request_serializer=syscalls_dot_symphony__pb2.ModeRequest.SerializeToString,
+                response_deserializer=syscalls_dot_symphony__pb2.Empty.FromString,
+                _registered_method=True)
         self.Chown = channel.unary_unary(
                 '/symphony.Kernel/Chown',
                 request_serializer=syscalls_dot_symphony__pb2.ChownRequest.SerializeToString,
@@ -342,6 +347,12 @@ class KernelServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Access(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Chown(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -498,6 +509,11 @@ def add_KernelServicer_to_server(servicer, server):
             ),
             'Chmod': grpc.unary_unary_rpc_method_handler(
                     servicer.Chmod,
+                    request_deserializer=syscalls_dot_symphony__pb2.ModeRequest.FromString,
+                    response_serializer=syscalls_dot_symphony__pb2.Empty.SerializeToString,
+            ),
+            'Access': grpc.unary_unary_rpc_method_handler(
+                    servicer.Access,
                     request_deserializer=syscalls_dot_symphony__pb2.ModeRequest.FromString,
                     response_serializer=syscalls_dot_symphony__pb2.Empty.SerializeToString,
             ),
@@ -1200,6 +1216,33 @@ class Kernel:
             request,
             target,
             '/symphony.Kernel/Chmod',
+            syscalls_dot_symphony__pb2.ModeRequest.SerializeToString,
+            syscalls_dot_symphony__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Access(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/symphony.Kernel/Access',
             syscalls_dot_symphony__pb2.ModeRequest.SerializeToString,
             syscalls_dot_symphony__pb2.Empty.FromString,
             options,
