@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,9 +28,17 @@ def make_model(directory: Path) -> Path:
     return directory
 
 
+_WORLD: list[Path] = []
+
+
 def world_dir() -> Path:
-    """A directory every user can reach (pytest's tmp_path is not searchable by others)."""
-    path = Path(tempfile.mkdtemp(prefix="symphony-test-"))
+    """A directory every user can reach (pytest's tmp_path is not searchable by others),
+    removed when the test run ends."""
+    if not _WORLD:
+        _WORLD.append(Path(tempfile.mkdtemp(prefix="symphony-test-")))
+        _WORLD[0].chmod(0o755)
+        atexit.register(shutil.rmtree, _WORLD[0], ignore_errors=True)
+    path = Path(tempfile.mkdtemp(dir=_WORLD[0]))
     path.chmod(0o755)
     return path
 
