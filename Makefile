@@ -57,6 +57,7 @@ run: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/engine.py
 	$(PY) bench/kvfs.py
+	$(PY) bench/kernel.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -127,8 +127,11 @@ class Scheduler:
                positions: list[int] | None, rows: list[int],
                params: SamplingParams) -> asyncio.Future:
         """Queue a checked pred; the future gets its Outputs, or the error that failed it."""
-        if proc.pending == 0:  # waking up: no credit for the time asleep
-            proc.vruntime = max(proc.vruntime, self.min_vruntime)
+        if proc.pending == 0:
+            # Waking up: no credit for time asleep beyond one step's worth, as CFS bounds a
+            # waker's lead. A full clamp would wipe out the lead of a process that is only
+            # between two preds, and nice would count for nothing.
+            proc.vruntime = max(proc.vruntime, self.min_vruntime - self.token_budget)
         proc.pending += 1
         proc.swapped = False
         job = PredJob(proc, handle, tokens, positions, rows, params,

@@ -3,6 +3,7 @@ process table freeing what dies, identity from SO_PEERCRED, and errnos that chan
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import errno
 import json
@@ -408,3 +409,36 @@ def test_proc_agrees_with_the_kernel(daemon):
         assert calls["Close"] == 2 and calls["Procfs"] >= 6
         with pytest.raises(FileNotFoundError):
             k.procfs("/proc/nope")
+
+
+# -- level 1: fair share ----------------------------------------------------------------
+
+
+async def contend(socket, nice_b: int, preds: int) -> tuple[int, int]:
+    """Two processes keep two budget-sized preds queued each, so every step has room for
+    one of them; returns how many preds each got through."""
+    from syscalls.aio import AsyncKernel
+
+    a = await AsyncKernel.connect(socket, name="a")
+    b = await AsyncKernel.connect(socket, name="b")
+    await b.nice(nice_b)
+    done = {a.pid: 0, b.pid: 0}
+
+    async def loop(k):
+        f = await k.open("", os.O_RDWR)
+        while sum(done.values()) < preds:
+            await f.pred(prompt(BUDGET), no_outputs=True)
+            await f.truncate(0)
+            done[k.pid] += 1
+
+    await asyncio.gather(*(loop(k) for k in (a, a, b, b)))
+    await a.close()
+    await b.close()
+    return done[a.pid], done[b.pid]
+
+
+@pytest.mark.parametrize("nice_b, low, high", [(0, 0.7, 1.4), (10, 6.0, 14.0)])
+def test_contending_processes_share_by_nice_weight(daemon, nice_b, low, high):
+    got_a, got_b = asyncio.run(contend(daemon.socket, nice_b, preds=120))
+    # CFS weights: 1024 / 1.25**nice, so nice 10 gets 1/9.3 of nice 0's share.
+    assert low < got_a / got_b < high, (got_a, got_b)

@@ -1,0 +1,622 @@
+"""The kernel's costs against the in-process engine, in one run (issue 5).
+
+1. syscall tax: per-token decode latency of a LIP calling pred once per token, against
+   the in-process loop (`symphony.engine.generate.generate`) at batch 1.
+2. batching: aggregate decode tokens/s of N concurrent LIPs (separate OS processes,
+   started, prefilled, then timed from a barrier), against `generate` at batch N.
+3. fairness: token rates of two CPU-bound LIPs under contention, at equal nice and at
+   nice 0 against nice 10 (CFS weights 1024 / 1.25**nice: about 9.3x). Contention comes
+   from --token-budget (256-token preds, budget 256) or --max-seqs 1 (1-token preds);
+   each LIP keeps 1 or 2 preds in flight (one file and thread each).
+4. prompt cache: time to first token of a question after forking a saved document file,
+   against prefilling the document and the question into a fresh file, on a random-weight
+   checkpoint of the default model's shape with a longer context (made in a temp dir).
+
+Each benchmark starts its own kernel (`symphony start`, stopped at the end). Runs of the
+two sides are interleaved and repeated; best and median are printed with their ratio.
+Figures go to bench/RESULTS.md by hand, with the machine.
+
+    python bench/kernel.py [--only tax,batch,fair,cache] [--model DIR] [--repeat 7] ...
+
+The LIPs are this file run again with --lip (they import only the syscalls package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import queue
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+# Run as a script, this file's folder comes first on sys.path, and bench/kvfs.py would hide
+# the kvfs package from anything imported here.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+
+BENCHES = ("tax", "batch", "fair", "cache")
+LIP_TIMEOUT = 300.0  # seconds a LIP may take to answer one command
+
+
+def prompt(seed: int, length: int, vocab: int) -> list[int]:
+    """The same random prompt on both sides (ids 3.. skip the special tokens)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+# -- the LIP side: this file run with --lip ----------------------------------------------
+
+
+def lip_main(args: argparse.Namespace) -> int:
+    """A LIP driven over stdin/stdout: it answers 'prep' with 'ready' and 'go ...' with
+    'done ...', so the parent can line many of them up behind one barrier."""
+    from syscalls.client import Kernel
+
+    k = Kernel.connect(args.socket, name=f"bench-{args.lip}")
+    if args.nice:
+        k.nice(args.nice)
+    vocab = k.model_info().vocab_size
+    files = [k.open("", os.O_RDWR) for _ in range(args.inflight)]
+    say(f"attached {k.pid}")
+    tok: list[int] = []
+
+    def kernel_pred_ms() -> tuple[int, float]:
+        """Count and total ms of this process's Pred calls as the kernel timed them."""
+        for line in k.procfs(f"{k.pid}/syscalls").splitlines():
+            parts = line.split("\t")
+            if parts[0] == "Pred":
+                return int(parts[1]), float(parts[2])
+        return 0, 0.0
+
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "prep":  # decode: prefill the prompt, keep the sampled token
+            f = files[0]
+            f.truncate(0)
+            (out,) = f.pred(prompt(args.seed, args.prompt_len, vocab))
+            tok = [out.token]
+            before = kernel_pred_ms()
+            say("ready")
+        elif cmd[0] == "go" and args.lip == "decode":
+            f = files[0]
+            start = time.monotonic()
+            for _ in range(args.tokens - 1):
+                (out,) = f.pred([tok[-1]])
+                tok.append(out.token)
+            end = time.monotonic()
+            after = kernel_pred_ms()
+            calls, ms = after[0] - before[0], after[1] - before[1]
+            say(f"done {start} {end} {args.tokens - 1} {ms / max(calls, 1)} "
+                f"{','.join(map(str, tok))}")
+        elif cmd[0] == "go":  # chunk or step: keep pred busy until the deadline
+            deadline = time.monotonic() + float(cmd[1])
+            counts = [0] * len(files)
+            threads = [threading.Thread(target=busy, args=(args, f, vocab, deadline, counts, i))
+                       for i, f in enumerate(files)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            say(f"done {sum(counts)}")
+    k.close()
+    return 0
+
+
+def alip_main(args: argparse.Namespace) -> int:
+    """The asyncio twin of the 'decode' LIP: args.sessions sessions in one process."""
+    import asyncio
+
+    from syscalls.aio import AsyncKernel
+
+    async def main() -> None:
+        ks = [await AsyncKernel.connect(args.socket, name=f"bench-aio-{i}")
+              for i in range(args.sessions)]
+        vocab = (await ks[0].model_info()).vocab_size
+        files = [await k.open("", os.O_RDWR) for k in ks]
+        say(f"attached {ks[0].pid}")
+        toks: list[list[int]] = [[] for _ in ks]
+        loop = asyncio.get_running_loop()
+
+        async def prep(i: int) -> None:
+            await files[i].truncate(0)
+            (out,) = await files[i].pred(prompt(args.seed + i, args.prompt_len, vocab))
+            toks[i] = [out.token]
+
+        async def decode(i: int) -> float:
+            for _ in range(args.tokens - 1):
+                (out,) = await files[i].pred([toks[i][-1]])
+                toks[i].append(out.token)
+            return time.monotonic()
+
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            if line.split()[0] == "prep":
+                await asyncio.gather(*(prep(i) for i in range(len(ks))))
+                say("ready")
+            else:
+                start = time.monotonic()
+                ends = await asyncio.gather(*(decode(i) for i in range(len(ks))))
+                ids = ";".join(",".join(map(str, t)) for t in toks)
+                say(f"done {start} {max(ends)} {len(ks) * (args.tokens - 1)} 0 {ids}")
+        for k in ks:
+            await k.close()
+
+    asyncio.run(main())
+    return 0
+
+
+def busy(args: argparse.Namespace, f, vocab: int, deadline: float, counts: list[int],
+         i: int) -> None:
+    """One stream of back-to-back preds: 'chunk' preds args.chunk tokens and truncates the
+    file back; 'step' decodes one token a call, cutting the file back at args.chunk."""
+    rng = random.Random(args.seed * 1000 + i)
+    if args.lip == "chunk":
+        while time.monotonic() < deadline:
+            f.pred([rng.randrange(3, vocab) for _ in range(args.chunk)])
+            f.truncate(0)
+            counts[i] += args.chunk
+        return
+    base = prompt(args.seed + i, args.prompt_len, vocab)
+    f.truncate(0)
+    (out,) = f.pred(base)
+    length = len(base)
+    while time.monotonic() < deadline:
+        if length >= args.chunk:
+            f.truncate(len(base) - 1)
+            (out,) = f.pred(base[-1:])
+            length = len(base)
+        (out,) = f.pred([out.token])
+        length += 1
+        counts[i] += 1
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+# -- the parent side ---------------------------------------------------------------------
+
+
+class Lip:
+    """A LIP process; a reader thread queues its lines so every wait has a timeout."""
+
+    def __init__(self, sock: Path, mode: str, **opts):
+        argv = [sys.executable, __file__, "--lip", mode, "--socket", str(sock)]
+        for key, value in opts.items():
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.pid = int(self.expect("attached")[0])
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, word: str) -> list[str]:
+        try:
+            line = self.lines.get(timeout=LIP_TIMEOUT)
+        except queue.Empty:
+            raise RuntimeError(f"LIP {self.proc.pid}: no answer in {LIP_TIMEOUT:.0f} s") from None
+        if line is None:
+            raise RuntimeError(f"LIP {self.proc.pid} exited with status {self.proc.wait()}")
+        parts = line.split()
+        if parts[0] != word:
+            raise RuntimeError(f"LIP {self.proc.pid}: expected {word!r}, got {line!r}")
+        return parts[1:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+class KernelDaemon:
+    """`symphony start` in a temporary directory; `symphony stop` on leaving."""
+
+    def __init__(self, tmp: Path, name: str, flags: list[str]):
+        self.dir = tmp / name
+        self.socket = self.dir / "k.sock"
+        self.flags = ["--state-dir", str(self.dir / "state"), *flags]
+
+    def __enter__(self) -> KernelDaemon:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "symphony.cli"]
+        r = subprocess.run([*cmd, "start", "--socket", str(self.socket), *self.flags],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"symphony start failed: {r.stderr.strip()}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        subprocess.run([sys.executable, "-m", "symphony.cli", "stop", "--socket",
+                        str(self.socket)], capture_output=True, text=True)
+
+
+def stats(xs: list[float]) -> tuple[float, float]:
+    return min(xs), statistics.median(xs)
+
+
+def row(name: str, unit: str, ours: list[float], peer: list[float], lower_better: bool,
+        target: str) -> None:
+    """Best and median of each side; the ratio is ours/theirs in the target's sense."""
+    best = min if lower_better else max
+    ob, om, pb, pm = best(ours), statistics.median(ours), best(peer), statistics.median(peer)
+    rb, rm = ob / pb, om / pm
+    print(f"  {name:<34}{ob:>14.2f}{om:>10.2f}{pb:>14.2f}{pm:>10.2f}"
+          f"{rb:>11.2f}x{rm:>7.2f}x  {unit}; target {target}")
+
+
+def header(ours: str, peer: str) -> None:
+    print(f"  {'':<34}{ours + ' best':>14}{'median':>10}{peer + ' best':>14}{'median':>10}"
+          f"{'ratio best':>12}{'median':>8}")
+
+
+def machine_line() -> str:
+    import torch
+
+    cpu, flags, mem = platform.processor() or platform.machine(), set(), 0
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) // 2**20
+    except OSError:
+        pass
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU only"
+    return (f"# machine: {cpu}, {os.cpu_count()} cores, {isa}, {mem} GiB, {gpu}; "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+            f"{datetime.datetime.now().isoformat(timespec='seconds')}; load average "
+            f"{os.getloadavg()[0]:.2f} (other work on the machine skews every figure)")
+
+
+# -- 1 and 2: decode through the kernel against generate --------------------------------
+
+
+def decode_round(lips: list[Lip]) -> tuple[float, int, list[float], list[list[int]]]:
+    """Prefill every LIP, then time them all from one barrier: (seconds, tokens,
+    kernel-side ms per pred of each, tokens of each)."""
+    for lip in lips:
+        lip.send("prep")
+    for lip in lips:
+        lip.expect("ready")
+    start = time.monotonic()
+    for lip in lips:
+        lip.send("go")
+    ends, tokens, kernel_ms, outs = [], 0, [], []
+    for lip in lips:
+        _, end, n, ms, ids = lip.expect("done")
+        ends.append(float(end))
+        tokens += int(n)
+        kernel_ms.append(float(ms))
+        outs += [[int(x) for x in one.split(",")] for one in ids.split(";")]
+    return max(ends) - start, tokens, kernel_ms, outs
+
+
+def in_process(engine, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+    """generate's decode time for new - 1 tokens (N new minus 1 new: no prefill)."""
+    from symphony.engine.generate import generate
+    from symphony.engine.sampler import GREEDY
+
+    t = time.perf_counter()
+    out = generate(engine, prompts, GREEDY, new, stop_ids=())
+    mid = time.perf_counter()
+    generate(engine, prompts, GREEDY, 1, stop_ids=())
+    end = time.perf_counter()
+    return (mid - t) - (end - mid), out
+
+
+def bench_decode(args: argparse.Namespace, tmp: Path, engine, which: list[str]) -> None:
+    vocab = engine.config.vocab_size
+    flags = ["--kv-pages", str(args.kv_pages)]
+    if args.model:
+        flags += ["--model", args.model]
+    with KernelDaemon(tmp, "decode", flags) as kd:
+        opts = {"prompt_len": args.prompt_len, "tokens": args.tokens}
+        if "tax" in which:
+            print(f"\n## 1. syscall tax: decode at batch 1, {args.tokens} tokens after a "
+                  f"{args.prompt_len}-token prompt, greedy; best/median of {args.repeat}")
+            (lip,) = lips = [Lip(kd.socket, "decode", seed=0, **opts)]
+            try:
+                p = [prompt(0, args.prompt_len, vocab)]
+                in_process(engine, p, args.tokens)  # warm-up of both sides
+                decode_round(lips)
+                ours, peer, kms, same = [], [], [], True
+                for _ in range(args.repeat):
+                    t, ref = in_process(engine, p, args.tokens)
+                    peer.append(t / (args.tokens - 1) * 1e3)
+                    secs, n, kernel_ms, outs = decode_round(lips)
+                    ours.append(secs / n * 1e3)
+                    kms.append(kernel_ms[0])
+                    same &= outs[0] == ref[0]
+            finally:
+                lip.close()
+            with kernel_client(kd.socket) as k:
+                noop = []
+                for _ in range(500):
+                    t = time.perf_counter()
+                    k.getpid()
+                    noop.append((time.perf_counter() - t) * 1e3)
+            header("LIP", "generate")
+            row("per-token latency", "ms/token", ours, peer, True, "<= 1.10x")
+            print(f"  a no-op syscall (getpid) round trip: median {statistics.median(noop):.2f} "
+                  f"ms, best {min(noop):.2f} ms")
+            print(f"  kernel-side pred (as /proc/PID/syscalls times it): best "
+                  f"{min(kms):.2f} ms, median {statistics.median(kms):.2f} ms; the rest "
+                  f"is transport and the client. Same tokens as generate: {same}")
+        if "batch" in which:
+            bench_batch(args, kd.socket, engine, opts)
+
+
+def bench_batch(args: argparse.Namespace, sock: Path, engine, opts: dict) -> None:
+    n_lips, vocab = args.batch, engine.config.vocab_size
+    modes = [m for m in args.batch_modes.split(",") if m]
+    print(f"\n## 2. batching: {n_lips} LIPs x {args.tokens} tokens (timed from a barrier "
+          f"after their prefill) against generate at batch {n_lips}; best/median of "
+          f"{args.repeat}")
+    groups: dict[str, list[Lip]] = {}
+    try:
+        if "procs" in modes:
+            groups[f"{n_lips} LIP processes"] = [
+                Lip(sock, "decode", seed=i, **opts) for i in range(n_lips)]
+        if "asyncio" in modes:
+            groups[f"1 asyncio LIP, {n_lips} sessions"] = [
+                Lip(sock, "adecode", seed=0, sessions=n_lips, **opts)]
+        p = [prompt(i, args.prompt_len, vocab) for i in range(n_lips)]
+        in_process(engine, p, args.tokens)
+        for lips in groups.values():
+            decode_round(lips)
+        peer: list[float] = []
+        ours: dict[str, list[float]] = {name: [] for name in groups}
+        seqs: dict[str, list[float]] = {name: [] for name in groups}
+        same: dict[str, int] = {}
+        with kernel_client(sock) as k:
+            for _ in range(args.repeat):
+                t, ref = in_process(engine, p, args.tokens)
+                peer.append(n_lips * (args.tokens - 1) / t)
+                for name, lips in groups.items():
+                    steps = sched(k)["steps"]
+                    secs, n, _, outs = decode_round(lips)
+                    ours[name].append(n / secs)
+                    seqs[name].append(n / max(1.0, sched(k)["steps"] - steps))
+                    same[name] = sum(o == r for o, r in zip(outs, ref, strict=True))
+    finally:
+        for lips in groups.values():
+            for lip in lips:
+                lip.close()
+    header("LIPs", "generate")
+    for name in groups:
+        row(f"{name}", "tokens/s", ours[name], peer, False, ">= 0.85x")
+    for name in groups:
+        print(f"  {name}: {statistics.median(seqs[name]):.1f} sequences per kernel step "
+              f"(median of rounds; generate: {n_lips}); sequences with generate's tokens: "
+              f"{same[name]} of {n_lips}")
+
+
+def kernel_client(sock: Path):
+    from syscalls.client import Kernel
+
+    return Kernel.connect(sock, name="bench")
+
+
+def sched(k) -> dict[str, float]:
+    out = {}
+    for line in k.procfs("sched").splitlines():
+        key, _, value = line.partition(":")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            pass
+    return out
+
+
+# -- 3: fairness -------------------------------------------------------------------------
+
+
+def fair_run(sock: Path, mode: str, nices: tuple[int, int], seconds: float, inflight: int,
+             chunk: int, prompt_len: int) -> tuple[float, float]:
+    """Two LIPs busy for `seconds`; their token rates over the middle 60% of the run, from
+    the kernel's own per-process counts."""
+    lips = []
+    k = kernel_client(sock)
+    try:
+        for i, nice in enumerate(nices):
+            lips.append(Lip(sock, mode, seed=i, nice=nice, inflight=inflight, chunk=chunk,
+                            prompt_len=prompt_len))
+        for lip in lips:
+            lip.send(f"go {seconds}")
+        time.sleep(seconds * 0.2)
+        t0, c0 = time.monotonic(), tokens_of(k, lips)
+        time.sleep(seconds * 0.6)
+        t1, c1 = time.monotonic(), tokens_of(k, lips)
+        for lip in lips:
+            lip.expect("done")
+    finally:
+        k.close()
+        for lip in lips:
+            lip.close()
+    return tuple((b - a) / (t1 - t0) for a, b in zip(c0, c1, strict=True))
+
+
+def tokens_of(k, lips: list[Lip]) -> list[int]:
+    by_pid = {p.pid: p.tokens for p in k.ps()}
+    return [by_pid[lip.pid] for lip in lips]
+
+
+def bench_fair(args: argparse.Namespace, tmp: Path) -> None:
+    weight = 1.25**10
+    print(f"\n## 3. fairness: two busy LIPs, {args.fair_seconds:.0f} s each run, rates over "
+          f"its middle 60% (kernel's per-process token counts); nice 10 target "
+          f"{weight:.2f}x (1024/1.25**nice)")
+    settings = [
+        ("chunk", ["--token-budget", str(args.chunk)],
+         f"{args.chunk}-token preds, --token-budget {args.chunk}"),
+        ("step", ["--max-seqs", "1"], "1-token decode preds, --max-seqs 1"),
+    ]
+    model = ["--model", args.model] if args.model else []
+    print(f"  {'setting':<44}{'in flight':>10}{'nice':>8}{'A tok/s':>10}{'B tok/s':>10}"
+          f"{'A/B':>8}  target")
+    for mode, flags, label in settings:
+        with KernelDaemon(tmp, f"fair-{mode}", [*model, "--kv-pages", "1024", *flags]) as kd:
+            for inflight in [int(x) for x in args.fair_inflight.split(",")]:
+                for nices, target in (((0, 0), "within 10%"), ((0, 10), f"{weight:.2f}x")):
+                    a, b = fair_run(kd.socket, mode, nices, args.fair_seconds, inflight,
+                                    args.chunk, args.prompt_len)
+                    print(f"  {label:<44}{inflight:>10}{f'{nices[0]}/{nices[1]}':>8}"
+                          f"{a:>10.1f}{b:>10.1f}{a / b:>7.2f}x  {target}")
+
+
+# -- 4: prompt cache ---------------------------------------------------------------------
+
+
+def long_context_model(tmp: Path, base: Path, context: int) -> Path:
+    """A random-weight checkpoint of `base`'s shape with a longer context, and its
+    tokenizer files."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["max_position_embeddings"] = context
+    cfg.pop("architectures", None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16)
+    out = tmp / f"random-{context}"
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (base / name).exists():
+            shutil.copy(base / name, out / name)
+    return out
+
+
+def bench_cache(args: argparse.Namespace, tmp: Path) -> None:
+    from symphony.engine.engine import default_model_dir
+
+    base = Path(args.model) if args.model else default_model_dir()
+    context = args.doc_len * 2
+    model = long_context_model(tmp, base, context)
+    print(f"\n## 4. prompt cache: time to first token of a {args.question_len}-token question "
+          f"after a {args.doc_len}-token document; best/median of {args.repeat}")
+    print(f"  model: random weights, {base.name}'s shape with max_position_embeddings "
+          f"{context} (the shipped model's context is shorter), made in a temporary dir")
+    from syscalls.client import Kernel
+
+    with KernelDaemon(tmp, "cache", ["--model", str(model), "--kv-pages", "2048"]) as kd, \
+            Kernel.connect(kd.socket, name="bench-cache") as k:
+        vocab = k.model_info().vocab_size
+        doc = prompt(1, args.doc_len, vocab)
+        question = prompt(2, args.question_len, vocab)
+        path = f"{k.home.rstrip('/')}/bench-doc.kv"
+        with k.open(path, os.O_RDWR | os.O_CREAT) as f:
+            f.pred(doc, no_outputs=True)
+            f.fsync()
+
+        def forked() -> int:
+            with k.open(path) as saved, saved.fork() as f:
+                return f.pred(question)[0].token
+
+        def cold() -> int:
+            with k.open("", os.O_RDWR) as f:
+                return f.pred(doc + question)[0].token
+
+        fns = [forked, cold]
+        firsts = [fn() for fn in fns]  # warm-up
+        times: list[list[float]] = [[], []]
+        for _ in range(args.repeat):
+            for i, fn in enumerate(fns):
+                t = time.perf_counter()
+                fn()
+                times[i].append((time.perf_counter() - t) * 1e3)
+        k.unlink(path)
+    header("fork", "prefill")
+    (fb, fm), (cb, cm) = stats(times[0]), stats(times[1])
+    print(f"  {'time to first token':<34}{fb:>14.2f}{fm:>10.2f}{cb:>14.2f}{cm:>10.2f}"
+          f"{cb / fb:>11.1f}x{cm / fm:>7.1f}x  ms (ratio prefill/fork); target >= 10x")
+    print(f"  same first token both ways: {firsts[0] == firsts[1]}")
+
+
+# -- main --------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=",".join(BENCHES), help="a subset of " + ",".join(BENCHES))
+    ap.add_argument("--model", help="checkpoint (default: the shipped model)")
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=128, help="decoded tokens per LIP")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=32, help="concurrent LIPs for batching")
+    ap.add_argument("--batch-modes", default="procs,asyncio",
+                    help="procs: one process per LIP; asyncio: one process, a session each")
+    ap.add_argument("--kv-pages", type=int, default=2048)
+    ap.add_argument("--fair-seconds", type=float, default=10.0)
+    ap.add_argument("--fair-inflight", default="1,2",
+                    help="preds each fairness LIP keeps in flight (one file each)")
+    ap.add_argument("--chunk", type=int, default=256,
+                    help="fairness: tokens per pred and --token-budget")
+    ap.add_argument("--doc-len", type=int, default=2048)
+    ap.add_argument("--question-len", type=int, default=16)
+    # The LIP side (internal).
+    ap.add_argument("--lip", choices=["decode", "adecode", "chunk", "step"], help=argparse.SUPPRESS)
+    ap.add_argument("--socket", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--inflight", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--sessions", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.lip == "adecode":
+        return alip_main(args)
+    if args.lip:
+        return lip_main(args)
+
+    which = [w for w in args.only.split(",") if w]
+    bad = set(which) - set(BENCHES)
+    if bad:
+        ap.error(f"--only: unknown {', '.join(sorted(bad))}")
+    print(machine_line())
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="symphony-bench-") as tmp:
+        if "tax" in which or "batch" in which:
+            from symphony.engine.engine import Engine
+
+            engine = Engine(args.model, kv_pages=args.kv_pages)
+            print(f"# model {engine.model_dir} ({engine.dtype}); in-process peer: generate on "
+                  f"an Engine in this process; LIPs: separate processes, sync client")
+            bench_decode(args, Path(tmp), engine, which)
+            del engine
+        if "fair" in which:
+            bench_fair(args, Path(tmp))
+        if "cache" in which:
+            bench_cache(args, Path(tmp))
+    print(f"\n# {time.monotonic() - started:.0f} s in all; load average now "
+          f"{os.getloadavg()[0]:.2f} (this run's own load counts in it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
