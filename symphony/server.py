@@ -89,6 +89,11 @@ class Front:
             raise FSError(errno.EPERM, f"{AS_KEY}: only a root session may act for another user")
         return proc, as_cred(meta[AS_KEY])
 
+    def admit(self, name: str, request, context) -> tuple[Process, Cred]:
+        if isinstance(request, Malformed):
+            raise FSError(errno.EINVAL, f"{name}: malformed request ({request.error})")
+        return self.caller(context)
+
     def _account(self, proc: Process | None, name: str, start: float) -> None:
         if proc is not None:
             proc.calls[name] += 1
@@ -99,9 +104,7 @@ class Front:
         async def handle(request, context):
             start, proc = time.perf_counter(), None
             try:
-                if isinstance(request, Malformed):
-                    raise FSError(errno.EINVAL, f"{name}: malformed request ({request.error})")
-                proc, cred = self.caller(context)
+                proc, cred = self.admit(name, request, context)
                 result = fn(self.kernel, proc, cred, request)
                 return await result if inspect.isawaitable(result) else result
             except Exception as e:
@@ -115,9 +118,7 @@ class Front:
         async def handle(request, context):
             start, proc = time.perf_counter(), None
             try:
-                if isinstance(request, Malformed):
-                    raise FSError(errno.EINVAL, f"{name}: malformed request ({request.error})")
-                proc, cred = self.caller(context)
+                proc, cred = self.admit(name, request, context)
                 for chunk in fn(self.kernel, proc, cred, request):
                     yield chunk
             except Exception as e:
