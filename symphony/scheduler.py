@@ -37,6 +37,8 @@ from symphony.process import Process
 log = logging.getLogger("symphony.scheduler")
 
 STATS_WINDOW = 10.0  # seconds of steps /proc/sched summarises
+HOLD_MAX, HOLD_SHARE = 0.010, 0.5  # the longest wait for a just-served process, absolute
+# and as a share of the last step
 
 
 @dataclass
@@ -187,9 +189,12 @@ class Scheduler:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        served: list[Process] = []
+        last_step = 0.0
         while True:
             await self._wake.wait()
             self._wake.clear()
+            await self._hold_for(served, last_step)
             plan = self._plan()
             if not plan:
                 continue
@@ -205,10 +210,39 @@ class Scheduler:
                 for job, _ in plan:
                     self._fail(job, FSError(errno.EIO, f"pred: the forward pass failed: {e}"))
             else:
-                self._finish(plan, result, time.monotonic() - start)
+                last_step = time.monotonic() - start
+                self._finish(plan, result, last_step)
             finally:
                 self.in_flight = []
                 self._idle.set()
+            served = [job.proc for job, _ in plan if job.future.done()]
+
+    async def _hold_for(self, served: list[Process], last_step: float) -> None:
+        """Wait a little for processes just served to send their next pred, when they would
+        go first and the step is already full without them.
+
+        A LIP with one pred in flight is not queued during its round trip; planning at once
+        would hand its turn to whoever is queued, and nice would count for nothing. The hold
+        is taken only under contention and lasts at most HOLD_SHARE of a step."""
+        queued = self.queue
+        if not served or not queued:
+            return
+        full = (len({j.proc for j in queued}) >= self.max_seqs
+                or sum(j.remaining for j in queued) >= self.token_budget)
+        first = min(j.proc.vruntime for j in queued)
+        missing = [p for p in served if p.alive and not p.pending and p.vruntime < first]
+        if not (full and missing):
+            return
+        deadline = time.monotonic() + min(HOLD_MAX, HOLD_SHARE * last_step)
+        while any(p.alive and not p.pending for p in missing):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                return
 
     def _forward(self, batch: Batch, params: list[SamplingParams], gens: list) -> tuple:
         """On the engine thread: one forward pass and the sampling of its logit rows."""
