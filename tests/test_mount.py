@@ -278,6 +278,11 @@ def test_extended_attributes(k, mnt):
     assert errno_of(os.getxattr, path, "user.other") == errno.ENODATA
     assert errno_of(os.setxattr, path, "user.symphony.tokens", b"1") == errno.ENOTSUP
     assert os.listxattr(mnt / "tmp") == []
+    # What the README tells users to run.
+    shown = subprocess.run(["getfattr", "--absolute-names", "-d", "-m", "user.symphony", path],
+                           capture_output=True, text=True, check=True).stdout
+    assert f'user.symphony.tokens="{len(ids)}"' in shown.splitlines()
+    assert f'user.symphony.model="{info.name} {info.fingerprint}"' in shown.splitlines()
 
 
 def test_the_kernel_decides_access_for_each_user(daemon, k, mnt):
