@@ -54,19 +54,21 @@ def cmd_kernel(args: argparse.Namespace) -> int:
 
     from symphony.daemon import Options, default_state_dir, run_kernel
     from symphony.engine.engine import Engine
+    from symphony.engine_thread import EngineThread
     from syscalls.session import socket_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    engine = Engine(args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages,
-                    host_pages=args.host_pages if args.host_pages is not None
-                    else args.kv_pages or 0)
+    engine_thread = EngineThread()
+    engine = engine_thread.call(
+        Engine, args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages,
+        host_pages=args.host_pages if args.host_pages is not None else args.kv_pages or 0)
     opts = Options(
         socket=socket_path(args.socket), state_dir=Path(args.state_dir or default_state_dir()),
         token_budget=args.token_budget, max_seqs=args.max_seqs, disk_pages=args.disk_pages,
         quota=args.quota,
     )
-    run_kernel(engine, opts)
+    run_kernel(engine, engine_thread, opts)
     return 0
 
 

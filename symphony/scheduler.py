@@ -21,7 +21,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +31,7 @@ from kvfs.inode import Inode
 from kvfs.pages import DEVICE, DISK, HOST
 from symphony.engine.engine import Batch, Engine
 from symphony.engine.sampler import SamplingParams, sample
+from symphony.engine_thread import EngineThread
 from symphony.process import Process
 
 log = logging.getLogger("symphony.scheduler")
@@ -104,12 +104,13 @@ class Scheduler:
     def __init__(
         self,
         engine: Engine,
+        engine_thread: EngineThread,
         fs: FileSystem,
         procs: Callable[[], Iterable[Process]],
         token_budget: int = 512,
         max_seqs: int = 256,
     ):
-        self.engine, self.fs, self.procs = engine, fs, procs
+        self.engine, self.engine_thread, self.fs, self.procs = engine, engine_thread, fs, procs
         self.token_budget, self.max_seqs = token_budget, max_seqs
         self.context = engine.config.max_position_embeddings
         self.queue: list[PredJob] = []
@@ -120,8 +121,6 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        # One engine thread: the forward pass never runs on the event loop's thread.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
 
     # -- level 1: submission, fair share, cancellation -----------------------------------
 
@@ -188,7 +187,6 @@ class Scheduler:
     # -- the loop ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         served: list[Process] = []
         last_step = 0.0
         while True:
@@ -203,8 +201,7 @@ class Scheduler:
             start = time.monotonic()
             try:
                 batch, params, gens = self._batch(plan)
-                result = await loop.run_in_executor(
-                    self._executor, self._forward, batch, params, gens)
+                result = await self.engine_thread.run(self._forward, batch, params, gens)
             except Exception as e:  # the step failed as a whole: so does every pred in it
                 log.exception("forward pass failed")
                 for job, _ in plan:
