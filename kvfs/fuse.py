@@ -39,9 +39,9 @@ from typing import Any
 import pyfuse3
 import trio
 
+from syscalls import wire
 from syscalls.client import Kernel
 from syscalls.convert import CHUNK_BYTES, Stat
-from syscalls.session import SHUTDOWN
 
 log = logging.getLogger("symphony.mount")
 
@@ -672,19 +672,19 @@ class KvFS(pyfuse3.Operations):
     # -- life cycle -----------------------------------------------------------------------
 
     async def watch_kernel(self) -> None:
-        """The lifeline says "shutdown" when the kernel stops cleanly: unmount. End of file
+        """The lifeline says SHUTDOWN when the kernel stops cleanly: unmount. End of file
         without it means the kernel died: stay mounted, failing with EIO, until umount."""
         sock = self.kernel.lifeline()
         sock.setblocking(False)
-        said = b""
+        frames = wire.Frames()
         while True:
             await trio.lowlevel.wait_readable(sock)
             try:
                 data = sock.recv(256)
-            except OSError:  # reset: as dead as end of file
-                data = b""
-            said += data
-            if SHUTDOWN in said:
+                said = frames.feed(data)
+            except (OSError, wire.FrameError):  # reset or garbage: as dead as end of file
+                data, said = b"", []
+            if any(kind == wire.SHUTDOWN for kind, _, _ in said):
                 log.info("the kernel stopped: unmounting")
                 pyfuse3.terminate()
                 return

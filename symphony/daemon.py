@@ -19,12 +19,14 @@ from kvfs.pages import PageStore
 from kvfs.state import StateDir
 from symphony.engine.engine import Engine
 from symphony.engine.fingerprint import fingerprint
+from symphony.engine_thread import EngineThread
 from symphony.process import Process, ProcessTable, os_cpu_seconds
 from symphony.procfs import ProcFS
 from symphony.scheduler import Scheduler
 from symphony.server import Front, Hello
 from syscalls import symphony_pb2 as pb
-from syscalls.session import SHUTDOWN, hello_path
+from syscalls import wire
+from syscalls.session import hello_path
 
 log = logging.getLogger("symphony.kernel")
 
@@ -49,7 +51,7 @@ class Options:
 
 
 class Kernel:
-    def __init__(self, engine: Engine, opts: Options):
+    def __init__(self, engine: Engine, engine_thread: EngineThread, opts: Options):
         self.engine, self.opts = engine, opts
         self.model_name = engine.model_dir.name
         self.fingerprint = fingerprint(engine.model_dir)
@@ -61,7 +63,7 @@ class Kernel:
         self.state.restore()
         self.procs = ProcessTable()
         self.lifelines: dict[int, asyncio.Transport] = {}
-        self.sched = Scheduler(engine, self.fs, lambda: self.procs,
+        self.sched = Scheduler(engine, engine_thread, self.fs, lambda: self.procs,
                                opts.token_budget, opts.max_seqs)
         self.procfs = ProcFS(self)
         self._reaping: set[asyncio.Task] = set()
@@ -119,13 +121,13 @@ class Kernel:
                 if _answers(path):
                     raise OSError(f"{path}: a kernel already listens there")
                 path.unlink()
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers([Front(self).handler()])
+        server, front = grpc.aio.server(), Front(self)
+        server.add_generic_rpc_handlers([front.handler()])
         if not server.add_insecure_port(f"unix:{sock}"):
             raise OSError(f"{sock}: cannot listen")
         await server.start()
         loop = asyncio.get_running_loop()
-        hello = await loop.create_unix_server(lambda: Hello(self), str(hello_path(sock)))
+        hello = await loop.create_unix_server(lambda: Hello(self, front), str(hello_path(sock)))
         # Every local user may connect; identity comes from SO_PEERCRED, not from access.
         for path in (sock, hello_path(sock)):
             os.chmod(path, 0o666)
@@ -140,8 +142,8 @@ class Kernel:
         finally:
             log.info("shutting down")
             hello.close()
-            for lifeline in self.lifelines.values():
-                lifeline.write(SHUTDOWN)  # a clean stop, not a crash: the mount unmounts
+            for lifeline in self.lifelines.values():  # a clean stop, not a crash: the mount
+                lifeline.write(wire.frame(wire.SHUTDOWN, 0))  # unmounts
             await server.stop(grace=1.0)
             for proc in list(self.procs):
                 await self.reap(proc)
@@ -162,9 +164,9 @@ def _answers(path: Path) -> bool:
         probe.close()
 
 
-def run_kernel(engine: Engine, opts: Options) -> None:
-    """Serve until SIGTERM or SIGINT, on uvloop."""
+def run_kernel(engine: Engine, engine_thread: EngineThread, opts: Options) -> None:
+    """Serve until SIGTERM or SIGINT, on uvloop; engine_thread built the engine."""
     import uvloop
 
-    kernel = Kernel(engine, opts)
+    kernel = Kernel(engine, engine_thread, opts)
     uvloop.run(kernel.serve())

@@ -16,6 +16,7 @@ import pwd
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -26,6 +27,7 @@ from kvfs.perm import Cred
 from symphony.process import Process
 from symphony.syscall_table import TABLE
 from syscalls import symphony_pb2 as pb
+from syscalls import wire
 from syscalls.session import AS_KEY, SESSION_KEY
 
 if TYPE_CHECKING:
@@ -89,10 +91,12 @@ class Front:
             raise FSError(errno.EPERM, f"{AS_KEY}: only a root session may act for another user")
         return proc, as_cred(meta[AS_KEY])
 
-    def admit(self, name: str, request, context) -> tuple[Process, Cred]:
+    @staticmethod
+    def admit(name: str, request, who: Callable[[], tuple[Process, Cred]]
+              ) -> tuple[Process, Cred]:
         if isinstance(request, Malformed):
             raise FSError(errno.EINVAL, f"{name}: malformed request ({request.error})")
-        return self.caller(context)
+        return who()
 
     def _account(self, proc: Process | None, name: str, start: float) -> None:
         if proc is not None:
@@ -100,17 +104,22 @@ class Front:
             proc.call_seconds[name] += time.perf_counter() - start
             proc.last_active = time.monotonic()
 
+    async def call(self, name: str, fn, reply_type, request,
+                   who: Callable[[], tuple[Process, Cred]]):
+        """One unary syscall, whichever transport brought it; who() names the caller."""
+        start, proc = time.perf_counter(), None
+        try:
+            proc, cred = self.admit(name, request, who)
+            result = fn(self.kernel, proc, cred, request)
+            return await result if inspect.isawaitable(result) else result
+        except Exception as e:
+            return error_reply(reply_type, e)
+        finally:
+            self._account(proc, name, start)
+
     def unary(self, name: str, fn, reply_type):
         async def handle(request, context):
-            start, proc = time.perf_counter(), None
-            try:
-                proc, cred = self.admit(name, request, context)
-                result = fn(self.kernel, proc, cred, request)
-                return await result if inspect.isawaitable(result) else result
-            except Exception as e:
-                return error_reply(reply_type, e)
-            finally:
-                self._account(proc, name, start)
+            return await self.call(name, fn, reply_type, request, lambda: self.caller(context))
 
         return handle
 
@@ -118,7 +127,7 @@ class Front:
         async def handle(request, context):
             start, proc = time.perf_counter(), None
             try:
-                proc, cred = self.admit(name, request, context)
+                proc, cred = self.admit(name, request, lambda: self.caller(context))
                 for chunk in fn(self.kernel, proc, cred, request):
                     yield chunk
             except Exception as e:
@@ -168,15 +177,20 @@ class Front:
 
 
 PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+pred_request = parser(pb.PredRequest)
 
 
 class Hello(asyncio.Protocol):
-    """One connection of the hello socket: a process's identity and its lifeline."""
+    """One connection of the hello socket: a process's identity and its lifeline, which
+    then carries its fast-path preds (syscalls/wire.py)."""
 
-    def __init__(self, kernel: Kernel):
-        self.kernel, self.proc = kernel, None
+    def __init__(self, kernel: Kernel, front: Front):
+        self.kernel, self.front, self.proc = kernel, front, None
+        self.frames = wire.Frames()
+        self.calls: set[asyncio.Task] = set()
 
     def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
         sock = transport.get_extra_info("socket")
         pid, uid, gid = PEERCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
@@ -185,9 +199,32 @@ class Hello(asyncio.Protocol):
         transport.write(f"{self.proc.token}\n".encode())
 
     def data_received(self, data: bytes) -> None:
-        pass  # nothing is said after hello: the connection only stays open
+        try:
+            frames = self.frames.feed(data)
+        except wire.FrameError as e:
+            log.warning("pid %d: lifeline dropped: %s", self.proc.pid, e)
+            self.transport.close()  # the process is reaped, as if it had died
+            return
+        for kind, call, payload in frames:
+            task = asyncio.get_running_loop().create_task(self.pred(kind, call, payload))
+            self.calls.add(task)
+            task.add_done_callback(self.calls.discard)
+
+    async def pred(self, kind: int, call: int, payload: bytes) -> None:
+        request = (pred_request(payload) if kind == wire.PRED
+                   else Malformed(ValueError(f"frame kind {kind} is not a pred")))
+        fn = TABLE["Pred"][0]
+        reply = await self.front.call("Pred", fn, pb.PredReply, request, self.caller)
+        if not self.transport.is_closing():
+            self.transport.write(wire.frame(wire.REPLY, call, reply.SerializeToString()))
+
+    def caller(self) -> tuple[Process, Cred]:
+        if not self.proc.alive:
+            raise FSError(errno.EPERM, "no session: the process has exited or was killed")
+        return self.proc, self.proc.cred
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.proc is not None:
             self.kernel.lifelines.pop(self.proc.pid, None)
             self.kernel.spawn_reap(self.proc)
+

@@ -30,6 +30,7 @@ from syscalls.convert import (
     Stat,
     Target,
 )
+from syscalls.lifeline import AsyncLifeline
 
 T = TypeVar("T")
 
@@ -48,12 +49,15 @@ async def _import_chunks(
 class AsyncKernel(Session):
     """A session with the kernel, as syscalls.client.Kernel, for asyncio."""
 
+    LINE = AsyncLifeline
+
     @classmethod
     async def connect(
         cls,
         socket: KvPath | None = None,
         name: str | None = None,
         argv: Sequence[str] | None = None,
+        lifeline_pred: bool = True,
     ) -> AsyncKernel:
         sock = session.socket_path(socket)
         try:
@@ -63,6 +67,8 @@ class AsyncKernel(Session):
             raise convert.connect_error(e, sock) from e
         channel = grpc.aio.insecure_channel(session.grpc_target(sock), options=CHANNEL_OPTIONS)
         k = cls(sock, lifeline, token, channel)
+        if not lifeline_pred:
+            k._line = None
         try:
             await k.attach(name, argv)
         except BaseException:
@@ -76,7 +82,10 @@ class AsyncKernel(Session):
             await self._do(convert.close(fd))
             return
         await self._channel.close()
-        self._lifeline.close()
+        if self._line is not None:
+            self._line.close()  # the socket, or the transport that has taken it over
+        else:
+            self._lifeline.close()
 
     async def __aenter__(self) -> AsyncKernel:
         return self
@@ -143,7 +152,11 @@ class AsyncKernel(Session):
         **sampling: Any,
     ) -> list[PredOutput]:
         s = convert.sampler(sampler, sampling)
-        return await self._do(convert.pred(fd, tokens, positions, outputs, s, no_outputs))
+        call = convert.pred(fd, tokens, positions, outputs, s, no_outputs)
+        if self._line is None:
+            return await self._do(call)
+        payload = await self._line.call(call.request.SerializeToString())
+        return call.result(errors.check(pb.PredReply.FromString(payload)))
 
     # -- KV files ---------------------------------------------------------------------
 

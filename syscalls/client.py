@@ -11,6 +11,7 @@ that is gone raises BrokenPipeError (EPIPE) naming the socket.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import socket
@@ -20,6 +21,7 @@ from typing import Any, Self, TypeVar
 import grpc
 
 from syscalls import convert, errors, session
+from syscalls import symphony_pb2 as pb
 from syscalls import symphony_pb2_grpc as pb_grpc
 from syscalls.convert import (
     Fd,
@@ -32,6 +34,7 @@ from syscalls.convert import (
     Stat,
     Target,
 )
+from syscalls.lifeline import Lifeline
 
 T = TypeVar("T")
 
@@ -44,9 +47,12 @@ class Session:
     process held when it closes), the stub, the token sent with every call, and the
     identity the kernel gave at attach."""
 
+    LINE: type = Lifeline  # pred's fast path on the lifeline (syscalls/wire.py)
+
     def __init__(self, sock: os.PathLike, lifeline: socket.socket, token: str, channel):
         self.socket = sock
         self._lifeline = lifeline
+        self._line = self.LINE(lifeline, str(sock))
         self._channel = channel
         self._stub = pb_grpc.KernelStub(channel)
         self._metadata = [(session.SESSION_KEY, token)]
@@ -68,12 +74,14 @@ class Session:
         view = copy.copy(self)
         view._metadata = [(session.SESSION_KEY, self._metadata[0][1]),
                           (session.AS_KEY, f"{uid}:{gid}")]
+        view._line = None  # the lifeline speaks for the session's own uid only
         return view
 
     def lifeline(self) -> socket.socket:
-        """The hello connection: it reads "shutdown" when the kernel stops cleanly and
-        end-of-file when it dies."""
+        """The hello connection: the kernel sends a SHUTDOWN frame (syscalls/wire.py) on it
+        when it stops cleanly, and it reads end-of-file when the kernel dies."""
         return self._lifeline
+
 
 
 class Kernel(Session):
@@ -85,9 +93,11 @@ class Kernel(Session):
         socket: KvPath | None = None,
         name: str | None = None,
         argv: Sequence[str] | None = None,
+        lifeline_pred: bool = True,
     ) -> Kernel:
         """Open a session (socket: the argument, else $SYMPHONY_SOCKET, else the default)
-        and attach as `name` (default: this program's file name) with `argv`."""
+        and attach as `name` (default: this program's file name) with `argv`.
+        lifeline_pred=False sends pred over gRPC like every other call."""
         sock = session.socket_path(socket)
         try:
             lifeline, token = session.hello(sock)
@@ -95,6 +105,8 @@ class Kernel(Session):
             raise convert.connect_error(e, sock) from e
         channel = grpc.insecure_channel(session.grpc_target(sock), options=CHANNEL_OPTIONS)
         k = cls(sock, lifeline, token, channel)
+        if not lifeline_pred:
+            k._line = None
         try:
             k.attach(name, argv)
         except BaseException:
@@ -109,6 +121,8 @@ class Kernel(Session):
             self._do(convert.close(fd))
             return
         self._channel.close()
+        with contextlib.suppress(OSError):  # wakes a thread reading it; the kernel reaps
+            self._lifeline.shutdown(socket.SHUT_RDWR)
         self._lifeline.close()
 
     def __enter__(self) -> Kernel:
@@ -184,7 +198,11 @@ class Kernel(Session):
         last). Sampling comes from `sampler` or from keywords naming Sampling's fields
         (temperature, top_k, top_p, min_p, seed, top_logprobs); the default is greedy."""
         s = convert.sampler(sampler, sampling)
-        return self._do(convert.pred(fd, tokens, positions, outputs, s, no_outputs))
+        call = convert.pred(fd, tokens, positions, outputs, s, no_outputs)
+        if self._line is None:
+            return self._do(call)
+        reply = pb.PredReply.FromString(self._line.call(call.request.SerializeToString()))
+        return call.result(errors.check(reply))
 
     # -- KV files ---------------------------------------------------------------------
 

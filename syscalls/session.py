@@ -4,7 +4,7 @@ The gRPC socket carries the calls; the hello socket beside it carries identity. 
 connects to the hello socket, the kernel reads the peer's uid, gid and pid from the OS
 (SO_PEERCRED) and answers one line: a session token. The connection then stays open for
 the life of the process, so the kernel learns of its death, crash or SIGKILL included,
-from the OS too.
+from the OS too. After the line it carries frames (syscalls/wire.py): pred's fast path.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ DEFAULT_SOCKET = "/tmp/symphony/kernel.sock"
 SESSION_KEY = "symphony-session"  # gRPC metadata: the token
 AS_KEY = "symphony-as"  # gRPC metadata: "uid:gid", honoured for root sessions only
 TOKEN_BYTES = 32
-SHUTDOWN = b"shutdown\n"  # said on the lifeline when the kernel stops cleanly
 
 
 def socket_path(path: str | os.PathLike | None = None) -> Path:
@@ -42,8 +41,8 @@ def hello(sock: Path) -> tuple[socket.socket, str]:
     try:
         lifeline.connect(str(hello_path(sock)))
         line = b""
-        while not line.endswith(b"\n"):
-            chunk = lifeline.recv(256)
+        while not line.endswith(b"\n"):  # a byte at a time: frames may follow the line
+            chunk = lifeline.recv(1)
             if not chunk:
                 raise ConnectionResetError(f"{hello_path(sock)}: the kernel hung up in hello")
             line += chunk

@@ -1,0 +1,229 @@
+"""pred's fast path on the lifeline (syscalls/wire.py): the same answers, errors and
+accounting as the Pred rpc, many callers on one session, and what bad frames or a vanished
+kernel do. The first tests play the kernel's end of a socket pair; the rest run a real
+kernel daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import socket
+import threading
+
+import grpc
+import pytest
+from daemon import make_model, meminfo, start_daemon, wait_for
+
+from syscalls import session, wire
+from syscalls import symphony_pb2 as pb
+from syscalls.aio import AsyncKernel
+from syscalls.client import Kernel
+from syscalls.lifeline import AsyncLifeline, Lifeline
+
+# -- the client's end, against a scripted kernel end --------------------------------------
+
+
+def reply_frames(peer: socket.socket, n: int, order) -> None:
+    """Read n PRED frames, then answer them in `order` (a function of the call ids), each
+    reply naming the fd its request had."""
+    frames, got = wire.Frames(), []
+    while len(got) < n:
+        got += frames.feed(peer.recv(4096))
+    for kind, call, payload in order(got):
+        assert kind == wire.PRED
+        fd = pb.PredRequest.FromString(payload).fd
+        peer.sendall(wire.frame(wire.REPLY, call, pb.PredReply(
+            outputs=[pb.PredOutput(row=0, token=fd)]).SerializeToString()))
+
+
+def test_threads_on_one_lifeline_each_get_their_own_reply():
+    ours, peer = socket.socketpair()
+    line = Lifeline(ours, "k.sock")
+    kernel = threading.Thread(target=reply_frames, args=(peer, 8, lambda got: got[::-1]))
+    kernel.start()
+    answers: dict[int, int] = {}
+
+    def caller(fd: int) -> None:
+        reply = pb.PredReply.FromString(line.call(pb.PredRequest(fd=fd).SerializeToString()))
+        answers[fd] = reply.outputs[0].token
+
+    callers = [threading.Thread(target=caller, args=(fd,)) for fd in range(3, 11)]
+    for t in callers:
+        t.start()
+    for t in (*callers, kernel):
+        t.join(10)
+    assert answers == {fd: fd for fd in range(3, 11)}  # replies came back reversed
+
+
+def test_tasks_on_one_async_lifeline_each_get_their_own_reply():
+    ours, peer = socket.socketpair()
+
+    async def calls() -> list[int]:
+        line = AsyncLifeline(ours, "k.sock")
+        kernel = asyncio.create_task(asyncio.to_thread(
+            reply_frames, peer, 8, lambda got: got[::-1]))
+
+        async def one(fd: int) -> int:
+            payload = await line.call(pb.PredRequest(fd=fd).SerializeToString())
+            return pb.PredReply.FromString(payload).outputs[0].token
+
+        got = await asyncio.gather(*(one(fd) for fd in range(3, 11)))
+        await kernel
+        line.close()
+        return got
+
+    assert asyncio.run(calls()) == list(range(3, 11))
+
+
+def test_a_pred_whose_kernel_is_gone_raises_broken_pipe(tmp_path):
+    sock = tmp_path / "k.sock"
+    lifeline, peer = socket.socketpair()
+    channel = grpc.insecure_channel(session.grpc_target(sock))
+    with Kernel(sock, lifeline, "token", channel) as k:
+        peer.close()
+        with pytest.raises(BrokenPipeError, match=f"{sock}: kernel unreachable"):
+            k.pred(3, [1, 2])
+
+    async def async_pred() -> None:
+        lifeline, peer = socket.socketpair()
+        channel = grpc.aio.insecure_channel(session.grpc_target(sock))
+        async with AsyncKernel(sock, lifeline, "token", channel) as k:
+            pending = asyncio.create_task(k.pred(3, [1, 2]))
+            await asyncio.sleep(0.05)  # sent, waiting for its reply
+            peer.close()
+            with pytest.raises(BrokenPipeError, match=f"{sock}: kernel unreachable"):
+                await pending
+
+    asyncio.run(async_pred())
+
+
+def test_frames_are_cut_where_their_headers_say():
+    frames = wire.Frames()
+    stream = wire.frame(wire.PRED, 1, b"abc") + wire.frame(wire.SHUTDOWN, 0) + wire.frame(
+        wire.REPLY, 7, b"x" * 100)
+    got = [f for i in range(len(stream)) for f in frames.feed(stream[i:i + 1])]
+    assert got == [(wire.PRED, 1, b"abc"), (wire.SHUTDOWN, 0, b""), (wire.REPLY, 7, b"x" * 100)]
+    with pytest.raises(wire.FrameError):
+        frames.feed(wire.HEADER.pack(wire.MAX_PAYLOAD + 1, 1, wire.PRED))
+
+
+# -- against a real kernel ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = start_daemon(make_model(tmp_path_factory.mktemp("model")), None, "--kv-pages", "256")
+    yield d
+    assert d.stop() == 0, d.log_text()
+
+
+PROMPT = [(5 * i) % 300 + 6 for i in range(40)]
+
+
+def session_preds(k: Kernel) -> list:
+    """A spread of preds and their answers, or errnos and messages for the bad ones."""
+    results = []
+    with k.open("", os.O_RDWR) as f:
+        results.append(f.pred(PROMPT, outputs=[0, 17, 39], top_logprobs=4))
+        results.append(f.pred([9], positions=[60]))  # a gap
+        for _ in range(5):
+            results.append(f.pred([results[-1][-1].token], temperature=0.8, top_p=0.9,
+                                  seed=11, top_logprobs=2))
+        for bad in (lambda: f.pred([1, 400]), lambda: f.pred([1], positions=[10**6]),
+                    lambda: k.pred(999, [1]), lambda: f.pred([1, 2], outputs=[5])):
+            with pytest.raises(OSError) as e:
+                bad()
+            results.append((e.value.errno, str(e.value).replace(f"process {k.pid}", "PID")))
+        results.append(k.read(f))
+    return results
+
+
+def test_pred_on_the_lifeline_answers_as_the_rpc_does(daemon):
+    with Kernel.connect(daemon.socket, name="line") as line, \
+            Kernel.connect(daemon.socket, name="rpc", lifeline_pred=False) as rpc:
+        assert line._line is not None and rpc._line is None
+        assert session_preds(line) == session_preds(rpc)
+        counts = {}
+        for k in (line, rpc):
+            rows = [r.split("\t") for r in k.procfs(f"{k.pid}/syscalls").splitlines()]
+            counts[k] = {r[0]: int(r[1]) for r in rows[1:]}
+        assert counts[line]["Pred"] == counts[rpc]["Pred"] == 11  # accounted alike
+
+
+def decode(f, n: int) -> list[int]:
+    (out,) = f.pred(PROMPT)
+    got = [out.token]
+    for _ in range(n - 1):
+        (out,) = f.pred([got[-1]])
+        got.append(out.token)
+    return got
+
+
+def test_threads_and_tasks_share_one_session(daemon):
+    with daemon.connect() as k, k.open("", os.O_RDWR) as f:
+        alone = decode(f, 12)
+    with daemon.connect() as k:
+        files = [k.open("", os.O_RDWR) for _ in range(4)]
+        got: list = [None] * 4
+
+        def run(i: int) -> None:
+            got[i] = decode(files[i], 12)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert got == [alone] * 4
+
+    async def tasks() -> list[list[int]]:
+        async with await AsyncKernel.connect(daemon.socket) as k:
+            async def run() -> list[int]:
+                f = await k.open("", os.O_RDWR)
+                (out,) = await f.pred(PROMPT)
+                toks = [out.token]
+                for _ in range(11):
+                    (out,) = await f.pred([toks[-1]])
+                    toks.append(out.token)
+                return toks
+
+            return await asyncio.gather(*(run() for _ in range(4)))
+
+    assert asyncio.run(tasks()) == [alone] * 4
+
+
+def raw_call(life: socket.socket, frames: wire.Frames, kind: int, payload: bytes) -> pb.PredReply:
+    life.sendall(wire.frame(kind, 42, payload))
+    while not (got := frames.feed(life.recv(4096))):
+        pass
+    ((reply_kind, call, data),) = got
+    assert (reply_kind, call) == (wire.REPLY, 42)
+    return pb.PredReply.FromString(data)
+
+
+def test_bad_frames_get_einval_and_garbage_ends_the_process(daemon):
+    with daemon.connect() as k:
+        free = meminfo(k)["device_free"]
+        life, token = session.hello(daemon.socket)
+        channel = grpc.insecure_channel(session.grpc_target(daemon.socket))
+        meta = [(session.SESSION_KEY, token)]
+        open_ = channel.unary_unary("/symphony.Kernel/Open",
+                                    request_serializer=pb.OpenRequest.SerializeToString,
+                                    response_deserializer=pb.FdReply.FromString)
+        fd = open_(pb.OpenRequest(path="", flags=os.O_RDWR), metadata=meta).fd
+        frames = wire.Frames()
+        ok = raw_call(life, frames, wire.PRED, pb.PredRequest(fd=fd, tokens=PROMPT)
+                      .SerializeToString())
+        assert not ok.HasField("error") and len(ok.outputs) == 1
+        assert meminfo(k)["device_free"] != free  # the file holds pages now
+        for kind, payload in ((wire.PRED, b"\x0a\xff\xff\xff"), (wire.REPLY, b"")):
+            reply = raw_call(life, frames, kind, payload)
+            assert reply.error.errno == errno.EINVAL, reply
+        pid = max(p.pid for p in k.ps() if p.os_pid == os.getpid())  # the newest session
+        life.sendall(wire.HEADER.pack(wire.MAX_PAYLOAD + 1, 1, wire.PRED))  # not a frame
+        assert life.recv(16) == b""  # the kernel hung up...
+        wait_for(lambda: pid not in {p.pid for p in k.ps()}, what="the process reaped")
+        wait_for(lambda: meminfo(k)["device_free"] == free, what="its pages freed")
+        life.close()
+        channel.close()
