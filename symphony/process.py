@@ -69,6 +69,8 @@ class Process:
     pending: int = 0  # pred calls queued or running
     waiting: bool = False  # a pred of it waits for KV memory
     swapped: bool = False  # its pages were moved off the device while it was idle
+    answered: float = 0.0  # when its last pred was answered (monotonic)
+    think: float = 0.0  # how long it usually takes from an answer to its next pred, s
 
     @property
     def uid(self) -> int:

@@ -37,7 +37,7 @@ from symphony.process import Process
 log = logging.getLogger("symphony.scheduler")
 
 STATS_WINDOW = 10.0  # seconds of steps /proc/sched summarises
-HOLD_MAX, HOLD_SHARE = 0.010, 0.5  # the longest wait for a just-served process, absolute
+HOLD_MAX, HOLD_SHARE = 0.010, 0.5  # the longest wait for just-served processes, absolute
 # and as a share of the last step
 
 
@@ -133,6 +133,9 @@ class Scheduler:
             # waker's lead. A full clamp would wipe out the lead of a process that is only
             # between two preds, and nice would count for nothing.
             proc.vruntime = max(proc.vruntime, self.min_vruntime - self.token_budget)
+            if proc.answered:
+                gap = time.monotonic() - proc.answered
+                proc.think = gap if not proc.think else (proc.think + gap) / 2
         proc.pending += 1
         proc.swapped = False
         job = PredJob(proc, handle, tokens, positions, rows, params,
@@ -215,23 +218,24 @@ class Scheduler:
             served = [job.proc for job, _ in plan if job.future.done()]
 
     async def _hold_for(self, served: list[Process], last_step: float) -> None:
-        """Wait a little for processes just served to send their next pred, when they would
-        go first and the step is already full without them.
+        """Wait a little for the processes just served to send their next pred.
 
-        A LIP with one pred in flight is not queued during its round trip; planning at once
-        would hand its turn to whoever is queued, and nice would count for nothing. The hold
-        is taken only under contention and lasts at most HOLD_SHARE of a step."""
-        queued = self.queue
-        if not served or not queued:
-            return
-        full = (len({j.proc for j in queued}) >= self.max_seqs
-                or sum(j.remaining for j in queued) >= self.token_budget)
-        first = min(j.proc.vruntime for j in queued)
-        missing = [p for p in served if p.alive and not p.pending and p.vruntime < first]
-        if not (full and missing):
-            return
+        A LIP with one pred in flight is not queued during its round trip. Planning at once
+        would run a step of whoever happens to be back (a batch of 32 LIPs would run as
+        steps of a few), and hand the turn of a process that would go first to whoever is
+        queued, so nice would count for nothing. So the next step waits for the processes
+        it would want: any of them while the step has room, and those that would go first
+        when it is full. It waits only for processes that usually come back in time (their
+        think time), and at most HOLD_SHARE of a step."""
         deadline = time.monotonic() + min(HOLD_MAX, HOLD_SHARE * last_step)
-        while any(p.alive and not p.pending for p in missing):
+        while True:
+            queued = self.queue
+            full = (len({j.proc for j in queued}) >= self.max_seqs
+                    or sum(j.remaining for j in queued) >= self.token_budget)
+            first = min((j.proc.vruntime for j in queued), default=float("inf"))
+            if not any(p.alive and not p.pending and p.answered + p.think < deadline
+                       and (not full or p.vruntime < first) for p in served):
+                return
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -402,7 +406,7 @@ class Scheduler:
                 self.fs.commit(job.res, job.tokens, job.positions)
                 job.res = None
                 self._drop(job)
-                proc.last_active = time.monotonic()
+                proc.last_active = proc.answered = time.monotonic()
                 if not job.future.done():
                     job.future.set_result(job.outputs)
         self.stats.record(Step(time.monotonic(), seconds, len(plan), prefill, decode))
