@@ -13,7 +13,7 @@ import os
 import stat as _stat
 import sys
 from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, Generic, SupportsInt, TypeVar
 
 import grpc
@@ -56,7 +56,10 @@ class Sampling:
     top_logprobs: int = 0  # also return the n most likely (id, logprob) per output
 
     def proto(self) -> pb.Sampler:
-        return pb.Sampler(**asdict(self))  # seed None leaves the optional field unset
+        # Field by field: dataclasses.asdict would be a third of a pred's client time.
+        return pb.Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                          min_p=self.min_p, seed=self.seed,  # None leaves seed unset
+                          top_logprobs=self.top_logprobs)
 
 
 @dataclass(frozen=True)
