@@ -1,7 +1,8 @@
 """The kernel's costs against the in-process engine, in one run (issue 5).
 
 1. syscall tax: per-token decode latency of a LIP calling pred once per token, against
-   the in-process loop (`symphony.engine.generate.generate`) at batch 1.
+   the in-process loop (`symphony.engine.generate.generate`) at batch 1; the LIP's preds
+   go on the lifeline (the client's default), and, in a second row, over gRPC.
 2. batching: aggregate decode tokens/s of N concurrent LIPs (separate OS processes,
    started, prefilled, then timed from a barrier), against `generate` at batch N.
 3. fairness: token rates of two CPU-bound LIPs under contention, at equal nice and at
@@ -61,7 +62,8 @@ def lip_main(args: argparse.Namespace) -> int:
     'done ...', so the parent can line many of them up behind one barrier."""
     from syscalls.client import Kernel
 
-    k = Kernel.connect(args.socket, name=f"bench-{args.lip}")
+    k = Kernel.connect(args.socket, name=f"bench-{args.lip}",
+                       lifeline_pred=args.transport == "lifeline")
     if args.nice:
         k.nice(args.nice)
     vocab = k.model_info().vocab_size
@@ -338,21 +340,28 @@ def bench_decode(args: argparse.Namespace, tmp: Path, engine, which: list[str]) 
         if "tax" in which:
             print(f"\n## 1. syscall tax: decode at batch 1, {args.tokens} tokens after a "
                   f"{args.prompt_len}-token prompt, greedy; best/median of {args.repeat}")
-            (lip,) = lips = [Lip(kd.socket, "decode", seed=0, **opts)]
+            lips = {t: Lip(kd.socket, "decode", seed=0, transport=t, **opts)
+                    for t in ("lifeline", "grpc")}
             try:
                 p = [prompt(0, args.prompt_len, vocab)]
-                in_process(engine, p, args.tokens)  # warm-up of both sides
-                decode_round(lips)
-                ours, peer, kms, same = [], [], [], True
+                in_process(engine, p, args.tokens)  # warm-up of every side
+                for lip in lips.values():
+                    decode_round([lip])
+                peer: list[float] = []
+                ours: dict[str, list[float]] = {t: [] for t in lips}
+                kms: dict[str, list[float]] = {t: [] for t in lips}
+                same = True
                 for _ in range(args.repeat):
                     t, ref = in_process(engine, p, args.tokens)
                     peer.append(t / (args.tokens - 1) * 1e3)
-                    secs, n, kernel_ms, outs = decode_round(lips)
-                    ours.append(secs / n * 1e3)
-                    kms.append(kernel_ms[0])
-                    same &= outs[0] == ref[0]
+                    for transport, lip in lips.items():
+                        secs, n, kernel_ms, outs = decode_round([lip])
+                        ours[transport].append(secs / n * 1e3)
+                        kms[transport].append(kernel_ms[0])
+                        same &= outs[0] == ref[0]
             finally:
-                lip.close()
+                for lip in lips.values():
+                    lip.close()
             with kernel_client(kd.socket) as k:
                 noop = []
                 for _ in range(500):
@@ -360,12 +369,16 @@ def bench_decode(args: argparse.Namespace, tmp: Path, engine, which: list[str]) 
                     k.getpid()
                     noop.append((time.perf_counter() - t) * 1e3)
             header("LIP", "generate")
-            row("per-token latency", "ms/token", ours, peer, True, "<= 1.10x")
-            print(f"  a no-op syscall (getpid) round trip: median {statistics.median(noop):.2f} "
-                  f"ms, best {min(noop):.2f} ms")
-            print(f"  kernel-side pred (as /proc/PID/syscalls times it): best "
-                  f"{min(kms):.2f} ms, median {statistics.median(kms):.2f} ms; the rest "
-                  f"is transport and the client. Same tokens as generate: {same}")
+            for transport in lips:
+                row(f"per-token latency, pred on {transport}", "ms/token", ours[transport],
+                    peer, True, "<= 1.10x")
+            print(f"  a no-op syscall (getpid, gRPC) round trip: median "
+                  f"{statistics.median(noop):.2f} ms, best {min(noop):.2f} ms")
+            for transport in lips:
+                print(f"  kernel-side pred on {transport} (as /proc/PID/syscalls times it): "
+                      f"best {min(kms[transport]):.2f} ms, median "
+                      f"{statistics.median(kms[transport]):.2f} ms")
+            print(f"  the rest is transport and the client. Same tokens as generate: {same}")
         if "batch" in which:
             bench_batch(args, kd.socket, engine, opts)
 
@@ -588,6 +601,8 @@ def main() -> int:
     ap.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--inflight", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--sessions", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--transport", choices=["lifeline", "grpc"], default="lifeline",
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.lip == "adecode":
         return alip_main(args)
