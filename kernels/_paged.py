@@ -56,16 +56,20 @@ def excluded_args(excluded: torch.Tensor | None, device: torch.device) -> tuple:
     return (excluded, excluded.shape[1], *excluded.stride())
 
 
-def gather_rows_ref(cache: torch.Tensor, page_table: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Rows ``[0, num_rows)`` of every sequence as contiguous fp32 ``[B, H, num_rows, D]``.
+def page_ids_ref(cache: torch.Tensor, page_table: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``[B, pages]`` int64: the pages holding rows ``[0, num_rows)`` of every sequence."""
+    num_pages = triton.cdiv(num_rows, cache.shape[1])
+    # Padding entries may hold anything; clamp so the gather stays in bounds (masked later).
+    return page_table[:, :num_pages].long().clamp_(0, cache.shape[0] - 1)
+
+
+def gather_rows_ref(cache: torch.Tensor, pages: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Rows ``[0, num_rows)`` of every sequence as contiguous fp32 ``[B, H, num_rows, D]``,
+    given the sequences' :func:`page_ids_ref`.
 
     Heads before rows so per-head matmuls see plain matrices; the dtype conversion and the
     transpose happen in the same copy, the dominant cost on CPU.
     """
-    page_size = cache.shape[1]
-    num_pages = triton.cdiv(num_rows, page_size)
-    # Padding entries may hold anything; clamp so the gather stays in bounds (masked later).
-    pages = page_table[:, :num_pages].long().clamp(0, cache.shape[0] - 1)
     # index_select copies whole pages; advanced indexing (cache[pages]) is several times slower.
     rows = cache.index_select(0, pages.flatten()).view(pages.shape[0], -1, *cache.shape[2:])
     rows = rows[:, :num_rows]  # [B, num_rows, H, D]

@@ -7,9 +7,9 @@ so each K/V block is loaded once per group.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -20,6 +20,7 @@ from kernels._paged import (
     keep_mask,
     key_mask_ref,
     kv_block_size,
+    page_ids_ref,
     page_rows,
 )
 
@@ -194,6 +195,58 @@ def decode_attention(
     return out
 
 
+class DecodePlan(NamedTuple):
+    """What the torch reference derives from the page tables: the same for every layer of a
+    step, so the engine builds it once per step (:func:`plan_decode_ref`)."""
+
+    pages: torch.Tensor  # [B, P] int64: the pages holding each sequence's first L rows
+    bias: torch.Tensor  # [B * Hkv, 1, L] fp32: 0 where a key is attended to, -inf elsewhere
+    empty: torch.Tensor | None  # [B * Hkv, 1, 1] bool: nothing to attend to; None if none
+    num_rows: int  # L, the longest sequence
+
+
+def plan_decode_ref(
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    excluded: torch.Tensor | None,
+) -> DecodePlan:
+    """The pages to gather and the key mask (as an additive bias) of one decode step."""
+    num_kv_heads = k_cache.shape[2]
+    # Only as many rows as the longest sequence needs, not the table's full width.
+    num_rows = int(kv_lens.max()) if kv_lens.numel() else 0
+    mask = key_mask_ref(kv_lens, excluded, num_rows)  # [B, L]
+    bias = torch.zeros(mask.shape, device=k_cache.device).masked_fill_(~mask, float("-inf"))
+    bias = bias.repeat_interleave(num_kv_heads, dim=0)[:, None, :]
+    empty = ~mask.any(-1)
+    empty = empty.repeat_interleave(num_kv_heads)[:, None, None] if bool(empty.any()) else None
+    return DecodePlan(page_ids_ref(k_cache, page_table, num_rows), bias, empty, num_rows)
+
+
+def decode_with_plan_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`decode_attention_ref` for one layer, given the step's :class:`DecodePlan`."""
+    batch, num_q_heads, head_dim = q.shape
+    if batch == 0 or plan.num_rows == 0:
+        return torch.zeros_like(q)
+    group = num_q_heads // k_cache.shape[2]
+    k = gather_rows_ref(k_cache, plan.pages, plan.num_rows).flatten(0, 1)  # [B * Hkv, L, D]
+    v = gather_rows_ref(v_cache, plan.pages, plan.num_rows).flatten(0, 1)
+    # Batched matmuls over (sequence, kv head) with the GQA group as rows: shorter than SDPA
+    # with a mask for a single query, and the mask is one precomputed additive bias.
+    queries = q.float().reshape(-1, group, head_dim)
+    scores = torch.baddbmm(plan.bias, queries, k.transpose(1, 2), alpha=scale)
+    out = torch.bmm(scores.softmax(-1), v)  # [B * Hkv, G, D]
+    if plan.empty is not None:  # softmax over nothing is NaN; such a sequence gets zeros
+        out = out.masked_fill_(plan.empty, 0.0)
+    return out.view(batch, num_q_heads, head_dim).to(q.dtype)
+
+
 def decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -204,22 +257,10 @@ def decode_attention_ref(
     scale: float,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Plain-torch :func:`decode_attention`, batched (the engine's CPU decode path).
+    """Plain-torch :func:`decode_attention`, batched (the engine's CPU decode path, which
+    builds the plan once per step rather than once per layer).
 
     ``num_splits`` is accepted for signature parity and ignored.
     """
-    if q.shape[0] == 0:
-        return torch.empty_like(q)
-    # Gather only as many pages as the longest sequence needs, not the table's full width.
-    num_rows = int(kv_lens.max())
-    if num_rows <= 0:
-        return torch.zeros_like(q)
-    k = gather_rows_ref(k_cache, page_table, num_rows)  # [B, Hkv, L, D]
-    v = gather_rows_ref(v_cache, page_table, num_rows)
-    mask = key_mask_ref(kv_lens, excluded, num_rows)[:, None, None, :]  # [B, 1, 1, L]
-    out = F.scaled_dot_product_attention(
-        q.float()[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
-    )  # [B, Hq, 1, D]
-    # A sequence with nothing to attend to gets zeros, not SDPA's NaN.
-    out = torch.where(mask.any(-1, keepdim=True), out, 0.0)
-    return out[:, :, 0].to(q.dtype)
+    plan = plan_decode_ref(k_cache, page_table, kv_lens, excluded)
+    return decode_with_plan_ref(q, k_cache, v_cache, plan, scale)

@@ -19,6 +19,7 @@ from kernels._paged import (
     keep_mask,
     key_mask_ref,
     kv_block_size,
+    page_ids_ref,
     page_rows,
 )
 
@@ -164,9 +165,9 @@ def prefill_attention_ref(
         q_len = q_end - q_begin
         if q_len == 0:
             continue
-        pt = page_table[b : b + 1]
-        k = gather_rows_ref(k_cache, pt, kv_len)[0]  # [Hkv, L, D]
-        v = gather_rows_ref(v_cache, pt, kv_len)[0]
+        pages = page_ids_ref(k_cache, page_table[b : b + 1], kv_len)
+        k = gather_rows_ref(k_cache, pages, kv_len)[0]  # [Hkv, L, D]
+        v = gather_rows_ref(v_cache, pages, kv_len)[0]
         # SDPA's fused CPU kernel (flash, GQA-aware) wants 4-d [batch, heads, rows, dim].
         qs = q[q_begin:q_end].float().transpose(0, 1)[None]  # [1, Hq, n, D]
         k, v = k[None], v[None]

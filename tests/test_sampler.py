@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from symphony.engine.sampler import GREEDY, SamplingParams, sample
+from symphony.engine.sampler import GREEDY, SamplingParams, pick, sample
 
 # Probabilities 0.4, 0.3, 0.15, 0.1, 0.05 on tokens 4, 0, 2, 1, 3.
 PROBS = torch.tensor([0.3, 0.1, 0.15, 0.05, 0.4])
@@ -22,6 +22,16 @@ def draws(params: SamplingParams, n: int = 2000) -> torch.Tensor:
 def test_greedy_is_argmax():
     logits = torch.randn(6, 50)
     assert torch.equal(sample(logits, [GREEDY] * 6, [None] * 6).tokens, logits.argmax(-1))
+
+
+def test_pick_gives_the_tokens_sample_gives():
+    logits = torch.randn(4, 300)
+    params = [GREEDY, SamplingParams(seed=5), GREEDY, SamplingParams(temperature=0.7, seed=9)]
+
+    def tokens(fn):
+        return fn(logits, params, [p.generator(torch.device("cpu")) for p in params])
+
+    assert torch.equal(tokens(pick), tokens(sample).tokens)
 
 
 def test_plain_sampling_follows_the_distribution():

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from symphony.engine.engine import Batch, Engine
-from symphony.engine.sampler import SamplingParams, sample
+from symphony.engine.sampler import SamplingParams, pick
 
 
 @dataclass
@@ -93,7 +93,7 @@ def _step(
         kv_lens.append(len(s.tokens))
         rows.append(len(ids) - 1)
     logits = engine.forward(Batch(ids, pos, q_lens, kv_lens, [s.pages for s in seqs], rows))
-    picked = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tokens.tolist()
+    picked = pick(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
     for s, token in zip(seqs, picked, strict=True):
         s.output.append(token)
         s.tokens.append(token)

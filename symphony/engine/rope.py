@@ -36,15 +36,21 @@ class Rotary:
         self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """[T, 1, head_dim] cos and sin for `apply_rotary`; sin's first half comes negated,
+        so that each layer's rotation needs no negation of its own."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        return (
+            torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :],
+            torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :],
+        )
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; the halves-rotation layout of Hugging Face checkpoints."""
+    """x: [T, heads, head_dim]; the halves-rotation layout of Hugging Face checkpoints,
+    x * cos + (-x2, x1) * sin, written as x * cos + (x2, x1) * sin with the sign in sin."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin)

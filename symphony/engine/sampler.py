@@ -55,15 +55,9 @@ def sample(
     generators: list[torch.Generator | None],
 ) -> Samples:
     logits = logits.float()
-    n_rows, device = logits.shape[0], logits.device
+    tokens = pick(logits, params, generators)
     logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = logits.argmax(dim=-1)
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=device)
-        tokens[rows] = _draw(
-            logits[rows], [params[i] for i in sampled_rows], [generators[i] for i in sampled_rows]
-        )
+    n_rows = logits.shape[0]
     n_top = max((p.top_logprobs for p in params), default=0)
     top_lp, top_ids = (
         logprobs.topk(n_top, dim=-1)
@@ -71,6 +65,24 @@ def sample(
         else (logprobs.new_empty(n_rows, 0), tokens.new_empty(n_rows, 0))
     )
     return Samples(tokens, logprobs.gather(1, tokens[:, None])[:, 0], top_ids, top_lp)
+
+
+def pick(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """The tokens `sample` picks, [N] int64, without the logprobs (a pass over the vocabulary
+    that a caller wanting only tokens need not pay)."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        tokens[rows] = _draw(
+            logits[rows], [params[i] for i in sampled_rows], [generators[i] for i in sampled_rows]
+        )
+    return tokens
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], gens: list) -> torch.Tensor:
