@@ -37,7 +37,7 @@ from symphony.process import Process
 log = logging.getLogger("symphony.scheduler")
 
 STATS_WINDOW = 10.0  # seconds of steps /proc/sched summarises
-HOLD_MAX, HOLD_SHARE = 0.010, 0.5  # the longest wait for just-served processes, absolute
+HOLD_MAX, HOLD_SHARE = 0.010, 1.0  # the longest wait for just-served processes, absolute
 # and as a share of the last step
 
 
@@ -226,7 +226,7 @@ class Scheduler:
         queued, so nice would count for nothing. So the next step waits for the processes
         it would want: any of them while the step has room, and those that would go first
         when it is full. It waits only for processes that usually come back in time (their
-        think time), and at most HOLD_SHARE of a step."""
+        think time), and at most HOLD_SHARE of a step (and HOLD_MAX)."""
         deadline = time.monotonic() + min(HOLD_MAX, HOLD_SHARE * last_step)
         while True:
             queued = self.queue
@@ -257,18 +257,25 @@ class Scheduler:
     # -- level 2: packing a step ------------------------------------------------------------
 
     def _plan(self) -> list[tuple[PredJob, int]]:
-        """Pick (job, tokens this step) pairs: decodes first, each class by virtual runtime."""
+        """Pick (job, tokens this step) pairs in virtual-runtime order (decodes first among
+        equals). A prefill chunk leaves one token of the budget for each decode still
+        queued, so that decodes keep flowing past long prompts. Ordering all decodes before
+        all prefills would instead starve a prefill whenever decodes fill the step."""
         plan: list[tuple[PredJob, int]] = []
         budget = self.token_budget
-        for job in sorted(self.queue, key=lambda j: (j.remaining > 1, j.proc.vruntime, j.seq)):
+        decodes = sum(j.remaining == 1 for j in self.queue)
+        for job in sorted(self.queue, key=lambda j: (j.proc.vruntime, j.remaining > 1, j.seq)):
             if budget == 0 or len(plan) == self.max_seqs:
                 break
+            if job.remaining == 1:
+                decodes -= 1
             if job.res is None:
                 if job.handle.inode.busy:
                     continue  # an earlier pred on the same file goes first
                 if not self._admit(job, others=bool(plan) or self._reserved()):
                     continue
-            chunk = min(job.remaining, budget)
+            room = self.max_seqs - len(plan) - 1  # sequences left for the queued decodes
+            chunk = min(job.remaining, max(1, budget - min(decodes, room)))
             plan.append((job, chunk))
             budget -= chunk
         return plan
@@ -410,6 +417,8 @@ class Scheduler:
                 if not job.future.done():
                     job.future.set_result(job.outputs)
         self.stats.record(Step(time.monotonic(), seconds, len(plan), prefill, decode))
-        queued = [j.proc.vruntime for j in self.queue]
-        if queued:
-            self.min_vruntime = max(self.min_vruntime, min(queued))
+        # As CFS's: the least of the queued and of those that just ran ("current"), never
+        # going back. Counting the queue alone would let a process that is only between
+        # two preds be clamped to the other's vruntime on its next pred, losing its lead.
+        runnable = [j.proc.vruntime for j in self.queue] + [j.proc.vruntime for j, _ in plan]
+        self.min_vruntime = max(self.min_vruntime, min(runnable))

@@ -442,3 +442,40 @@ def test_contending_processes_share_by_nice_weight(daemon, nice_b, low, high):
     got_a, got_b = asyncio.run(contend(daemon.socket, nice_b, preds=120))
     # CFS weights: 1024 / 1.25**nice, so nice 10 gets 1/9.3 of nice 0's share.
     assert low < got_a / got_b < high, (got_a, got_b)
+
+
+def test_a_prefill_is_not_starved_by_decodes_that_fill_every_step(model):
+    """With one sequence a step, a process decoding on four files keeps every step busy; a
+    prompt of another process still gets its turn by virtual runtime."""
+    d = start_daemon(model, None, "--kv-pages", "256", "--max-seqs", "1")
+    stop = threading.Event()
+    decoded = [0] * 4
+
+    def decode(k, i: int) -> None:
+        with k.open("", os.O_RDWR) as f:
+            (out,) = f.pred(prompt(8, salt=i))
+            while not stop.is_set():
+                (out,) = f.pred([out.token])
+                decoded[i] += 1
+
+    try:
+        with d.connect("decoder") as a, d.connect("prompt") as b:
+            threads = [threading.Thread(target=decode, args=(a, i)) for i in range(4)]
+            for t in threads:
+                t.start()
+            wait_for(lambda: min(decoded) > 5, what="both decode streams running")
+            with b.open("", os.O_RDWR) as f:
+                result: list = []
+                prefill = threading.Thread(target=lambda: result.append(f.pred(prompt(40))))
+                prefill.start()
+                prefill.join(1.0)  # a step or two; ordering decodes first took 1.7 s to never
+                assert result, "the prompt did not get a step while the decodes ran"
+                prefill.join()
+            before = sum(decoded)
+            wait_for(lambda: sum(decoded) > before, what="the decodes going on")
+            stop.set()
+            for t in threads:
+                t.join(30)
+    finally:
+        stop.set()
+        assert d.stop() == 0, d.log_text()
