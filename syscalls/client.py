@@ -53,6 +53,7 @@ class Session:
         self.socket = sock
         self._lifeline = lifeline
         self._line = self.LINE(lifeline, str(sock))
+        self._opener = os.getpid()  # a forked child holds the same connection
         self._channel = channel
         self._stub = pb_grpc.KernelStub(channel)
         self._metadata = [(session.SESSION_KEY, token)]
@@ -121,8 +122,9 @@ class Kernel(Session):
             self._do(convert.close(fd))
             return
         self._channel.close()
-        with contextlib.suppress(OSError):  # wakes a thread reading it; the kernel reaps
-            self._lifeline.shutdown(socket.SHUT_RDWR)
+        if os.getpid() == self._opener:  # a child's close must not end its parent's session
+            with contextlib.suppress(OSError):  # wakes a thread reading it; the kernel reaps
+                self._lifeline.shutdown(socket.SHUT_RDWR)
         self._lifeline.close()
 
     def __enter__(self) -> Kernel:

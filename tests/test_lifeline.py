@@ -227,3 +227,14 @@ def test_bad_frames_get_einval_and_garbage_ends_the_process(daemon):
         wait_for(lambda: meminfo(k)["device_free"] == free, what="its pages freed")
         life.close()
         channel.close()
+
+
+def test_a_forked_child_closing_the_session_leaves_the_parent_attached(daemon):
+    with daemon.connect() as k:
+        child = os.fork()
+        if child == 0:
+            k.close()
+            os._exit(0)
+        assert os.waitpid(child, 0)[1] == 0
+        with k.open("", os.O_RDWR) as f:  # the session lives: pred and gRPC both answer
+            assert len(f.pred(PROMPT)) == 1
