@@ -226,17 +226,23 @@ class Scheduler:
         queued, so nice would count for nothing. So the next step waits for the processes
         it would want: any of them while the step has room, and those that would go first
         when it is full. It waits only for processes that usually come back in time (their
-        think time), and at most HOLD_SHARE of a step (and HOLD_MAX)."""
-        deadline = time.monotonic() + min(HOLD_MAX, HOLD_SHARE * last_step)
+        think time): to fill the step, at most HOLD_SHARE of a step; for a process whose
+        turn it is, up to HOLD_MAX, however short the step, or a short step would hand its
+        turn away whenever its round trip is longer (a truncate between two preds)."""
+        now = time.monotonic()
+        fill_by, turn_by = now + min(HOLD_MAX, HOLD_SHARE * last_step), now + HOLD_MAX
         while True:
             queued = self.queue
             full = (len({j.proc for j in queued}) >= self.max_seqs
                     or sum(j.remaining for j in queued) >= self.token_budget)
             first = min((j.proc.vruntime for j in queued), default=float("inf"))
-            if not any(p.alive and not p.pending and p.answered + p.think < deadline
-                       and (not full or p.vruntime < first) for p in served):
-                return
-            left = deadline - time.monotonic()
+            worth = 0.0  # the latest time a missing process is worth waiting until
+            for p in served:
+                if p.alive and not p.pending:
+                    by = turn_by if p.vruntime < first else 0.0 if full else fill_by
+                    if p.answered + p.think < by:
+                        worth = max(worth, by)
+            left = worth - time.monotonic()
             if left <= 0:
                 return
             self._wake.clear()

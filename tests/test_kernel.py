@@ -414,22 +414,27 @@ def test_proc_agrees_with_the_kernel(daemon):
 # -- level 1: fair share ----------------------------------------------------------------
 
 
-async def contend(socket, nice_b: int, preds: int) -> tuple[int, int]:
+async def contend(socket, nice_b: int, preds: int, warmup: int = 30) -> tuple[int, int]:
     """Two processes keep two budget-sized preds queued each, so every step has room for
-    one of them; returns how many preds each got through."""
+    one of them; returns how many preds each got through after the first `warmup` (both
+    start at the same virtual runtime: the weighted lead takes a few steps to build)."""
     from syscalls.aio import AsyncKernel
 
     a = await AsyncKernel.connect(socket, name="a")
     b = await AsyncKernel.connect(socket, name="b")
     await b.nice(nice_b)
     done = {a.pid: 0, b.pid: 0}
+    started = [0]
 
     async def loop(k):
         f = await k.open("", os.O_RDWR)
         while sum(done.values()) < preds:
             await f.pred(prompt(BUDGET), no_outputs=True)
             await f.truncate(0)
-            done[k.pid] += 1
+            if started[0] < warmup:
+                started[0] += 1
+            else:
+                done[k.pid] += 1
 
     await asyncio.gather(*(loop(k) for k in (a, a, b, b)))
     await a.close()
