@@ -227,4 +227,3 @@ class Hello(asyncio.Protocol):
         if self.proc is not None:
             self.kernel.lifelines.pop(self.proc.pid, None)
             self.kernel.spawn_reap(self.proc)
-

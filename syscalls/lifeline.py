@@ -58,6 +58,11 @@ class Lifeline:
             data, why = self.sock.recv(1 << 16), "the lifeline closed"
         except OSError as e:
             data, why = b"", e.strerror or str(e)
+        except BaseException:  # KeyboardInterrupt: another waiter must take over reading
+            with self._state:
+                self._reading = False
+                self._state.notify_all()
+            raise
         with self._state:
             self._reading = False
             try:

@@ -238,3 +238,35 @@ def test_a_forked_child_closing_the_session_leaves_the_parent_attached(daemon):
         assert os.waitpid(child, 0)[1] == 0
         with k.open("", os.O_RDWR) as f:  # the session lives: pred and gRPC both answer
             assert len(f.pred(PROMPT)) == 1
+
+
+def test_a_reader_interrupted_in_recv_hands_reading_to_another_waiter():
+    ours, peer = socket.socketpair()
+    line = Lifeline(ours, "k.sock")
+    real_recv, calls = ours.recv, []
+
+    class Interrupted(BaseException):
+        pass
+
+    class Sock:  # the first recv is interrupted, as by KeyboardInterrupt; the rest are real
+        def __getattr__(self, name):
+            return getattr(ours, name)
+
+        def recv(self, n):
+            calls.append(n)
+            if len(calls) == 1:
+                raise Interrupted
+            return real_recv(n)
+
+    line.sock = Sock()
+    with pytest.raises(Interrupted):
+        line.call(pb.PredRequest(fd=3).SerializeToString())
+    kernel = threading.Thread(target=reply_frames, args=(peer, 2, lambda got: got[1:]),
+                              daemon=True)
+    kernel.start()
+    got: list[int] = []
+    caller = threading.Thread(target=lambda: got.append(pb.PredReply.FromString(
+        line.call(pb.PredRequest(fd=4).SerializeToString())).outputs[0].token), daemon=True)
+    caller.start()
+    caller.join(10)
+    assert got == [4], "the next caller waited for a reader that was gone"
