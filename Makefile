@@ -7,9 +7,9 @@ STAMP := $(VENV)/.installed
 
 # `make run` and `make test` work straight after cloning: they install first when needed.
 $(STAMP): pyproject.toml
-	@if [ "$$(id -u)" = 0 ] && ! dpkg -s fuse3 libfuse3-dev pkg-config tmux attr >/dev/null 2>&1; then \
+	@if [ "$$(id -u)" = 0 ] && ! dpkg -s fuse3 libfuse3-dev pkg-config tmux attr gcc >/dev/null 2>&1; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq fuse3 libfuse3-dev pkg-config tmux attr >/dev/null; fi
+		apt-get install -y -qq fuse3 libfuse3-dev pkg-config tmux attr gcc >/dev/null; fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	@# The CPU wheel of torch must come first: left to the resolver, torch drags in CUDA.
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') \

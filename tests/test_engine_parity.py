@@ -138,7 +138,7 @@ def llama_dir(tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "c"])
 def test_excluded_range_equals_a_gap_in_the_file(llama_dir, backend, monkeypatch):
     """Punched tokens leave attention: what follows sees exactly the file without them."""
     monkeypatch.setenv("SYMPHONY_ATTENTION", backend)
@@ -164,11 +164,12 @@ def test_excluded_range_equals_a_gap_in_the_file(llama_dir, backend, monkeypatch
     assert (step - want).abs().max() < ATOL
 
 
-def test_triton_backend_matches_torch_backend(llama_dir, monkeypatch):
-    """The engine wired to the Triton kernels (interpreted on a CPU) against the references."""
+def test_backends_generate_alike(llama_dir, monkeypatch):
+    """The engine wired to the Triton kernels (interpreted on a CPU) and to the C kernels,
+    against the references."""
     out = {}
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "c"):
         monkeypatch.setenv("SYMPHONY_ATTENTION", backend)
         engine = Engine(llama_dir, kv_pages=16)
         out[backend] = generate(engine, [[1, 2, 3, 4, 5], [9] * 20], GREEDY, 6, stop_ids=())
-    assert out["triton"] == out["torch"]
+    assert out["triton"] == out["torch"] == out["c"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -9,18 +10,20 @@ from types import SimpleNamespace
 import torch
 
 import kernels
+from kernels import layer_cpu, paged_cpu
 from symphony.engine.kv_pool import KVPool
 
 BACKEND_ENV = "SYMPHONY_ATTENTION"
+log = logging.getLogger(__name__)
 
 
-def _plan_triton(
+def _plan_tables(
     k_cache: torch.Tensor,
     page_table: torch.Tensor,
     kv_lens: torch.Tensor,
     excluded: torch.Tensor | None,
 ) -> tuple:
-    return page_table, kv_lens, excluded  # the kernel reads the page tables itself
+    return page_table, kv_lens, excluded  # the kernels read the page tables themselves
 
 
 def _decode_triton(
@@ -29,18 +32,51 @@ def _decode_triton(
     return kernels.decode_attention(q, k_cache, v_cache, *plan, scale)
 
 
-def select_kernels(device: torch.device) -> SimpleNamespace:
-    """Triton on CUDA, the torch reference elsewhere; SYMPHONY_ATTENTION=triton|torch forces.
+def _decode_c(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: tuple, scale: float
+) -> torch.Tensor:
+    return paged_cpu.decode_attention_c(q, k_cache, v_cache, *plan, scale)
+
+
+def _default_backend(device: torch.device, dtype: torch.dtype) -> str:
+    if device.type == "cuda":
+        return "triton"
+    if dtype != torch.float32:
+        return "torch"
+    try:
+        paged_cpu.library()
+        layer_cpu.library()
+    except (RuntimeError, OSError) as e:
+        log.warning("the C attention kernels are unavailable, using torch's: %s", e)
+        return "torch"
+    return "c"
+
+
+def select_kernels(device: torch.device, dtype: torch.dtype) -> SimpleNamespace:
+    """Triton on CUDA; on the CPU the C kernels for fp32 where a C compiler builds them, else
+    the torch reference. SYMPHONY_ATTENTION=triton|c|torch forces one.
 
     Decode is in two parts: `plan_decode` once per forward, `decode` once per layer.
     """
-    choice = os.environ.get(BACKEND_ENV) or ("triton" if device.type == "cuda" else "torch")
+    choice = os.environ.get(BACKEND_ENV) or _default_backend(device, dtype)
+    if choice == "c":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"{BACKEND_ENV}=c runs fp32 on the CPU, not {dtype} on {device}")
+        paged_cpu.library()  # a build failure surfaces here, not in the first forward
+        layer_cpu.library()
+        return SimpleNamespace(
+            name="c",
+            store_kv=paged_cpu.store_kv_c,
+            prefill=kernels.prefill_attention_ref,
+            plan_decode=_plan_tables,
+            decode=_decode_c,
+        )
     if choice == "triton":
         return SimpleNamespace(
             name="triton",
             store_kv=kernels.store_kv,
             prefill=kernels.prefill_attention,
-            plan_decode=_plan_triton,
+            plan_decode=_plan_tables,
             decode=_decode_triton,
         )
     if choice == "torch":
@@ -51,7 +87,7 @@ def select_kernels(device: torch.device) -> SimpleNamespace:
             plan_decode=kernels.plan_decode_ref,
             decode=kernels.decode_with_plan_ref,
         )
-    raise ValueError(f"{BACKEND_ENV} must be 'triton' or 'torch', got {choice!r}")
+    raise ValueError(f"{BACKEND_ENV} must be 'triton', 'c' or 'torch', got {choice!r}")
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch
 from symphony.engine.attention import PagedAttention, PagedMetadata, select_kernels
 from symphony.engine.kv_pool import KVPool, pages_for_fraction
 from symphony.engine.loader import load_model
+from symphony.engine.ops import TORCH_OPS, CpuOps, matmul_weights
 from symphony.engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
@@ -59,7 +60,9 @@ class Engine:
                 self.config, page_size, self.dtype, self.device, kv_memory_fraction
             )
         self.pool = KVPool(self.config, kv_pages, page_size, self.dtype, self.device, host_pages)
-        self.kernels = select_kernels(self.device)
+        self.kernels = select_kernels(self.device, self.dtype)
+        # The C attention kernels come with their per-token layer work and packed matmuls.
+        self.ops = CpuOps(matmul_weights(self.model)) if self.kernels.name == "c" else TORCH_OPS
         self.scale = self.config.head_dim**-0.5
 
     @property
@@ -126,6 +129,6 @@ class Engine:
         attn = PagedAttention(self.pool, self.metadata(batch), self.kernels, self.scale)
         ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, attn)
+        hidden = self.model(ids, pos, attn, self.ops)
         rows = torch.tensor(batch.logit_rows, dtype=torch.int64, device=self.device)
-        return self.model.logits(hidden[rows])
+        return self.model.logits(hidden[rows], self.ops)

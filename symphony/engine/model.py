@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from symphony.engine.config import ModelConfig
-from symphony.engine.rope import Rotary, apply_rotary
+from symphony.engine.ops import TORCH_OPS, TorchOps, add_rms_norm
+from symphony.engine.rope import Rotary
 
 
 class AttentionBackend(Protocol):
@@ -30,10 +30,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32:  # no casts: one call, weight included
-            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
-        # Normalise in fp32 whatever the weights' dtype, as the reference implementation does.
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        return add_rms_norm(x, None, self.weight, self.eps)[0]
 
 
 class SelfAttention(nn.Module):
@@ -55,17 +52,23 @@ class SelfAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+        ops: TorchOps,
     ) -> torch.Tensor:
-        heads = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        heads = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = heads.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # Queries and keys rotate together: one pass over both.
-        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = ops.rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = attn.attend(self.layer, q, k, v)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return ops.linear(out.reshape(-1, self.num_heads * self.head_dim), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -74,9 +77,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        gate_up = ops.linear(x, self.gate_up_proj.weight)
+        return ops.linear(ops.silu_mul(gate_up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -87,9 +90,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, attn: AttentionBackend, ops: TorchOps):
+        """(this layer's output, the residual stream before it): the next norm adds them,
+        so the add and the norm are one pass where the ops fuse them."""
+        norm = self.input_layernorm
+        h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, cos, sin, attn, ops)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h, ops), residual
 
 
 class Decoder(nn.Module):
@@ -112,19 +121,25 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        ops: TorchOps = TORCH_OPS,
     ) -> torch.Tensor:
-        """token_ids, positions: [T] -> final hidden states [T, hidden]."""
-        x = self.model.embed_tokens(token_ids)
+        """token_ids, positions: [T] -> final hidden states [T, hidden]. `ops` does the
+        per-token work (symphony.engine.ops)."""
+        x, residual = self.model.embed_tokens(token_ids), None
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn, ops)
+        norm = self.model.norm
+        return ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = (
-            self.model.embed_tokens.weight
-            if self.config.tie_word_embeddings
-            else self.lm_head.weight
-        )
-        return F.linear(hidden, weight)
+    def logits_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def logits(self, hidden: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+        return ops.linear(hidden, self.logits_weight())

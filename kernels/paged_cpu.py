@@ -1,0 +1,110 @@
+"""The paged KV kernels of ``paged_cpu.c`` (fp32, CPU), called through ctypes.
+
+Same arguments as the Triton kernels, so the engine can swap one for the other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kernels.cbuild import check, load
+
+
+class _Cache(ctypes.Structure):
+    _fields_ = [
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("num_pages", ctypes.c_int64),
+        ("stride_page", ctypes.c_int64),
+        ("stride_slot", ctypes.c_int64),
+        ("stride_head", ctypes.c_int64),
+        ("page_size", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+    ]
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The built ``paged_cpu.c``; RuntimeError if it won't build."""
+    lib = load("paged_cpu")
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.store_kv_f32.argtypes = [ctypes.POINTER(_Cache), p, p, i64, i64, i64, i64, p, i64]
+    lib.store_kv_f32.restype = i32
+    lib.decode_attention_f32.argtypes = [
+        ctypes.POINTER(_Cache), p, i64, i64, p, i64, i64, p, p, i64, p, i64, i32,
+        ctypes.c_float,
+    ]
+    lib.decode_attention_f32.restype = i32
+    return lib
+
+
+def _cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Cache:
+    check("k_cache", k_cache)
+    check("v_cache", v_cache)
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share shape and strides")
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    return _Cache(k_cache.data_ptr(), v_cache.data_ptr(), num_pages, *k_cache.stride()[:3],
+                  page_size, num_kv_heads, head_dim)
+
+
+def store_kv_c(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """:func:`kernels.store_kv` in C: row ``t`` of k/v to pool slot ``slot_mapping[t]``
+    (``-1`` skips it)."""
+    cache = _cache(k_cache, v_cache)
+    check("k", k)
+    check("v", v)
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if k.shape[1:] != k_cache.shape[2:] or v.shape != k.shape or len(slots) != len(k):
+        raise ValueError("k, v and slot_mapping disagree with each other or with the cache")
+    if library().store_kv_f32(
+        ctypes.byref(cache), k.data_ptr(), v.data_ptr(), *k.stride()[:2], *v.stride()[:2],
+        slots.data_ptr(), len(slots),
+    ):
+        raise ValueError("store_kv: a slot outside the pool")
+
+
+def decode_attention_c(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    excluded: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`kernels.decode_attention` in C, reading K/V in place through the page tables."""
+    cache = _cache(k_cache, v_cache)
+    check("q", q)
+    page_table = page_table.to(torch.int32).contiguous()
+    kv_lens = kv_lens.to(torch.int32).contiguous()
+    batch, num_q_heads, head_dim = q.shape
+    if head_dim != cache.head_dim or num_q_heads % cache.num_kv_heads or len(kv_lens) != batch:
+        raise ValueError("q, kv_lens and the cache disagree in heads, head_dim or batch")
+    num_ranges = 0
+    if excluded is not None and excluded.shape[1] > 0:
+        excluded = excluded.to(torch.int32).contiguous()
+        num_ranges = excluded.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    err = library().decode_attention_f32(
+        ctypes.byref(cache), q.data_ptr(), *q.stride()[:2], page_table.data_ptr(),
+        page_table.stride(0), page_table.shape[1], kv_lens.data_ptr(),
+        excluded.data_ptr() if num_ranges else None, num_ranges, out.data_ptr(), batch,
+        num_q_heads, scale,
+    )
+    if err == -2:
+        raise MemoryError("decode_attention: no memory for the scores")
+    if err:
+        raise ValueError("decode_attention: a sequence longer than its page table, or a page "
+                         "outside the pool")
+    return out

@@ -1,0 +1,80 @@
+"""The per-token work of a layer and its matrix multiplies, as one swappable set: eager torch
+(autograd, any device and dtype), or fp32 inference on the CPU (the C kernels, and oneDNN
+matmuls on weights packed once)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import layer_cpu
+from symphony.engine.rope import apply_rotary
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual); with no residual, (RMSNorm(x), x)."""
+    if residual is not None:
+        x = x + residual
+    if x.dtype == weight.dtype == torch.float32:  # no casts: one call, weight included
+        return F.rms_norm(x, x.shape[-1:], weight, eps), x
+    # Normalise in fp32 whatever the weights' dtype, as the reference implementation does.
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype), x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of ``gate_up = [gate | up]`` along the last dimension."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class TorchOps:
+    name = "torch"
+    add_rms_norm = staticmethod(add_rms_norm)
+    silu_mul = staticmethod(silu_mul)
+    rotary = staticmethod(apply_rotary)
+    linear = staticmethod(F.linear)
+
+
+TORCH_OPS = TorchOps()
+
+# The batch size oneDNN lays packed weights out for; any batch runs on them.
+_PACK_FOR_ROWS = 32
+
+
+class CpuOps(TorchOps):
+    """fp32 inference on the CPU. The C kernels do the per-token work in one pass each.
+    Matmuls go through oneDNN on weights packed once at start: at decode batch sizes it is
+    20 to 30% faster here than F.linear's MKL call, which repacks the weights every time.
+    The cost is a second copy of every weight matrix."""
+
+    name = "c"
+    add_rms_norm = staticmethod(layer_cpu.add_rms_norm_c)
+    silu_mul = staticmethod(layer_cpu.silu_mul_c)
+    rotary = staticmethod(layer_cpu.rotary_c)
+
+    def __init__(self, weights: list[torch.Tensor]):
+        """`weights`: the matrices `linear` will be called with, to pack now."""
+        layer_cpu.library()  # a build failure surfaces here, not in the first forward
+        self._packed: dict[int, torch.Tensor] = {}
+        if torch.backends.mkldnn.is_available():
+            for w in weights:
+                self._packed[w.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(
+                    w.detach(), _PACK_FOR_ROWS
+                )
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        packed = self._packed.get(weight.data_ptr())
+        if packed is None:
+            return F.linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def matmul_weights(model: nn.Module) -> list[torch.Tensor]:
+    """Every weight a model passes to `ops.linear`: its Linear layers' and its logits'."""
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    return weights + [model.logits_weight()]
