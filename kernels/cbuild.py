@@ -67,7 +67,11 @@ def load(name: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(path))
 
 
-def check(name: str, t: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
-    """The C kernels take CPU tensors whose last dimension is contiguous."""
-    if t.dtype != dtype or t.device.type != "cpu" or t.stride(-1) != 1:
-        raise ValueError(f"{name} must be a CPU {dtype} tensor with a contiguous last dimension")
+def check(name: str, t: torch.Tensor, dtype: torch.dtype = torch.float32,
+          contiguous: bool = False) -> None:
+    """The C kernels take CPU tensors whose last dimension (or whole, if `contiguous`) is
+    contiguous. Called on every kernel call, so written to be cheap."""
+    if (t.dtype != dtype or not t.is_cpu
+            or not (t.is_contiguous() if contiguous else t.stride(-1) == 1)):
+        layout = "contiguous" if contiguous else "with a contiguous last dimension"
+        raise ValueError(f"{name} must be a CPU {dtype} tensor, {layout}")

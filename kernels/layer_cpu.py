@@ -24,20 +24,15 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-def _rows(name: str, t: torch.Tensor) -> None:
-    check(name, t)
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
 def add_rms_norm_c(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual), the sum written into ``residual``;
     with no residual, (RMSNorm(x) * weight, x)."""
-    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
-        if t is not None:
-            _rows(name, t)
+    check("x", x, contiguous=True)
+    check("weight", weight, contiguous=True)
+    if residual is not None:
+        check("residual", residual, contiguous=True)
     n = x.shape[-1]
     if weight.shape != (n,) or (residual is not None and residual.shape != x.shape):
         raise ValueError("x, residual and weight disagree in shape")
@@ -50,7 +45,7 @@ def add_rms_norm_c(
 
 def silu_mul_c(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of ``gate_up = [gate | up]`` along the last dimension."""
-    _rows("gate_up", gate_up)
+    check("gate_up", gate_up, contiguous=True)
     n = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], n)
     library().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n)
@@ -63,7 +58,7 @@ def rotary_c(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     check("x", x)
     tokens, heads, head_dim = x.shape
     for name, t in (("cos", cos), ("sin", sin)):
-        _rows(name, t)
+        check(name, t, contiguous=True)
         if t.shape != (tokens, 1, head_dim):
             raise ValueError(f"{name} must be [tokens, 1, head_dim] to match x")
     library().rotary_f32(x.data_ptr(), *x.stride()[:2], cos.data_ptr(), sin.data_ptr(),

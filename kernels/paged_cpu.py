@@ -42,14 +42,22 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+_caches: dict[tuple, _Cache] = {}
+
+
 def _cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Cache:
-    check("k_cache", k_cache)
-    check("v_cache", v_cache)
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share shape and strides")
-    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-    return _Cache(k_cache.data_ptr(), v_cache.data_ptr(), num_pages, *k_cache.stride()[:3],
-                  page_size, num_kv_heads, head_dim)
+    # The pool's tensors live as long as the engine: checked once, then looked up.
+    key = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape, k_cache.stride())
+    cache = _caches.get(key)
+    if cache is None:
+        check("k_cache", k_cache)
+        check("v_cache", v_cache)
+        if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+            raise ValueError("k_cache and v_cache must share shape and strides")
+        num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+        cache = _caches[key] = _Cache(k_cache.data_ptr(), v_cache.data_ptr(), num_pages,
+                                      *k_cache.stride()[:3], page_size, num_kv_heads, head_dim)
+    return cache
 
 
 def store_kv_c(
