@@ -123,49 +123,53 @@ static int attend_sequence(const cache_t *c, const float *q, int64_t stride_qh,
         }
         totals[h] = total;
     }
-    /* Head by head, 32 dims at a time: four running sums in registers, one pass over the
-     * rows for each. Normalised at the end, once per output rather than once per row. */
-    for (int h = 0; h < num_q_heads; h++) {
-        const float *sh = scores + h * n;
-        const int64_t head = (h / group) * c->stride_head;
-        const float inv = totals[h] > 0.0f ? 1.0f / totals[h] : 0.0f;
-        float *oh = out + (int64_t)h * d_len;
-        int d0 = 0;
-        for (; d0 + 32 <= d_len; d0 += 32) {
-            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int64_t j0 = 0; j0 < n; j0 += size) {
-                const float *row = c->v + pages[j0 / size] * c->stride_page + head + d0;
-                const int64_t rows = n - j0 < size ? n - j0 : size;
+    /* Page by page, so a page of V is read from memory once and then from cache by every
+     * head; within a page, head by head, 32 dims at a time with the running sums in
+     * registers. Normalised at the end, once per output rather than once per row. */
+    memset(out, 0, (size_t)num_q_heads * d_len * sizeof(float));
+    for (int64_t j0 = 0; j0 < n; j0 += size) {
+        const float *page = c->v + pages[j0 / size] * c->stride_page;
+        const int64_t rows = n - j0 < size ? n - j0 : size;
+        for (int h = 0; h < num_q_heads; h++) {
+            const float *sh = scores + h * n + j0, *base = page + (h / group) * c->stride_head;
+            float *oh = out + (int64_t)h * d_len;
+            int d0 = 0;
+            for (; d0 + 32 <= d_len; d0 += 32) {
+                v8 a0 = *(v8 *)(oh + d0), a1 = *(v8 *)(oh + d0 + 8);
+                v8 a2 = *(v8 *)(oh + d0 + 16), a3 = *(v8 *)(oh + d0 + 24);
+                const float *row = base + d0;
                 for (int64_t r = 0; r < rows; r++, row += c->stride_slot) {
-                    const float p = sh[j0 + r];
+                    const float p = sh[r];
                     a0 += p * *(const v8 *)row;
                     a1 += p * *(const v8 *)(row + 8);
                     a2 += p * *(const v8 *)(row + 16);
                     a3 += p * *(const v8 *)(row + 24);
                 }
+                *(v8 *)(oh + d0) = a0;
+                *(v8 *)(oh + d0 + 8) = a1;
+                *(v8 *)(oh + d0 + 16) = a2;
+                *(v8 *)(oh + d0 + 24) = a3;
             }
-            *(v8 *)(oh + d0) = a0 * inv;
-            *(v8 *)(oh + d0 + 8) = a1 * inv;
-            *(v8 *)(oh + d0 + 16) = a2 * inv;
-            *(v8 *)(oh + d0 + 24) = a3 * inv;
-        }
-        for (; d0 + 8 <= d_len; d0 += 8) {
-            v8 a0 = {0};
-            for (int64_t j0 = 0; j0 < n; j0 += size) {
-                const float *row = c->v + pages[j0 / size] * c->stride_page + head + d0;
-                const int64_t rows = n - j0 < size ? n - j0 : size;
+            for (; d0 + 8 <= d_len; d0 += 8) {
+                v8 a0 = *(v8 *)(oh + d0);
+                const float *row = base + d0;
                 for (int64_t r = 0; r < rows; r++, row += c->stride_slot)
-                    a0 += sh[j0 + r] * *(const v8 *)row;
+                    a0 += sh[r] * *(const v8 *)row;
+                *(v8 *)(oh + d0) = a0;
             }
-            *(v8 *)(oh + d0) = a0 * inv;
+            for (; d0 < d_len; d0++) {
+                float acc = oh[d0];
+                const float *row = base + d0;
+                for (int64_t r = 0; r < rows; r++, row += c->stride_slot)
+                    acc += sh[r] * *row;
+                oh[d0] = acc;
+            }
         }
-        for (; d0 < d_len; d0++) {
-            float acc = 0.0f;
-            for (int64_t j = 0; j < n; j++)
-                acc += sh[j] * c->v[pages[j / size] * c->stride_page + (j % size) * c->stride_slot
-                                    + head + d0];
-            oh[d0] = acc * inv;
-        }
+    }
+    for (int h = 0; h < num_q_heads; h++) {
+        const float inv = totals[h] > 0.0f ? 1.0f / totals[h] : 0.0f;
+        for (int d = 0; d < d_len; d++)
+            out[(int64_t)h * d_len + d] *= inv;
     }
     return 0;
 }
