@@ -56,6 +56,7 @@ run: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/engine.py
+	$(PY) bench/kernels.py
 	$(PY) bench/kvfs.py
 	$(PY) bench/kernel.py
 

@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
+from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM
+# Run as a script, this file's folder comes first on sys.path, and bench/kernels.py would
+# hide the kernels package from the engine.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
 
-from symphony.engine.engine import Engine, default_model_dir
-from symphony.engine.generate import generate
-from symphony.engine.sampler import GREEDY
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from symphony.engine.engine import Engine, default_model_dir  # noqa: E402
+from symphony.engine.generate import generate  # noqa: E402
+from symphony.engine.sampler import GREEDY  # noqa: E402
 
 
 def sync() -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 # Run as a script, this file's folder comes first on sys.path, and this file's name would
 # then hide the project's `kernels` package.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
 
 import torch  # noqa: E402
 
