@@ -15,11 +15,21 @@ from symphony.engine.sampler import GREEDY
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+# Both CPU paths: the C kernels (the default in fp32) and the torch references.
+CPU_BACKENDS = ["c", "torch"]
+
+
+@pytest.fixture(scope="module", params=[(f, b) for f in sorted(FAMILIES) for b in CPU_BACKENDS],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def pair(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    reference = make_checkpoint(directory, request.param)
-    return reference, Engine(directory, kv_pages=256, page_size=16)
+    family, backend = request.param
+    directory = tmp_path_factory.mktemp(family)
+    reference = make_checkpoint(directory, family)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SYMPHONY_ATTENTION", backend)
+        engine = Engine(directory, kv_pages=256, page_size=16)
+    assert engine.kernels.name == backend
+    return reference, engine
 
 
 def reference_logits(model, ids, positions=None) -> torch.Tensor:
@@ -112,9 +122,11 @@ def test_explicit_positions_with_a_gap(pair):
     assert (got - want).abs().max() < ATOL
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_continuation_matches_generate(family, tmp_path):
+def test_greedy_continuation_matches_generate(family, backend, tmp_path, monkeypatch):
     reference = make_checkpoint(tmp_path, family, weight_scale=4.0, seed=3)
+    monkeypatch.setenv("SYMPHONY_ATTENTION", backend)
     engine = Engine(tmp_path, kv_pages=64)
     prompt = [5, 17, 99, 23, 42, 8, 150]
     with torch.no_grad():
