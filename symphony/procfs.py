@@ -79,7 +79,11 @@ class ProcFS:
         tokens = [r.prefill + r.decode for r in recent]
         prefill = sum(r.prefill for r in recent)
         delays = list(st.delays)
+        engine = self.k.engine
         pairs: list[tuple[str, object]] = [
+            # Which code runs the forward passes: the figures below depend on it.
+            ("engine", f"{engine.device.type} {str(engine.dtype).removeprefix('torch.')}, "
+                       f"attention {engine.kernels.name}"),
             ("run_queue", len(s.queue)),
             ("waiting_for_memory", sum(p.waiting for p in self.k.procs)),
             ("processes", len(self.k.procs)),

@@ -38,6 +38,7 @@ log = logging.getLogger("symphony.scheduler")
 
 STATS_WINDOW = 10.0  # seconds of steps /proc/sched summarises
 HOLD_MAX, HOLD_SHARE = 0.010, 1.0  # the longest wait for just-served processes, absolute
+SLEEP_GRACE = 0.1  # seconds between two preds that still count as running, not asleep
 # and as a share of the last step
 
 
@@ -129,12 +130,16 @@ class Scheduler:
                params: SamplingParams) -> asyncio.Future:
         """Queue a checked pred; the future gets its Outputs, or the error that failed it."""
         if proc.pending == 0:
-            # Waking up: no credit for time asleep beyond one step's worth, as CFS bounds a
-            # waker's lead. A full clamp would wipe out the lead of a process that is only
-            # between two preds, and nice would count for nothing.
-            proc.vruntime = max(proc.vruntime, self.min_vruntime - self.token_budget)
-            if proc.answered:
-                gap = time.monotonic() - proc.answered
+            gap = time.monotonic() - proc.answered if proc.answered else None
+            if gap is None or gap > SLEEP_GRACE:
+                # Waking up: no credit for time asleep beyond one step's worth, as CFS
+                # bounds a waker's lead.
+                proc.vruntime = max(proc.vruntime, self.min_vruntime - self.token_budget)
+            # A process only between two preds (its own syscalls, its Python) keeps its
+            # lead: while it was away a niced process ran and raised min_vruntime, and the
+            # clamp would hand that process the next steps too. When its round trip
+            # outlasted the hold, nice 0 against nice 10 fell from 9.3x to 6x.
+            if gap is not None:
                 proc.think = gap if not proc.think else (proc.think + gap) / 2
         proc.pending += 1
         proc.swapped = False

@@ -91,6 +91,8 @@ def test_sixteen_concurrent_lips_get_what_they_get_alone(daemon, alone):
     with daemon.connect() as k:
         sched = dict(line.split(":", 1) for line in k.procfs("sched").splitlines())
     assert int(sched["batch_seqs_max"]) > 1, "the LIPs never shared a forward pass"
+    # fp32 on the CPU runs the C kernels (this machine has a C compiler).
+    assert sched["engine"].strip() == "cpu float32, attention c"
     for ids, (out, _) in zip(prompts, outs, strict=True):
         assert json.loads(out)["output_ids"] == alone(ids, 16)
 
