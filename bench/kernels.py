@@ -88,7 +88,8 @@ def main() -> None:
     t_kernel = timed(kernel, args.repeat, cuda)
     copy_bw, kernel_bw = 2 * attn_bytes / t_copy, attn_bytes / t_kernel
 
-    print(f"# {device} ({torch.cuda.get_device_name() if cuda else platform.processor()}, "
+    where = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
+    print(f"# {device} ({where}, "
           f"{torch.get_num_threads()} threads), {dtype}; batch {b}, context {n}, "
           f"{args.q_heads} q heads / {args.kv_heads} kv heads x {args.head_dim}, "
           f"page size {size}; best of {args.repeat}")

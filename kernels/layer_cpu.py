@@ -34,8 +34,8 @@ def add_rms_norm_c(
     if residual is not None:
         check("residual", residual, contiguous=True)
     n = x.shape[-1]
-    if weight.shape != (n,) or (residual is not None and residual.shape != x.shape):
-        raise ValueError("x, residual and weight disagree in shape")
+    if n == 0 or weight.shape != (n,) or (residual is not None and residual.shape != x.shape):
+        raise ValueError("x, residual and weight disagree in shape, or are empty")
     residual = x if residual is None else residual
     out = torch.empty_like(x)
     library().add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
@@ -46,6 +46,8 @@ def add_rms_norm_c(
 def silu_mul_c(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of ``gate_up = [gate | up]`` along the last dimension."""
     check("gate_up", gate_up, contiguous=True)
+    if gate_up.shape[-1] == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dimension must be even and > 0, got {gate_up.shape[-1]}")
     n = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], n)
     library().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n)
@@ -56,6 +58,9 @@ def rotary_c(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     """:func:`symphony.engine.rope.apply_rotary` in place on ``x`` [T, heads, head_dim]
     (any token and head strides); cos and sin [T, 1, head_dim]. Returns ``x``."""
     check("x", x)
+    if x.dim() != 3 or x.shape[-1] % 2:
+        raise ValueError(f"x must be [tokens, heads, head_dim] with an even head_dim, "
+                         f"got {list(x.shape)}")
     tokens, heads, head_dim = x.shape
     for name, t in (("cos", cos), ("sin", sin)):
         check(name, t, contiguous=True)

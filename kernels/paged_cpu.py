@@ -73,7 +73,8 @@ def store_kv_c(
     check("k", k)
     check("v", v)
     slots = slot_mapping.to(torch.int64).contiguous()
-    if k.shape[1:] != k_cache.shape[2:] or v.shape != k.shape or len(slots) != len(k):
+    if (k.dim() != 3 or k.shape[1:] != k_cache.shape[2:] or v.shape != k.shape
+            or slots.shape != (len(k),)):
         raise ValueError("k, v and slot_mapping disagree with each other or with the cache")
     if library().store_kv_f32(
         ctypes.byref(cache), k.data_ptr(), v.data_ptr(), *k.stride()[:2], *v.stride()[:2],
@@ -96,11 +97,19 @@ def decode_attention_c(
     check("q", q)
     page_table = page_table.to(torch.int32).contiguous()
     kv_lens = kv_lens.to(torch.int32).contiguous()
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, heads, head_dim], got {list(q.shape)}")
     batch, num_q_heads, head_dim = q.shape
-    if head_dim != cache.head_dim or num_q_heads % cache.num_kv_heads or len(kv_lens) != batch:
-        raise ValueError("q, kv_lens and the cache disagree in heads, head_dim or batch")
+    # The C code indexes these by sequence without bounds: they must match the batch.
+    if (head_dim != cache.head_dim or num_q_heads % cache.num_kv_heads
+            or kv_lens.shape != (batch,) or page_table.dim() != 2
+            or page_table.shape[0] != batch):
+        raise ValueError("q, page_table, kv_lens and the cache disagree in heads, head_dim "
+                         "or batch")
     num_ranges = 0
     if excluded is not None and excluded.shape[1] > 0:
+        if excluded.shape != (batch, excluded.shape[1], 2):
+            raise ValueError("excluded must be [batch, ranges, 2]")
         excluded = excluded.to(torch.int32).contiguous()
         num_ranges = excluded.shape[1]
     out = torch.empty(q.shape, dtype=torch.float32)

@@ -68,6 +68,16 @@ def test_decode_attention_c_refuses_what_would_read_outside_the_pool():
     with pytest.raises(ValueError, match="float32"):
         paged_cpu.decode_attention_c(q.half(), k_cache, v_cache, table, torch.tensor([40]),
                                      None, 1.0)
+    # Per-sequence inputs shorter than the batch would be read past their end.
+    q2, lens2 = torch.randn(2, 1, 8), torch.tensor([40, 40])
+    with pytest.raises(ValueError, match="disagree"):
+        paged_cpu.decode_attention_c(q2, k_cache, v_cache, table, lens2, None, 1.0)
+    with pytest.raises(ValueError, match="disagree"):
+        paged_cpu.decode_attention_c(q2, k_cache, v_cache, table.expand(2, -1),
+                                     torch.tensor([40]), None, 1.0)
+    with pytest.raises(ValueError, match=r"\[batch, ranges, 2\]"):
+        paged_cpu.decode_attention_c(q2, k_cache, v_cache, table.expand(2, -1), lens2,
+                                     torch.zeros(1, 1, 2, dtype=torch.int32), 1.0)
 
 
 def test_store_kv_c():
@@ -88,6 +98,23 @@ def test_store_kv_c():
     with pytest.raises(ValueError, match="outside the pool"):
         paged_cpu.store_kv_c(k + 1, v + 1, k_cache, v_cache, slots)
     assert torch.equal(k_cache, before)
+    with pytest.raises(ValueError, match="disagree"):
+        paged_cpu.store_kv_c(k, v, k_cache, v_cache, slots[:-1])
+    assert torch.equal(k_cache, before)
+
+
+def test_layer_kernels_refuse_shapes_they_cannot_take():
+    with pytest.raises(ValueError, match="even"):
+        layer_cpu.silu_mul_c(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="even"):
+        layer_cpu.silu_mul_c(torch.randn(2, 0))
+    with pytest.raises(ValueError, match="empty"):
+        layer_cpu.add_rms_norm_c(torch.randn(2, 0), None, torch.randn(0), 1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        layer_cpu.add_rms_norm_c(torch.randn(8, 4).t(), None, torch.randn(8), 1e-5)
+    x = torch.randn(3, 2, 5)
+    with pytest.raises(ValueError, match="even head_dim"):
+        layer_cpu.rotary_c(x, torch.ones(3, 1, 5), torch.zeros(3, 1, 5))
 
 
 @pytest.mark.parametrize("rows,n", [(1, 256), (33, 100), (600, 64)])  # 600: the parallel path
@@ -151,11 +178,12 @@ def test_build_is_cached_by_content(tmp_path, monkeypatch):
     cbuild.load.cache_clear()
     try:
         cbuild.load("layer_cpu")
-        built = sorted(p.name for p in tmp_path.iterdir())
-        assert len(built) == 1 and built[0].startswith("layer_cpu-")
+        (built,) = tmp_path.iterdir()
+        assert built.name.startswith("layer_cpu-")
+        inode = built.stat().st_ino
         cbuild.load.cache_clear()
-        cbuild.load("layer_cpu")  # a second process would find the same file
-        assert sorted(p.name for p in tmp_path.iterdir()) == built
+        cbuild.load("layer_cpu")  # as a second process would: finds the file, builds nothing
+        assert list(tmp_path.iterdir()) == [built] and built.stat().st_ino == inode
     finally:
         cbuild.load.cache_clear()
 

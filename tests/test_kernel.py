@@ -451,6 +451,35 @@ def test_contending_processes_share_by_nice_weight(daemon, nice_b, low, high):
     assert low < got_a / got_b < high, (got_a, got_b)
 
 
+def test_only_a_real_sleep_costs_a_process_its_lead(model, tmp_path):
+    """The wake-up clamp, on a real kernel's scheduler: a process back within SLEEP_GRACE of
+    its last answer keeps its virtual runtime; after a longer sleep, or on its first pred,
+    it keeps at most one token budget of lead over min_vruntime."""
+    from symphony.daemon import Kernel, Options
+    from symphony.engine.engine import Engine
+    from symphony.engine.sampler import GREEDY
+    from symphony.scheduler import SLEEP_GRACE
+    from symphony.syscall_table import TABLE
+
+    # The engine thread only runs steps; submitting, all this test does, never reaches it.
+    k = Kernel(Engine(model, kv_pages=16), None,
+               Options(socket=tmp_path / "k.sock", state_dir=tmp_path / "state"))
+
+    async def lead_after(away: float | None) -> float:
+        s = k.sched
+        s.min_vruntime = 100_000.0
+        p = k.procs.spawn(os.getpid(), 0, 0)
+        fd = TABLE["Open"][0](k, p, p.cred, pb.OpenRequest(path="", flags=os.O_RDWR)).fd
+        p.answered = 0.0 if away is None else time.monotonic() - away
+        future = s.submit(p, p.handle(fd), [5], None, [0], GREEDY)
+        s.cancel(future)
+        return s.min_vruntime - p.vruntime
+
+    assert asyncio.run(lead_after(SLEEP_GRACE / 10)) == 100_000.0
+    assert asyncio.run(lead_after(SLEEP_GRACE * 10)) == k.sched.token_budget
+    assert asyncio.run(lead_after(None)) == k.sched.token_budget
+
+
 def test_a_prefill_is_not_starved_by_decodes_that_fill_every_step(model):
     """With one sequence a step, a process decoding on four files keeps every step busy; a
     prompt of another process still gets its turn by virtual runtime."""

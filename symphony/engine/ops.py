@@ -46,9 +46,9 @@ _PACK_FOR_ROWS = 32
 
 class CpuOps(TorchOps):
     """fp32 inference on the CPU. The C kernels do the per-token work in one pass each.
-    Matmuls go through oneDNN on weights packed once at start: at decode batch sizes it is
-    20 to 30% faster here than F.linear's MKL call, which repacks the weights every time.
-    The cost is a second copy of every weight matrix."""
+    Matmuls go through oneDNN on weights packed once at start: at decode batch sizes it was
+    20 to 30% faster here than F.linear's MKL call (bench/RESULTS.md). The cost is a second
+    copy of every weight matrix."""
 
     name = "c"
     add_rms_norm = staticmethod(layer_cpu.add_rms_norm_c)
@@ -57,7 +57,6 @@ class CpuOps(TorchOps):
 
     def __init__(self, weights: list[torch.Tensor]):
         """`weights`: the matrices `linear` will be called with, to pack now."""
-        layer_cpu.library()  # a build failure surfaces here, not in the first forward
         self._packed: dict[int, torch.Tensor] = {}
         if torch.backends.mkldnn.is_available():
             for w in weights:
