@@ -66,7 +66,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     opts = Options(
         socket=socket_path(args.socket), state_dir=Path(args.state_dir or default_state_dir()),
         token_budget=args.token_budget, max_seqs=args.max_seqs, disk_pages=args.disk_pages,
-        quota=args.quota,
+        quota=args.quota, decode_ahead=args.decode_ahead == "on",
     )
     run_kernel(engine, engine_thread, opts)
     return 0
@@ -79,7 +79,7 @@ def control():
 
 
 KERNEL_OPTIONS = ("model", "state_dir", "device", "dtype", "kv_pages", "host_pages",
-                  "disk_pages", "token_budget", "max_seqs", "quota")
+                  "disk_pages", "token_budget", "max_seqs", "quota", "decode_ahead")
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -105,6 +105,8 @@ def add_kernel_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument("--token-budget", type=int, default=512, help="tokens per forward pass")
     k.add_argument("--max-seqs", type=int, default=256, help="sequences per forward pass")
     k.add_argument("--quota", type=int, help="pages per user (root has no quota)")
+    k.add_argument("--decode-ahead", choices=["on", "off"], default="on",
+                   help="compute a decoding LIP's next pred in spare room before it comes")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,6 +48,7 @@ class Options:
     max_seqs: int = 256
     disk_pages: int = 0
     quota: int | None = None  # pages per user (root has none)
+    decode_ahead: bool = True  # compute a decoding LIP's next pred before it comes
 
 
 class Kernel:
@@ -64,7 +65,7 @@ class Kernel:
         self.procs = ProcessTable()
         self.lifelines: dict[int, asyncio.Transport] = {}
         self.sched = Scheduler(engine, engine_thread, self.fs, lambda: self.procs,
-                               opts.token_budget, opts.max_seqs)
+                               opts.token_budget, opts.max_seqs, opts.decode_ahead)
         self.procfs = ProcFS(self)
         self._reaping: set[asyncio.Task] = set()
 

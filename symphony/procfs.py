@@ -103,6 +103,10 @@ class ProcFS:
             ("preemptions", st.preemptions),
             ("pages_swapped_out", st.pages_swapped_out),
             ("admission_waits", st.waits),
+            # Decoding ahead (scheduler.py): preds guessed, and how many of them a pred took.
+            ("decode_ahead", "on" if s.decode_ahead else "off"),
+            ("ahead_guesses", st.ahead),
+            ("ahead_used", st.ahead_used),
         ]
         return lines(pairs)
 

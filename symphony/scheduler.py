@@ -9,6 +9,17 @@ first, then prefill chunks, up to a token budget, so a long prompt is chunked an
 keep flowing. A pred reserves its pages once, on admission, and commits once, when its
 last chunk is done: a failed or cancelled pred leaves its file as it was.
 
+Decoding ahead. A LIP in a decode loop sends, as its next pred, the token its last pred
+sampled, at the next position, with the same sampler. So when a pred that continued its
+file that way completes, the kernel reserves one entry and computes that pred at once, in
+room the step has to spare, while the answer travels to the LIP and the LIP decides. If
+the pred that arrives is that one, it takes the work (done, or in progress) and is
+answered as soon as it is done; the round trip is hidden behind the forward pass. If it is
+anything else, or any other call would change the file, the guess is rolled back first:
+until a pred takes it, it is not in the file, and nobody sees it. This is the KV cache's
+readahead. A seeded sampler draws from a fresh generator per pred, so the guess samples
+exactly what the pred would; the process is charged for the work only when a pred uses it.
+
 Everything here runs on the event loop's thread except the forward pass itself, which
 runs on the engine thread; the loop keeps answering other syscalls meanwhile.
 """
@@ -19,6 +30,7 @@ import asyncio
 import errno
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -66,6 +78,9 @@ class PredJob:
     done: int = 0  # tokens computed so far
     outputs: list[Output] = field(default_factory=list)
     cancelled: bool = False
+    ahead: bool = False  # computed ahead of its pred (decoding ahead); no pred owns it yet
+    follows: bool = False  # its tokens are the sample of its file's last pred, next in line
+    seconds: float = 0.0  # accelerator time of work done ahead, charged when a pred takes it
 
     @property
     def remaining(self) -> int:
@@ -88,6 +103,8 @@ class SchedStats:
     preemptions: int = 0  # idle processes whose pages were moved down
     pages_swapped_out: int = 0
     waits: int = 0  # admissions deferred for want of KV memory
+    ahead: int = 0  # preds guessed (decoding ahead), one token each
+    ahead_used: int = 0  # guesses a pred took
     max_seqs: int = 0  # the most sequences one step has packed
     recent: deque = field(default_factory=deque)  # Steps of the last STATS_WINDOW seconds
     delays: deque = field(default_factory=lambda: deque(maxlen=1024))  # queue delays, s
@@ -110,15 +127,21 @@ class Scheduler:
         procs: Callable[[], Iterable[Process]],
         token_budget: int = 512,
         max_seqs: int = 256,
+        decode_ahead: bool = True,
     ):
         self.engine, self.engine_thread, self.fs, self.procs = engine, engine_thread, fs, procs
         self.token_budget, self.max_seqs = token_budget, max_seqs
+        self.decode_ahead = decode_ahead
         self.context = engine.config.max_position_embeddings
         self.queue: list[PredJob] = []
         self.in_flight: list[tuple[PredJob, int]] = []
         self.min_vruntime = 0.0
         self.stats = SchedStats()
         self.next_seq = 0
+        self.eos = set(engine.eos_ids())
+        self.ahead: dict[Inode, PredJob] = {}  # work computed ahead, one per file at most
+        # Per open file: (token, file length, sampler) of its last sampled pred.
+        self.sampled: weakref.WeakKeyDictionary[Handle, tuple] = weakref.WeakKeyDictionary()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -129,6 +152,28 @@ class Scheduler:
                positions: list[int] | None, rows: list[int],
                params: SamplingParams) -> asyncio.Future:
         """Queue a checked pred; the future gets its Outputs, or the error that failed it."""
+        guess = self.ahead.get(handle.inode)
+        if guess is not None:
+            if (guess.handle is handle and guess.tokens == tokens and rows == guess.rows
+                    and positions in (None, guess.positions) and params == guess.params):
+                return self._take(guess)
+            self._unahead(handle.inode)
+        self._arrive(proc)
+        last = self.sampled.get(handle)
+        inode = handle.inode
+        job = PredJob(proc, handle, tokens, positions, rows, params,
+                      params.generator(self.engine.device),
+                      asyncio.get_running_loop().create_future(), self.next_seq)
+        job.follows = (last == (tokens[0], inode.length, params) and rows == [0]
+                       and len(tokens) == 1
+                       and positions in (None, [inode.positions[-1] + 1]))
+        self.next_seq += 1
+        self.queue.append(job)
+        self._wake.set()
+        return job.future
+
+    def _arrive(self, proc: Process) -> None:
+        """A pred of proc arrives: the wake-up clamp, its think time, its pending count."""
         if proc.pending == 0:
             gap = time.monotonic() - proc.answered if proc.answered else None
             if gap is None or gap > SLEEP_GRACE:
@@ -143,13 +188,69 @@ class Scheduler:
                 proc.think = gap if not proc.think else (proc.think + gap) / 2
         proc.pending += 1
         proc.swapped = False
-        job = PredJob(proc, handle, tokens, positions, rows, params,
-                      params.generator(self.engine.device),
-                      asyncio.get_running_loop().create_future(), self.next_seq)
-        self.next_seq += 1
+
+    def _take(self, job: PredJob) -> asyncio.Future:
+        """The pred computed ahead arrived: it owns the work from now on."""
+        del self.ahead[job.handle.inode]
+        self._arrive(job.proc)
+        job.ahead, job.follows, job.enqueued = False, True, time.monotonic()
+        self.stats.ahead_used += 1
         self.queue.append(job)
-        self._wake.set()
+        if job.done:  # already computed: answer now
+            self._charge(job, job.done, job.seconds)
+            self._complete(job)
+        else:  # queued or in the running step: it goes on as any admitted pred
+            self._wake.set()
         return job.future
+
+    def _unahead(self, inode: Inode) -> PredJob | None:
+        """Forget the work computed ahead on inode; one in the running step is rolled back
+        when the step is done (returned, so a caller can wait for that)."""
+        job = self.ahead.pop(inode, None)
+        if job is None:
+            return None
+        if any(j is job for j, _ in self.in_flight):
+            job.cancelled = True
+            return job
+        self.fs.rollback(job.res)
+        job.res = None
+        return None
+
+    async def settle(self, inode: Inode) -> None:
+        """Before a call changes inode other than by pred: no work ahead is left on it."""
+        if self._unahead(inode) is not None:
+            await self.quiesce()
+
+    def _go_ahead(self, job: PredJob) -> None:
+        """After job completed: compute the pred its LIP will most likely send next."""
+        handle, inode = job.handle, job.handle.inode
+        if not (self.decode_ahead and job.follows and job.outputs
+                and job.outputs[-1].row == len(job.tokens) - 1):
+            return
+        token, position = job.outputs[-1].token, job.positions[-1] + 1
+        if (token in self.eos or position >= self.context or not job.proc.alive
+                or handle.closed or inode.busy or inode in self.ahead
+                or any(j.handle.inode is inode for j in self.queue)):
+            return
+        try:
+            res = self.fs.reserve(handle, 1)
+        except FSError:  # no room: guessing must never cost anyone a page
+            return
+        guess = PredJob(job.proc, handle, [token], [position], [0], job.params,
+                        job.params.generator(self.engine.device),
+                        asyncio.get_running_loop().create_future(), self.next_seq,
+                        res=res, ahead=True, follows=True)
+        self.next_seq += 1
+        self.ahead[inode] = guess
+        self.stats.ahead += 1
+        self._wake.set()
+
+    def _drop_all_ahead(self) -> bool:
+        """Give back the pages of all work computed ahead (between steps). Any dropped?"""
+        inodes = list(self.ahead)
+        for inode in inodes:
+            self._unahead(inode)
+        return bool(inodes)
 
     def cancel(self, future: asyncio.Future) -> None:
         """The caller gave up: the pred is dropped and its file left as it was."""
@@ -160,6 +261,8 @@ class Scheduler:
         """Its preds fail with EINTR; a pred in the running step is rolled back after it."""
         for job in [j for j in self.queue if j.proc is proc]:
             self._cancel(job)
+        for inode in [i for i, j in self.ahead.items() if j.proc is proc]:
+            self._unahead(inode)
 
     def _cancel(self, job: PredJob) -> None:
         job.cancelled = True
@@ -244,7 +347,11 @@ class Scheduler:
             worth = 0.0  # the latest time a missing process is worth waiting until
             for p in served:
                 if p.alive and not p.pending:
-                    by = turn_by if p.vruntime < first else 0.0 if full else fill_by
+                    if any(j.proc is p for j in self.ahead.values()):
+                        # Its work ahead fills the step; wait only if it would go first.
+                        by = turn_by if p.vruntime < first < float("inf") else 0.0
+                    else:
+                        by = turn_by if p.vruntime < first else 0.0 if full else fill_by
                     if p.answered + p.think < by:
                         worth = max(worth, by)
             left = worth - time.monotonic()
@@ -289,6 +396,13 @@ class Scheduler:
             chunk = min(job.remaining, max(1, budget - min(decodes, room)))
             plan.append((job, chunk))
             budget -= chunk
+        # Work ahead only fills room no pred wants: a guess never delays a pred.
+        for job in sorted((j for j in self.ahead.values() if not j.done),
+                          key=lambda j: (j.proc.vruntime, j.seq)):
+            if budget == 0 or len(plan) == self.max_seqs:
+                break
+            plan.append((job, 1))
+            budget -= 1
         return plan
 
     def _reserved(self) -> bool:
@@ -310,6 +424,8 @@ class Scheduler:
             try:
                 job.res = self.fs.reserve(handle, len(job.tokens))
             except FSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT) and self._drop_all_ahead():
+                    return self._admit(job, others)  # guesses give way to preds
                 if e.errno != errno.ENOSPC:
                     raise
                 self._relieve(self._device_need(handle.inode, len(job.tokens)))
@@ -408,28 +524,46 @@ class Scheduler:
                                               list(zip(top_ids[k][:n], top_lps[k][:n],
                                                        strict=True))))
                     k += 1
-            proc = job.proc
-            proc.tokens += chunk
-            proc.vruntime += chunk * 1024 / proc.weight
-            proc.accel_seconds += seconds * chunk / total
             if chunk == 1 and len(job.tokens) == 1:
                 decode += 1
             else:
                 prefill += chunk
+            if job.ahead:
+                if job.cancelled:  # _unahead left it to us
+                    self.fs.rollback(job.res)
+                    job.res = None
+                else:  # a pred may take it: done and charged then
+                    job.done, job.seconds = b, seconds * chunk / total
+                continue
+            self._charge(job, chunk, seconds * chunk / total)
             if job.cancelled:
                 self._fail(job, FSError(errno.EINTR, "pred: cancelled, the process is exiting"))
                 continue
             job.done = b
             if job.remaining == 0:
-                self.fs.commit(job.res, job.tokens, job.positions)
-                job.res = None
-                self._drop(job)
-                proc.last_active = proc.answered = time.monotonic()
-                if not job.future.done():
-                    job.future.set_result(job.outputs)
+                self._complete(job)
         self.stats.record(Step(time.monotonic(), seconds, len(plan), prefill, decode))
         # As CFS's: the least of the queued and of those that just ran ("current"), never
         # going back. Counting the queue alone would let a process that is only between
         # two preds be clamped to the other's vruntime on its next pred, losing its lead.
         runnable = [j.proc.vruntime for j in self.queue] + [j.proc.vruntime for j, _ in plan]
         self.min_vruntime = max(self.min_vruntime, min(runnable))
+
+    def _charge(self, job: PredJob, tokens: int, seconds: float) -> None:
+        proc = job.proc
+        proc.tokens += tokens
+        proc.vruntime += tokens * 1024 / proc.weight
+        proc.accel_seconds += seconds
+
+    def _complete(self, job: PredJob) -> None:
+        """Its last chunk is done: the entries join the file and the pred is answered."""
+        self.fs.commit(job.res, job.tokens, job.positions)
+        job.res = None
+        self._drop(job)
+        job.proc.last_active = job.proc.answered = time.monotonic()
+        if job.outputs and job.outputs[-1].row == len(job.tokens) - 1:
+            self.sampled[job.handle] = (job.outputs[-1].token, job.handle.inode.length,
+                                        job.params)
+        if not job.future.done():
+            job.future.set_result(job.outputs)
+        self._go_ahead(job)

@@ -187,7 +187,8 @@ def sys_open(k: Kernel, proc: Process, cred: Cred, req: pb.OpenRequest) -> pb.Fd
     return pb.FdReply(fd=proc.add_fd(handle))
 
 
-def sys_close(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.Empty:
+async def sys_close(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.Empty:
+    await k.sched.settle(_fd(proc, req.fd).inode)
     handle = _fd(proc, req.fd)
     if k.sched.uses(handle):
         raise FSError(errno.EBUSY, f"close: fd {req.fd} has a pred in progress")
@@ -212,18 +213,22 @@ def sys_read(k: Kernel, proc: Process, cred: Cred, req: pb.ReadRequest) -> pb.Re
     return pb.ReadReply(tokens=tokens, positions=positions)
 
 
-def sys_splice(k: Kernel, proc: Process, cred: Cred, req: pb.SpliceRequest) -> pb.Empty:
+async def sys_splice(k: Kernel, proc: Process, cred: Cred, req: pb.SpliceRequest) -> pb.Empty:
+    await k.sched.settle(_fd(proc, req.dst_fd).inode)
     k.fs.splice(_fd(proc, req.src_fd), req.start, req.end, _fd(proc, req.dst_fd))
     return pb.Empty()
 
 
-def sys_truncate(k: Kernel, proc: Process, cred: Cred, req: pb.TruncateRequest) -> pb.Empty:
+async def sys_truncate(k: Kernel, proc: Process, cred: Cred,
+                       req: pb.TruncateRequest) -> pb.Empty:
+    await k.sched.settle(_fd(proc, req.fd).inode)
     k.fs.truncate(_fd(proc, req.fd), req.length)
     k.sched.poke()
     return pb.Empty()
 
 
-def sys_punch(k: Kernel, proc: Process, cred: Cred, req: pb.PunchRequest) -> pb.Empty:
+async def sys_punch(k: Kernel, proc: Process, cred: Cred, req: pb.PunchRequest) -> pb.Empty:
+    await k.sched.settle(_fd(proc, req.fd).inode)
     k.fs.punch(_fd(proc, req.fd), req.start, req.end)
     k.sched.poke()
     return pb.Empty()
