@@ -240,6 +240,15 @@ class KernelDaemon:
         self.socket = self.dir / "k.sock"
         self.flags = ["--state-dir", str(self.dir / "state"), *flags]
 
+    @property
+    def pid(self) -> int:
+        from symphony.control import kernel_pid
+
+        pid = kernel_pid(self.socket)
+        if pid is None:
+            raise RuntimeError(f"no kernel answers on {self.socket}")
+        return pid
+
     def __enter__(self) -> KernelDaemon:
         self.dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "symphony.cli"]
@@ -297,13 +306,24 @@ def machine_line() -> str:
 # -- 1 and 2: decode through the kernel against generate --------------------------------
 
 
-def decode_round(lips: list[Lip]) -> tuple[float, int, list[float], list[list[int]]]:
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU time the processes have used so far."""
+    from symphony.process import os_cpu_seconds
+
+    return sum(os_cpu_seconds(pid) for pid in pids)
+
+
+def decode_round(lips: list[Lip], kernel_pid: int
+                 ) -> tuple[float, int, list[float], list[list[int]], tuple[float, float]]:
     """Prefill every LIP, then time them all from one barrier: (seconds, tokens,
-    kernel-side ms per pred of each, tokens of each)."""
+    kernel-side ms per pred of each, tokens of each, CPU seconds of the kernel and of the
+    LIPs meanwhile)."""
     for lip in lips:
         lip.send("prep")
     for lip in lips:
         lip.expect("ready")
+    pids = [lip.proc.pid for lip in lips]
+    cpu = cpu_seconds([kernel_pid]), cpu_seconds(pids)
     start = time.monotonic()
     for lip in lips:
         lip.send("go")
@@ -314,20 +334,23 @@ def decode_round(lips: list[Lip]) -> tuple[float, int, list[float], list[list[in
         tokens += int(n)
         kernel_ms.append(float(ms))
         outs += [[int(x) for x in one.split(",")] for one in ids.split(";")]
-    return max(ends) - start, tokens, kernel_ms, outs
+    return (max(ends) - start, tokens, kernel_ms, outs,
+            (cpu_seconds([kernel_pid]) - cpu[0], cpu_seconds(pids) - cpu[1]))
 
 
-def in_process(engine, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
-    """generate's decode time for new - 1 tokens (N new minus 1 new: no prefill)."""
+def in_process(engine, prompts: list[list[int]], new: int
+               ) -> tuple[float, list[list[int]], float]:
+    """generate's decode time for new - 1 tokens (N new minus 1 new: no prefill), its
+    tokens, and the CPU seconds of that decode."""
     from symphony.engine.generate import generate
     from symphony.engine.sampler import GREEDY
 
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     out = generate(engine, prompts, GREEDY, new, stop_ids=())
-    mid = time.perf_counter()
+    mid, cm = time.perf_counter(), time.process_time()
     generate(engine, prompts, GREEDY, 1, stop_ids=())
-    end = time.perf_counter()
-    return (mid - t) - (end - mid), out
+    end, ce = time.perf_counter(), time.process_time()
+    return (mid - t) - (end - mid), out, (cm - c) - (ce - cm)
 
 
 def bench_decode(args: argparse.Namespace, tmp: Path, engine, which: list[str]) -> None:
@@ -335,32 +358,40 @@ def bench_decode(args: argparse.Namespace, tmp: Path, engine, which: list[str]) 
     flags = ["--kv-pages", str(args.kv_pages)]
     if args.model:
         flags += ["--model", args.model]
-    with KernelDaemon(tmp, "decode", flags) as kd:
+    # A second kernel with decoding ahead off shows what it buys, in the same run.
+    with KernelDaemon(tmp, "decode", flags) as kd, \
+            KernelDaemon(tmp, "decode-ahead-off", [*flags, "--decode-ahead", "off"]) as koff:
         opts = {"prompt_len": args.prompt_len, "tokens": args.tokens}
         if "tax" in which:
             print(f"\n## 1. syscall tax: decode at batch 1, {args.tokens} tokens after a "
                   f"{args.prompt_len}-token prompt, greedy; best/median of {args.repeat}")
-            lips = {t: Lip(kd.socket, "decode", seed=0, transport=t, **opts)
-                    for t in ("lifeline", "grpc")}
+            sides = {"lifeline": (kd, "lifeline"), "grpc": (kd, "grpc"),
+                     "lifeline, decode ahead off": (koff, "lifeline")}
+            lips = {name: (Lip(kern.socket, "decode", seed=0, transport=t, **opts), kern.pid)
+                    for name, (kern, t) in sides.items()}
             try:
                 p = [prompt(0, args.prompt_len, vocab)]
                 in_process(engine, p, args.tokens)  # warm-up of every side
-                for lip in lips.values():
-                    decode_round([lip])
+                for lip, pid in lips.values():
+                    decode_round([lip], pid)
                 peer: list[float] = []
-                ours: dict[str, list[float]] = {t: [] for t in lips}
-                kms: dict[str, list[float]] = {t: [] for t in lips}
+                peer_cpu: list[float] = []
+                ours: dict[str, list[float]] = {name: [] for name in lips}
+                kms: dict[str, list[float]] = {name: [] for name in lips}
+                cpu: dict[str, list[float]] = {name: [] for name in lips}
                 same = True
                 for _ in range(args.repeat):
-                    t, ref = in_process(engine, p, args.tokens)
+                    t, ref, c = in_process(engine, p, args.tokens)
                     peer.append(t / (args.tokens - 1) * 1e3)
-                    for transport, lip in lips.items():
-                        secs, n, kernel_ms, outs = decode_round([lip])
-                        ours[transport].append(secs / n * 1e3)
-                        kms[transport].append(kernel_ms[0])
+                    peer_cpu.append(c / (args.tokens - 1) * 1e3)
+                    for name, (lip, pid) in lips.items():
+                        secs, n, kernel_ms, outs, c = decode_round([lip], pid)
+                        ours[name].append(secs / n * 1e3)
+                        kms[name].append(kernel_ms[0])
+                        cpu[name].append((c[0] / n * 1e3, c[1] / n * 1e3))
                         same &= outs[0] == ref[0]
             finally:
-                for lip in lips.values():
+                for lip, _ in lips.values():
                     lip.close()
             with kernel_client(kd.socket) as k:
                 noop = []
@@ -369,63 +400,85 @@ def bench_decode(args: argparse.Namespace, tmp: Path, engine, which: list[str]) 
                     k.getpid()
                     noop.append((time.perf_counter() - t) * 1e3)
             header("LIP", "generate")
-            for transport in lips:
-                row(f"per-token latency, pred on {transport}", "ms/token", ours[transport],
+            for name in lips:
+                row(f"per-token latency, pred on {name}", "ms/token", ours[name],
                     peer, True, "<= 1.10x")
             print(f"  a no-op syscall (getpid, gRPC) round trip: median "
                   f"{statistics.median(noop):.2f} ms, best {min(noop):.2f} ms")
-            for transport in lips:
-                print(f"  kernel-side pred on {transport} (as /proc/PID/syscalls times it): "
-                      f"best {min(kms[transport]):.2f} ms, median "
-                      f"{statistics.median(kms[transport]):.2f} ms")
-            print(f"  the rest is transport and the client. Same tokens as generate: {same}")
+            for name in lips:
+                kc, lc = (statistics.median(c) for c in zip(*cpu[name], strict=True))
+                print(f"  pred on {name}: as /proc/PID/syscalls times it, median "
+                      f"{statistics.median(kms[name]):.2f} ms; CPU, median: kernel "
+                      f"{kc:.2f} + LIP {lc:.2f} ms/token")
+            print(f"  generate's CPU: median {statistics.median(peer_cpu):.2f} ms/token. "
+                  f"Same tokens as generate: {same}")
         if "batch" in which:
-            bench_batch(args, kd.socket, engine, opts)
+            bench_batch(args, {"": kd, ", decode ahead off": koff}, engine, opts)
 
 
-def bench_batch(args: argparse.Namespace, sock: Path, engine, opts: dict) -> None:
+def bench_batch(args: argparse.Namespace, kernels: dict[str, KernelDaemon], engine,
+                opts: dict) -> None:
+    """kernels: the kernels the LIP processes run on, by the suffix their rows get; the
+    asyncio LIP runs on the first."""
     n_lips, vocab = args.batch, engine.config.vocab_size
     modes = [m for m in args.batch_modes.split(",") if m]
     print(f"\n## 2. batching: {n_lips} LIPs x {args.tokens} tokens (timed from a barrier "
           f"after their prefill) against generate at batch {n_lips}; best/median of "
           f"{args.repeat}")
-    groups: dict[str, list[Lip]] = {}
+    groups: dict[str, tuple[list[Lip], KernelDaemon]] = {}
+    first = next(iter(kernels.values()))
     try:
         if "procs" in modes:
-            groups[f"{n_lips} LIP processes"] = [
-                Lip(sock, "decode", seed=i, **opts) for i in range(n_lips)]
+            for suffix, kern in kernels.items():
+                groups[f"{n_lips} LIP processes{suffix}"] = (
+                    [Lip(kern.socket, "decode", seed=i, **opts) for i in range(n_lips)], kern)
         if "asyncio" in modes:
-            groups[f"1 asyncio LIP, {n_lips} sessions"] = [
-                Lip(sock, "adecode", seed=0, sessions=n_lips, **opts)]
+            groups[f"1 asyncio LIP, {n_lips} sessions"] = (
+                [Lip(first.socket, "adecode", seed=0, sessions=n_lips, **opts)], first)
         p = [prompt(i, args.prompt_len, vocab) for i in range(n_lips)]
         in_process(engine, p, args.tokens)
-        for lips in groups.values():
-            decode_round(lips)
+        for lips, kern in groups.values():
+            decode_round(lips, kern.pid)
         peer: list[float] = []
+        peer_cpu: list[float] = []
         ours: dict[str, list[float]] = {name: [] for name in groups}
         seqs: dict[str, list[float]] = {name: [] for name in groups}
+        cpu: dict[str, list[float]] = {name: [] for name in groups}
         same: dict[str, int] = {}
-        with kernel_client(sock) as k:
+        clients = {id(kern): kernel_client(kern.socket) for _, kern in groups.values()}
+        try:
             for _ in range(args.repeat):
-                t, ref = in_process(engine, p, args.tokens)
+                t, ref, c = in_process(engine, p, args.tokens)
                 peer.append(n_lips * (args.tokens - 1) / t)
-                for name, lips in groups.items():
+                peer_cpu.append(c / (n_lips * (args.tokens - 1)) * 1e3)
+                for name, (lips, kern) in groups.items():
+                    k = clients[id(kern)]
                     steps = sched(k)["steps"]
-                    secs, n, _, outs = decode_round(lips)
+                    secs, n, _, outs, c = decode_round(lips, kern.pid)
                     ours[name].append(n / secs)
                     seqs[name].append(n / max(1.0, sched(k)["steps"] - steps))
+                    cpu[name].append((c[0] / n * 1e3, c[1] / n * 1e3))
                     same[name] = sum(o == r for o, r in zip(outs, ref, strict=True))
+        finally:
+            for k in clients.values():
+                k.close()
     finally:
-        for lips in groups.values():
+        for lips, _ in groups.values():
             for lip in lips:
                 lip.close()
     header("LIPs", "generate")
     for name in groups:
         row(f"{name}", "tokens/s", ours[name], peer, False, ">= 0.85x")
+    cores, gen_rate = os.cpu_count() or 1, statistics.median(peer)
+    print(f"  generate's CPU: median {statistics.median(peer_cpu):.3f} ms/token")
     for name in groups:
+        # With every core busy the LIPs could go no faster than cores / CPU per token.
+        kc, lc = (statistics.median(c) for c in zip(*cpu[name], strict=True))
         print(f"  {name}: {statistics.median(seqs[name]):.1f} sequences per kernel step "
               f"(median of rounds; generate: {n_lips}); sequences with generate's tokens: "
-              f"{same[name]} of {n_lips}")
+              f"{same[name]} of {n_lips}; CPU, median: kernel {kc:.3f} + LIPs {lc:.3f} "
+              f"ms/token, so {cores} cores allow at most "
+              f"{cores / (kc + lc) * 1e3 / gen_rate:.2f}x of generate's median")
 
 
 def kernel_client(sock: Path):
