@@ -252,6 +252,14 @@ class Scheduler:
             self._unahead(inode)
         return bool(inodes)
 
+    async def give_way(self) -> bool:
+        """A call is short of pages: every guess gives its pages back (after the step
+        that may be writing one). Whether there were any."""
+        dropped = self._drop_all_ahead()
+        if dropped and self.in_flight:
+            await self.quiesce()
+        return dropped
+
     def cancel(self, future: asyncio.Future) -> None:
         """The caller gave up: the pred is dropped and its file left as it was."""
         for job in [j for j in self.queue if j.future is future]:

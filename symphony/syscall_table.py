@@ -7,10 +7,11 @@ Checks come first, so a failed call changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 from kvfs.errors import FSError
 from kvfs.format import exported_size
@@ -25,10 +26,23 @@ if TYPE_CHECKING:
 
 EXPORT_CHUNK = 1 << 20
 OPEN_FLAGS = os.O_ACCMODE | os.O_CREAT | os.O_EXCL | os.O_TRUNC
+T = TypeVar("T")
 
 
 def einval(message: str) -> FSError:
     return FSError(errno.EINVAL, message)
+
+
+async def _room_made(k: Kernel, op: Callable[[], T]) -> T:
+    """op, tried again if it was short of pages while guesses of the scheduler's held some
+    (decoding ahead must never cost a call its memory). kvfs checks before it changes
+    anything, so the failed try left everything as it was."""
+    try:
+        return op()
+    except FSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not await k.sched.give_way():
+            raise
+    return op()
 
 
 # -- process --------------------------------------------------------------------------
@@ -179,10 +193,13 @@ def _fd(proc: Process, fd: int) -> Handle:
     return proc.handle(fd)
 
 
-def sys_open(k: Kernel, proc: Process, cred: Cred, req: pb.OpenRequest) -> pb.FdReply:
+async def sys_open(k: Kernel, proc: Process, cred: Cred, req: pb.OpenRequest) -> pb.FdReply:
     if req.flags & ~OPEN_FLAGS:
         raise einval(f"open {req.path!r}: unsupported flags {req.flags & ~OPEN_FLAGS:#o}")
     mode = req.mode if req.HasField("mode") else 0o600
+    if req.flags & os.O_TRUNC and req.path:
+        with contextlib.suppress(FSError):  # else open itself says what is wrong
+            await k.sched.settle(k.fs.lookup(cred, req.path))
     handle = k.fs.open(cred, req.path, req.flags, mode)
     return pb.FdReply(fd=proc.add_fd(handle))
 
@@ -198,8 +215,9 @@ async def sys_close(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> 
     return pb.Empty()
 
 
-def sys_fork(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.FdReply:
-    clone = k.fs.fork(_fd(proc, req.fd), cred)
+async def sys_fork(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.FdReply:
+    handle = _fd(proc, req.fd)
+    clone = await _room_made(k, lambda: k.fs.fork(handle, cred))
     return pb.FdReply(fd=proc.add_fd(clone))
 
 
@@ -214,15 +232,17 @@ def sys_read(k: Kernel, proc: Process, cred: Cred, req: pb.ReadRequest) -> pb.Re
 
 
 async def sys_splice(k: Kernel, proc: Process, cred: Cred, req: pb.SpliceRequest) -> pb.Empty:
-    await k.sched.settle(_fd(proc, req.dst_fd).inode)
-    k.fs.splice(_fd(proc, req.src_fd), req.start, req.end, _fd(proc, req.dst_fd))
+    src, dst = _fd(proc, req.src_fd), _fd(proc, req.dst_fd)
+    await k.sched.settle(dst.inode)
+    await _room_made(k, lambda: k.fs.splice(src, req.start, req.end, dst))
     return pb.Empty()
 
 
 async def sys_truncate(k: Kernel, proc: Process, cred: Cred,
                        req: pb.TruncateRequest) -> pb.Empty:
-    await k.sched.settle(_fd(proc, req.fd).inode)
-    k.fs.truncate(_fd(proc, req.fd), req.length)
+    handle = _fd(proc, req.fd)
+    await k.sched.settle(handle.inode)
+    await _room_made(k, lambda: k.fs.truncate(handle, req.length))
     k.sched.poke()
     return pb.Empty()
 
@@ -339,7 +359,7 @@ async def sys_import(k: Kernel, proc: Process, cred: Cred,
         data += chunk.data
     if not path:
         raise einval("import: no path in the first chunk")
-    k.fs.import_file(cred, path, bytes(data), mode)
+    await _room_made(k, lambda: k.fs.import_file(cred, path, bytes(data), mode))
     return pb.Empty()
 
 

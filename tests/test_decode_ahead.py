@@ -133,31 +133,56 @@ def test_any_other_call_on_the_file_drops_the_guess_first(daemon):
         assert int(meminfo(k)["device_used"]) == baseline
 
 
-def test_a_guess_gives_its_page_to_a_pred_that_needs_it(model):
-    """No host tier, eight device pages: a's guess took a fresh page, and b's pred fits only
-    if the guess gives it back. Then a's own pred fails with ENOSPC, leaving a's file as it
-    was, and goes through once b's file is closed."""
+def test_a_guess_gives_its_page_to_whatever_call_needs_it(model):
+    """No host tier, eight device pages. a's guess took a fresh page, and b's fork, and
+    then b's pred, fit only if the guess gives it back. Then a's own pred fails with
+    ENOSPC, leaving a's file as it was, and goes through once b's file is closed."""
     d = start_daemon(model, None, "--kv-pages", "8", "--host-pages", "0")
     try:
         with d.connect("a") as a, d.connect("b") as b:
             eos = set(a.model_info().eos_ids)
             fa = a.open("", os.O_RDWR)
-            (o,) = fa.pred(prompt(14, salt=2))
-            out = decode(fa, o.token, 2)  # 16 entries: the guess needs page 2
-            assert out[-1][0] not in eos
-            assert fa.stat().tokens == 16
+
+            def guess_a_page() -> int:
+                """Decode a to 16 entries: its guess then needs page 2."""
+                fa.truncate(14)
+                (o,) = fa.pred([6])
+                out = decode(fa, o.token, 1)
+                assert out[-1][0] not in eos and fa.stat().tokens == 16
+                return out[-1][0]
+
+            fa.pred(prompt(14, salt=2), no_outputs=True)
+            guess_a_page()
             assert int(meminfo(a)["device_used"]) == 2  # one full page and the guess's
             with b.open("", os.O_RDWR) as fb:
-                fb.pred(prompt(7 * 16, salt=3), no_outputs=True)  # 7 pages: all but a's
-                assert fb.stat().tokens == 7 * 16
+                fb.pred(prompt(5 * 16 + 1, salt=3), no_outputs=True)  # 6 pages: none free
+                with fb.fork() as clone:  # its partial last page needs a copy
+                    assert clone.stat().tokens == 5 * 16 + 1
+                token = guess_a_page()
+                fb.pred(prompt(16, salt=4), no_outputs=True)  # 7 pages: all but a's
+                assert fb.stat().tokens == 6 * 16 + 1
                 with pytest.raises(OSError) as e:
-                    fa.pred([out[-1][0]])
+                    fa.pred([token])
                 assert e.value.errno == errno.ENOSPC
                 assert fa.stat().tokens == 16 and int(meminfo(a)["device_used"]) == 8
-            (again,) = fa.pred([out[-1][0]])
-            assert fa.read()[0][-1] == out[-1][0] and fa.stat().tokens == 17
+            fa.pred([token])
+            assert fa.read()[0][-1] == token and fa.stat().tokens == 17
     finally:
         assert d.stop() == 0, d.log_text()
+
+
+def test_open_with_o_trunc_drops_another_process_s_guess(daemon):
+    """A named file another process decodes in: open(O_TRUNC) finds no guess in the way."""
+    with daemon.connect("writer") as a, daemon.connect("truncater") as b:
+        path = f"{a.home}/shared.kv"
+        with a.open(path, os.O_RDWR | os.O_CREAT, 0o666) as fa:
+            (o,) = fa.pred(prompt(10, salt=5))
+            made = guesses(a)[0]
+            decode(fa, o.token, 2)
+            assert guesses(a)[0] > made
+            with b.open(path, os.O_RDWR | os.O_TRUNC) as fb:
+                assert fb.stat().tokens == 0 and fa.stat().tokens == 0
+        a.unlink(path)
 
 
 DECODER = """

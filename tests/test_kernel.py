@@ -469,7 +469,8 @@ def test_only_a_real_sleep_costs_a_process_its_lead(model, tmp_path):
         s = k.sched
         s.min_vruntime = 100_000.0
         p = k.procs.spawn(os.getpid(), 0, 0)
-        fd = TABLE["Open"][0](k, p, p.cred, pb.OpenRequest(path="", flags=os.O_RDWR)).fd
+        fd = (await TABLE["Open"][0](k, p, p.cred,
+                                     pb.OpenRequest(path="", flags=os.O_RDWR))).fd
         p.answered = 0.0 if away is None else time.monotonic() - away
         future = s.submit(p, p.handle(fd), [5], None, [0], GREEDY)
         s.cancel(future)
