@@ -353,9 +353,10 @@ class Scheduler:
                     or sum(j.remaining for j in queued) >= self.token_budget)
             first = min((j.proc.vruntime for j in queued), default=float("inf"))
             worth = 0.0  # the latest time a missing process is worth waiting until
+            guessed = {j.proc for j in self.ahead.values()}
             for p in served:
                 if p.alive and not p.pending:
-                    if any(j.proc is p for j in self.ahead.values()):
+                    if p in guessed:
                         # Its work ahead fills the step; wait only if it would go first.
                         by = turn_by if p.vruntime < first < float("inf") else 0.0
                     else:
