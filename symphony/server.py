@@ -128,7 +128,7 @@ class Front:
             start, proc = time.perf_counter(), None
             try:
                 proc, cred = self.admit(name, request, lambda: self.caller(context))
-                for chunk in fn(self.kernel, proc, cred, request):
+                async for chunk in fn(self.kernel, proc, cred, request):
                     yield chunk
             except Exception as e:
                 yield error_reply(reply_type, e)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from kvfs.errors import FSError
@@ -322,8 +322,8 @@ def sys_fsync(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.Emp
     return pb.Empty()
 
 
-def sys_export(k: Kernel, proc: Process, cred: Cred,
-               req: pb.ExportRequest) -> Iterator[pb.ExportChunk]:
+async def sys_export(k: Kernel, proc: Process, cred: Cred,
+                     req: pb.ExportRequest) -> AsyncIterator[pb.ExportChunk]:
     """The canonical form, streamed; [offset, offset + length) when a range is asked.
 
     It streams from a copy-on-write fork taken first, so a file that changes meanwhile
@@ -334,7 +334,7 @@ def sys_export(k: Kernel, proc: Process, cred: Cred,
     by_fd = req.WhichOneof("target") == "fd"
     src = _fd(proc, req.fd) if by_fd else k.fs.open(cred, req.path, os.O_RDONLY)
     try:
-        snap = k.fs.fork(src, cred)
+        snap = await _room_made(k, lambda: k.fs.fork(src, cred))
     finally:
         if not by_fd:
             k.fs.close(src)

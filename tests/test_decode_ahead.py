@@ -134,8 +134,8 @@ def test_any_other_call_on_the_file_drops_the_guess_first(daemon):
 
 
 def test_a_guess_gives_its_page_to_whatever_call_needs_it(model):
-    """No host tier, eight device pages. a's guess took a fresh page, and b's fork, and
-    then b's pred, fit only if the guess gives it back. Then a's own pred fails with
+    """No host tier, eight device pages. a's guess took a fresh page, and b's export, fork
+    and pred each fit only if the guess gives it back. Then a's own pred fails with
     ENOSPC, leaving a's file as it was, and goes through once b's file is closed."""
     d = start_daemon(model, None, "--kv-pages", "8", "--host-pages", "0")
     try:
@@ -156,7 +156,10 @@ def test_a_guess_gives_its_page_to_whatever_call_needs_it(model):
             assert int(meminfo(a)["device_used"]) == 2  # one full page and the guess's
             with b.open("", os.O_RDWR) as fb:
                 fb.pred(prompt(5 * 16 + 1, salt=3), no_outputs=True)  # 6 pages: none free
-                with fb.fork() as clone:  # its partial last page needs a copy
+                # export's snapshot, then a fork: each copies b's partial last page
+                assert len(b.export(fb)) == fb.stat().size
+                guess_a_page()
+                with fb.fork() as clone:
                     assert clone.stat().tokens == 5 * 16 + 1
                 token = guess_a_page()
                 fb.pred(prompt(16, salt=4), no_outputs=True)  # 7 pages: all but a's
