@@ -206,7 +206,7 @@ async def sys_open(k: Kernel, proc: Process, cred: Cred, req: pb.OpenRequest) ->
 
 async def sys_close(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.Empty:
     await k.sched.settle(_fd(proc, req.fd).inode)
-    handle = _fd(proc, req.fd)
+    handle = _fd(proc, req.fd)  # again: another thread may have closed it meanwhile
     if k.sched.uses(handle):
         raise FSError(errno.EBUSY, f"close: fd {req.fd} has a pred in progress")
     del proc.fds[req.fd]
@@ -248,8 +248,9 @@ async def sys_truncate(k: Kernel, proc: Process, cred: Cred,
 
 
 async def sys_punch(k: Kernel, proc: Process, cred: Cred, req: pb.PunchRequest) -> pb.Empty:
-    await k.sched.settle(_fd(proc, req.fd).inode)
-    k.fs.punch(_fd(proc, req.fd), req.start, req.end)
+    handle = _fd(proc, req.fd)
+    await k.sched.settle(handle.inode)
+    k.fs.punch(handle, req.start, req.end)
     k.sched.poke()
     return pb.Empty()
 
