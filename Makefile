@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test run bench lint proto
+.PHONY: install test unit run bench lint proto
 
 # `make run` and `make test` work straight after cloning: they install first when needed.
 $(STAMP): pyproject.toml
@@ -23,6 +23,10 @@ install:
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The unit tests alone (no daemon, mount, CLI process or Triton interpreter): seconds.
+unit: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 # The tour: a kernel on the default model, mounted; three LIPs as shell processes; the
 # files and /proc through the mount; then unmount and stop. Nothing is left running, even

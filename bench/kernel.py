@@ -25,6 +25,7 @@ The LIPs are this file run again with --lip (they import only the syscalls packa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -488,13 +489,13 @@ def kernel_client(sock: Path):
 
 
 def sched(k) -> dict[str, float]:
+    """/proc/sched's numeric fields."""
+    from syscalls.convert import proc_fields
+
     out = {}
-    for line in k.procfs("sched").splitlines():
-        key, _, value = line.partition(":")
-        try:
+    for key, value in proc_fields(k.procfs("sched")).items():
+        with contextlib.suppress(ValueError):
             out[key] = float(value)
-        except ValueError:
-            pass
     return out
 
 

@@ -8,6 +8,7 @@ import sys
 
 from symphony import kv, mount, top
 from symphony.engine.errors import ModelError
+from symphony.options import Options
 from syscalls.flags import add_prompt_flags, add_sampling_flags, report, sampling_kwargs
 
 
@@ -52,7 +53,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
 
     import torch
 
-    from symphony.daemon import Options, default_state_dir, run_kernel
+    from symphony.daemon import default_state_dir, run_kernel
     from symphony.engine.engine import Engine
     from symphony.engine_thread import EngineThread
     from syscalls.session import socket_path
@@ -101,11 +102,14 @@ def add_kernel_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     k.add_argument("--kv-pages", type=int, help="device KV pages (default: 25%% of memory)")
     k.add_argument("--host-pages", type=int, help="host-tier pages (default: as --kv-pages)")
-    k.add_argument("--disk-pages", type=int, default=0, help="swap-file pages")
-    k.add_argument("--token-budget", type=int, default=512, help="tokens per forward pass")
-    k.add_argument("--max-seqs", type=int, default=256, help="sequences per forward pass")
+    k.add_argument("--disk-pages", type=int, default=Options.disk_pages, help="swap-file pages")
+    k.add_argument("--token-budget", type=int, default=Options.token_budget,
+                   help="tokens per forward pass")
+    k.add_argument("--max-seqs", type=int, default=Options.max_seqs,
+                   help="sequences per forward pass")
     k.add_argument("--quota", type=int, help="pages per user (root has no quota)")
-    k.add_argument("--decode-ahead", choices=["on", "off"], default="on",
+    k.add_argument("--decode-ahead", choices=["on", "off"],
+                   default="on" if Options.decode_ahead else "off",
                    help="compute a decoding LIP's next pred in spare room before it comes")
 
 

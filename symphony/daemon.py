@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -20,6 +19,7 @@ from kvfs.state import StateDir
 from symphony.engine.engine import Engine
 from symphony.engine.fingerprint import fingerprint
 from symphony.engine_thread import EngineThread
+from symphony.options import Options
 from symphony.process import Process, ProcessTable, os_cpu_seconds
 from symphony.procfs import ProcFS
 from symphony.scheduler import Scheduler
@@ -38,17 +38,6 @@ def default_state_dir() -> Path:
 
 def pid_path(sock: Path) -> Path:
     return sock.with_name(sock.name + ".pid")
-
-
-@dataclass
-class Options:
-    socket: Path
-    state_dir: Path
-    token_budget: int = 512
-    max_seqs: int = 256
-    disk_pages: int = 0
-    quota: int | None = None  # pages per user (root has none)
-    decode_ahead: bool = True  # compute a decoding LIP's next pred before it comes
 
 
 class Kernel:

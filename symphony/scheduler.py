@@ -125,9 +125,9 @@ class Scheduler:
         engine_thread: EngineThread,
         fs: FileSystem,
         procs: Callable[[], Iterable[Process]],
-        token_budget: int = 512,
-        max_seqs: int = 256,
-        decode_ahead: bool = True,
+        token_budget: int,
+        max_seqs: int,
+        decode_ahead: bool,
     ):
         self.engine, self.engine_thread, self.fs, self.procs = engine, engine_thread, fs, procs
         self.token_budget, self.max_seqs = token_budget, max_seqs

@@ -16,7 +16,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from syscalls.client import Kernel
-from syscalls.convert import ProcInfo
+from syscalls.convert import ProcInfo, proc_fields
 
 COLUMNS = (
     f"{'PID':>5} {'USER':<10} {'STATE':<9} {'NI':>3} {'TOK/S':>8} {'TOKENS':>9} "
@@ -33,14 +33,9 @@ class Sample:
     sched: dict[str, str]
 
 
-def parse(text: str) -> dict[str, str]:
-    """A /proc file of `key: value` lines."""
-    pairs = (line.split(":", 1) for line in text.splitlines() if ":" in line)
-    return {key.strip(): value.strip() for key, value in pairs}
-
-
 def sample(k: Kernel) -> Sample:
-    return Sample(time.time(), k.ps(), parse(k.procfs("meminfo")), parse(k.procfs("sched")))
+    meminfo, sched = proc_fields(k.procfs("meminfo")), proc_fields(k.procfs("sched"))
+    return Sample(time.time(), k.ps(), meminfo, sched)
 
 
 def rates(before: Sample, after: Sample) -> dict[int, float]:

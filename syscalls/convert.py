@@ -133,6 +133,12 @@ class ModelInfo:
     has_tokenizer: bool
 
 
+def proc_fields(text: str) -> dict[str, str]:
+    """A /proc text of `key: value` lines (meminfo, sched, PID/status) as a dict."""
+    pairs = (line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
 def _record(cls: type[T], msg: Any) -> T:
     """The dataclass `cls` from the message fields of the same names."""
     values = {}

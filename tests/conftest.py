@@ -1,7 +1,38 @@
+"""Fixtures shared by the suite: the test model and a real kernel daemon on it.
+
+A module sets the daemon's flags with a module-level `DAEMON_FLAGS` tuple (default below);
+each module gets its own daemon, stopped cleanly at the module's end. A test that uses
+either fixture runs a real daemon, so it is marked `slow` here.
+"""
+
 import os
 
+import pytest
 import torch
 
 # Without a GPU, Triton kernels run in its interpreter; it must be chosen before triton loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from daemon import make_model, start_daemon  # noqa: E402  (after TRITON_INTERPRET is set)
+
+DEFAULT_DAEMON_FLAGS = ("--kv-pages", "512")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if {"model", "daemon"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory):
+    """A random-weight Llama with a tokenizer (tests/daemon.py's make_model)."""
+    return make_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def daemon(request, model):
+    d = start_daemon(model, None, *getattr(request.module, "DAEMON_FLAGS", DEFAULT_DAEMON_FLAGS))
+    yield d
+    assert d.stop() == 0, d.log_text()

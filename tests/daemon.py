@@ -16,6 +16,7 @@ from pathlib import Path
 from checkpoints import add_tokenizer, make_checkpoint
 
 from syscalls.client import Kernel
+from syscalls.convert import proc_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 90.0
@@ -94,8 +95,16 @@ def start_daemon(model: Path, root: Path | None = None, *flags: str) -> Daemon:
 
 
 def meminfo(k: Kernel) -> dict[str, str]:
-    pairs = (line.split(":", 1) for line in k.procfs("meminfo").splitlines())
-    return {key.strip(): value.strip() for key, value in pairs}
+    return proc_fields(k.procfs("meminfo"))
+
+
+def sched(k: Kernel) -> dict[str, str]:
+    return proc_fields(k.procfs("sched"))
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    """n token ids of the test model's vocabulary (320), varied by salt."""
+    return [(7 * i + 13 * salt) % 290 + 6 for i in range(n)]
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):

@@ -12,28 +12,9 @@ import subprocess
 import sys
 
 import pytest
-from daemon import ROOT, make_model, meminfo, start_daemon, wait_for
+from daemon import ROOT, meminfo, prompt, sched, start_daemon, wait_for
 
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="module")
-def daemon(model):
-    d = start_daemon(model, None, "--kv-pages", "64", "--host-pages", "0")
-    yield d
-    assert d.stop() == 0, d.log_text()
-
-
-def prompt(n: int, salt: int = 0) -> list[int]:
-    return [(11 * i + 5 * salt) % 290 + 6 for i in range(n)]
-
-
-def sched(k) -> dict[str, str]:
-    return {key: value.strip() for key, value in
-            (line.split(":", 1) for line in k.procfs("sched").splitlines())}
+DAEMON_FLAGS = ("--kv-pages", "64", "--host-pages", "0")
 
 
 def guesses(k) -> tuple[int, int]:

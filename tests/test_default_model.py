@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -79,6 +80,7 @@ def test_engine_matches_transformers_and_is_not_noise():
     assert loss < 3.0, loss
 
 
+@pytest.mark.slow  # the CLI as a process
 def test_generate_with_no_model_writes_text():
     env = {k: v for k, v in os.environ.items() if k != "SYMPHONY_MODEL"}
     run = subprocess.run(

@@ -12,6 +12,8 @@ from checkpoints import add_tokenizer, make_checkpoint
 
 from symphony.engine.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # each test runs the CLI as a process
+
 SYMPHONY = [sys.executable, "-m", "symphony.cli"]
 
 

@@ -16,29 +16,17 @@ import time
 
 import grpc
 import pytest
-from daemon import ROOT, make_model, meminfo, start_daemon, wait_for
+from daemon import ROOT, meminfo, prompt, sched, start_daemon, wait_for
 
 from syscalls import symphony_pb2 as pb
+from syscalls.convert import proc_fields
 from syscalls.session import SESSION_KEY, grpc_target, hello
 
 BUDGET = 48  # small, so that prompts are chunked and decodes interleave with prefills
 SYMPHONY = [sys.executable, "-m", "symphony.cli"]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="module")
-def daemon(model):
-    d = start_daemon(model, None, "--kv-pages", "512", "--token-budget", str(BUDGET))
-    yield d
-    assert d.stop() == 0, d.log_text()
-
-
-def prompt(n: int, salt: int = 0) -> list[int]:
-    return [(7 * i + 13 * salt) % 290 + 6 for i in range(n)]
+DAEMON_FLAGS = ("--kv-pages", "512", "--token-budget", str(BUDGET))
 
 
 def run_lip(daemon, *args: str, **kw) -> subprocess.CompletedProcess:
@@ -89,10 +77,10 @@ def test_sixteen_concurrent_lips_get_what_they_get_alone(daemon, alone):
     for lip, (_, err) in zip(lips, outs, strict=True):
         assert lip.returncode == 0, err
     with daemon.connect() as k:
-        sched = dict(line.split(":", 1) for line in k.procfs("sched").splitlines())
-    assert int(sched["batch_seqs_max"]) > 1, "the LIPs never shared a forward pass"
+        stats = sched(k)
+    assert int(stats["batch_seqs_max"]) > 1, "the LIPs never shared a forward pass"
     # fp32 on the CPU runs the C kernels (this machine has a C compiler).
-    assert sched["engine"].strip() == "cpu float32, attention c"
+    assert stats["engine"] == "cpu float32, attention c"
     for ids, (out, _) in zip(prompts, outs, strict=True):
         assert json.loads(out)["output_ids"] == alone(ids, 16)
 
@@ -133,6 +121,7 @@ def test_killed_lip_leaks_nothing(daemon, how):
         wait_for(lambda: device_used(k) == baseline, what="its pages to be freed")
 
 
+@pytest.mark.slow  # a daemon on the default model
 def test_loop_answers_while_a_forward_pass_runs(tmp_path):
     d = start_daemon(ROOT / "models" / "default", None, "--kv-pages", "128",
                      "--token-budget", "1024")
@@ -160,6 +149,7 @@ AS_USER = """
 import json, os, sys, grpc
 from syscalls.client import Kernel
 from syscalls import symphony_pb2 as pb, symphony_pb2_grpc
+from syscalls.convert import proc_fields
 from syscalls.session import SESSION_KEY, AS_KEY, grpc_target, hello, socket_path
 # Become the user only now: Python itself may live where other users cannot read.
 role, uid = sys.argv[1], int(sys.argv[2])
@@ -403,8 +393,8 @@ def test_proc_agrees_with_the_kernel(daemon):
                 assert [row[3] for row in shared].count(f"{f.stat().ino},{g.stat().ino}") == 2
                 fds = k.procfs(f"{k.pid}/fds").splitlines()[1:]
                 assert [line.split("\t")[3:] for line in fds] == [["40", "3"], ["40", "3"]]
-        status = dict(line.split(":", 1) for line in k.procfs(f"{k.pid}/status").splitlines())
-        assert status["name"].strip() == "prober" and status["tokens"].strip() == "40"
+        status = proc_fields(k.procfs(f"{k.pid}/status"))
+        assert status["name"] == "prober" and status["tokens"] == "40"
         calls = {line.split("\t")[0]: int(line.split("\t")[1])
                  for line in k.procfs(f"{k.pid}/syscalls").splitlines()[1:]}
         assert calls["Pred"] == 1 and calls["Fork"] == 1 and calls["Open"] == 1
@@ -455,9 +445,10 @@ def test_only_a_real_sleep_costs_a_process_its_lead(model, tmp_path):
     """The wake-up clamp, on a real kernel's scheduler: a process back within SLEEP_GRACE of
     its last answer keeps its virtual runtime; after a longer sleep, or on its first pred,
     it keeps at most one token budget of lead over min_vruntime."""
-    from symphony.daemon import Kernel, Options
+    from symphony.daemon import Kernel
     from symphony.engine.engine import Engine
     from symphony.engine.sampler import GREEDY
+    from symphony.options import Options
     from symphony.scheduler import SLEEP_GRACE
     from symphony.syscall_table import TABLE
 

@@ -17,6 +17,8 @@ from kernels import (
     store_kv_ref,
 )
 
+pytestmark = pytest.mark.slow  # the Triton interpreter
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])

@@ -13,7 +13,7 @@ import threading
 
 import grpc
 import pytest
-from daemon import make_model, meminfo, start_daemon, wait_for
+from daemon import meminfo, wait_for
 
 from syscalls import session, wire
 from syscalls import symphony_pb2 as pb
@@ -111,11 +111,7 @@ def test_frames_are_cut_where_their_headers_say():
 # -- against a real kernel ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    d = start_daemon(make_model(tmp_path_factory.mktemp("model")), None, "--kv-pages", "256")
-    yield d
-    assert d.stop() == 0, d.log_text()
+DAEMON_FLAGS = ("--kv-pages", "256")
 
 
 PROMPT = [(5 * i) % 300 + 6 for i in range(40)]

@@ -15,17 +15,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from daemon import ROOT, make_model, start_daemon, wait_for
+from daemon import ROOT, prompt, start_daemon, wait_for
 
 from kvfs.fuse import SLACK
+from syscalls.convert import proc_fields
 
 SYMPHONY = [sys.executable, "-m", "symphony.cli"]
 OWNER, OTHER = 60001, 60002
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
     reason="needs root, /dev/fuse and fusermount3",
-)
+)]
 
 
 def mounted_at(target: Path) -> bool:
@@ -65,18 +66,6 @@ def mounted(daemon, foreground: bool = True):
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="module")
-def daemon(model):
-    d = start_daemon(model, None, "--kv-pages", "512")
-    yield d
-    assert d.stop() == 0, d.log_text()
-
-
-@pytest.fixture(scope="module")
 def mnt(daemon):
     with mounted(daemon) as (target, _):
         yield target
@@ -86,10 +75,6 @@ def mnt(daemon):
 def k(daemon):
     with daemon.connect() as k:
         yield k
-
-
-def prompt(n: int, salt: int = 0) -> list[int]:
-    return [(7 * i + 13 * salt) % 290 + 6 for i in range(n)]
 
 
 def make(k, path: str, n: int, mode: int = 0o644, salt: int = 0) -> None:
@@ -318,10 +303,6 @@ def test_the_kernel_decides_access_for_each_user(daemon, k, mnt):
     assert (st.uid, st.gid, stat.S_IMODE(st.mode)) == (OWNER, OWNER, 0o644 & ~current_umask())
 
 
-def proc_pairs(text: str) -> dict[str, str]:
-    return {a.strip(): b.strip() for a, b in (line.split(":", 1) for line in text.splitlines())}
-
-
 def test_proc_agrees_with_the_kernel(k, mnt):
     proc = mnt / "proc"
     assert {"meminfo", "sched", "kv", str(k.pid)} <= set(os.listdir(proc))
@@ -335,14 +316,14 @@ def test_proc_agrees_with_the_kernel(k, mnt):
         # file after close(2) returns).
         wait_for(lambda: (proc / "meminfo").read_text() == k.procfs("meminfo"), what="meminfo")
         assert os.stat(proc / "meminfo").st_size == len(k.procfs("meminfo"))
-    status = proc_pairs((proc / f"{k.pid}/status").read_text())
+    status = proc_fields((proc / f"{k.pid}/status").read_text())
     assert status["name"] == "test" and status["tokens"] == "40"
     calls = (proc / f"{k.pid}/syscalls").read_text()
     assert calls.startswith("call\tcount") and "\nPred\t1\t" in calls
     sched = subprocess.run(["cat", proc / "sched"], capture_output=True, text=True, check=True)
-    assert "run_queue" in proc_pairs(sched.stdout)
+    assert "run_queue" in proc_fields(sched.stdout)
     mount_pid = next(p.pid for p in k.ps() if p.name == "mount")
-    assert proc_pairs((proc / f"{mount_pid}/status").read_text())["name"] == "mount"
+    assert proc_fields((proc / f"{mount_pid}/status").read_text())["name"] == "mount"
     assert errno_of(open, proc / "meminfo", "w") == errno.EACCES
     assert errno_of(open, proc / "new", "w") == errno.EROFS
     assert errno_of(os.mkdir, proc / "d") == errno.EROFS

@@ -26,7 +26,8 @@ def test_greedy_is_argmax():
 
 def test_pick_gives_the_tokens_sample_gives():
     logits = torch.randn(4, 300)
-    params = [GREEDY, SamplingParams(seed=5), GREEDY, SamplingParams(temperature=0.7, seed=9)]
+    params = [GREEDY, SamplingParams(temperature=1.0, seed=5), GREEDY,
+              SamplingParams(temperature=0.7, seed=9)]
 
     def tokens(fn):
         return fn(logits, params, [p.generator(torch.device("cpu")) for p in params])
@@ -42,11 +43,11 @@ def test_plain_sampling_follows_the_distribution():
 @pytest.mark.parametrize(
     "params, allowed",
     [
-        (SamplingParams(top_k=2), {4, 0}),
-        (SamplingParams(top_p=0.65), {4, 0}),  # 0.4 + 0.3 reaches 0.65
-        (SamplingParams(top_p=0.4), {4}),
-        (SamplingParams(min_p=0.3), {4, 0, 2}),  # 0.15 >= 0.3 * 0.4 = 0.12
-        (SamplingParams(top_k=3, min_p=0.3, top_p=0.5), {4, 0}),
+        (SamplingParams(temperature=1.0, top_k=2), {4, 0}),
+        (SamplingParams(temperature=1.0, top_p=0.65), {4, 0}),  # 0.4 + 0.3 reaches 0.65
+        (SamplingParams(temperature=1.0, top_p=0.4), {4}),
+        (SamplingParams(temperature=1.0, min_p=0.3), {4, 0, 2}),  # 0.15 >= 0.3 * 0.4 = 0.12
+        (SamplingParams(temperature=1.0, top_k=3, min_p=0.3, top_p=0.5), {4, 0}),
     ],
 )
 def test_filters_keep_exactly_their_tokens(params, allowed):
@@ -78,7 +79,8 @@ def test_seeded_row_is_independent_of_its_batch():
     alone = sample(logits[1:2], [p], [p.generator(torch.device("cpu"))]).tokens.item()
     together = (
         sample(
-            logits, [SamplingParams(), p, GREEDY], [None, p.generator(torch.device("cpu")), None]
+            logits, [SamplingParams(temperature=1.0), p, GREEDY],
+            [None, p.generator(torch.device("cpu")), None],
         )
         .tokens[1]
         .item()

@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from daemon import ROOT, make_model, start_daemon, wait_for
+from daemon import ROOT, wait_for
 
-from symphony.top import COLUMNS, Sample, frame, parse, rates
-from syscalls.convert import ProcInfo
+from symphony.top import COLUMNS, Sample, frame, rates
+from syscalls.convert import ProcInfo, proc_fields
 
 SYMPHONY = [sys.executable, "-m", "symphony.cli"]
 IDS = [(7 * i) % 290 + 6 for i in range(40)]  # 40 tokens: 3 pages of 16
@@ -32,11 +32,7 @@ while True:
 """
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    d = start_daemon(make_model(tmp_path_factory.mktemp("model")), None, "--kv-pages", "128")
-    yield d
-    assert d.stop() == 0, d.log_text()
+DAEMON_FLAGS = ("--kv-pages", "128")
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +190,7 @@ def proc(pid: int, tokens: int, name: str) -> ProcInfo:
 
 
 def test_frame_sorts_by_rate_and_shows_what_it_lacks_as_a_dash():
-    meminfo = parse(
+    meminfo = proc_fields(
         "device_total: 8\ndevice_free: 6\ndevice_used: 2\nhost_total: 4\nhost_free: 4\n"
         "host_used: 0\nshared: 1\nquota_alice:   2 / 10\n"
     )

@@ -121,11 +121,6 @@ class KVPool:
         dk[:, page].copy_(k)
         dv[:, page].copy_(v)
 
-    def read_rows(self, page: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `count` rows of a device page: two [layers, count, heads, dim]."""
-        rows = slice(start, start + count)
-        return self.k[:, page, rows].clone(), self.v[:, page, rows].clone()
-
     def write_rows(self, page: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         rows = slice(start, start + k.shape[1])
         self.k[:, page, rows].copy_(k)

@@ -9,7 +9,7 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
+    temperature: float = 0.0  # greedy, as the client's Sampling and the wire's default
     top_k: int = 0  # 0: no limit
     top_p: float = 1.0
     min_p: float = 0.0
@@ -38,7 +38,7 @@ class SamplingParams:
         return None if self.seed is None else torch.Generator(device).manual_seed(self.seed)
 
 
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = SamplingParams()
 
 
 @dataclass

@@ -1,0 +1,20 @@
+"""The kernel daemon's settings, with their defaults stated once (the CLI's flags use them).
+
+Kept free of heavy imports, so that `symphony --help` need not load torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Options:
+    socket: Path
+    state_dir: Path
+    token_budget: int = 512  # tokens per forward pass
+    max_seqs: int = 256  # sequences per forward pass
+    disk_pages: int = 0
+    quota: int | None = None  # pages per user (root has none)
+    decode_ahead: bool = True  # compute a decoding LIP's next pred before it comes

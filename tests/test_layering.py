@@ -1,0 +1,38 @@
+"""The folders' rule (docs/syscalls.md): a LIP, and the library it uses, reach the kernel only
+through syscalls, so lips/ and syscalls/ import nothing of the project but syscalls."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = {"symphony", "kvfs", "kernels", "lips", "models", "syscalls"}
+ALLOWED = {"syscalls"}
+
+
+def project_imports(path: Path) -> set[str]:
+    """Top-level project packages a file imports, anywhere in it (lazy imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found |= {name.split(".")[0] for name in names} & PROJECT
+    return found
+
+
+def test_lips_and_the_library_import_only_syscalls():
+    files = sorted([*(ROOT / "lips").glob("*.py"), *(ROOT / "syscalls").glob("*.py")])
+    assert len(files) > 10
+    bad = {str(f.relative_to(ROOT)): sorted(project_imports(f) - ALLOWED) for f in files}
+    assert {f: mods for f, mods in bad.items() if mods} == {}
+
+
+def test_the_check_sees_a_forbidden_import(tmp_path):
+    lip = tmp_path / "lip.py"
+    lip.write_text("import os\n\ndef main():\n    from kvfs.fs import FileSystem\n")
+    assert project_imports(lip) == {"kvfs"}
