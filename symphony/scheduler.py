@@ -391,14 +391,20 @@ class Scheduler:
         plan: list[tuple[PredJob, int]] = []
         budget = self.token_budget
         decodes = sum(j.remaining == 1 for j in self.queue)
+        first: dict[int, int] = {}  # id(inode) -> seq of its earliest pred not yet started
+        for j in self.queue:
+            if j.res is None:
+                key = id(j.handle.inode)
+                first[key] = min(first.get(key, j.seq), j.seq)
         for job in sorted(self.queue, key=lambda j: (j.proc.vruntime, j.remaining > 1, j.seq)):
             if budget == 0 or len(plan) == self.max_seqs:
                 break
             if job.remaining == 1:
                 decodes -= 1
             if job.res is None:
-                if job.handle.inode.busy:
-                    continue  # an earlier pred on the same file goes first
+                inode = job.handle.inode
+                if inode.busy or first[id(inode)] != job.seq:
+                    continue  # preds on one file are served in the order they came
                 if not self._admit(job, others=bool(plan) or self._reserved()):
                     continue
             room = self.max_seqs - len(plan) - 1  # sequences left for the queued decodes

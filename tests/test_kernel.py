@@ -403,6 +403,27 @@ def test_proc_agrees_with_the_kernel(daemon):
             k.procfs("/proc/nope")
 
 
+def test_preds_on_one_file_are_served_in_the_order_they_came(daemon):
+    """While a long prefill writes the file (chunked over several steps), a prefill and then
+    a one-token pred queue on it. Decodes go first among equals in a step, but the one-token
+    pred must still append after the prefill that came before it."""
+    from syscalls.aio import AsyncKernel
+
+    long, first, second = prompt(6 * BUDGET, salt=3), prompt(40, salt=4), [5]
+
+    async def run() -> tuple[list[int], list[int]]:
+        k = await AsyncKernel.connect(daemon.socket, name="order")
+        f = await k.open("", os.O_RDWR)
+        await asyncio.gather(*(f.pred(ids, no_outputs=True) for ids in (long, first, second)))
+        tokens, positions = await f.read()
+        await k.close()
+        return tokens, positions
+
+    tokens, positions = asyncio.run(run())
+    assert tokens == long + first + second
+    assert positions == list(range(len(tokens)))
+
+
 # -- level 1: fair share ----------------------------------------------------------------
 
 
