@@ -3,8 +3,10 @@ it, branch it.
 
 A Context is one KV file plus the tokens not yet in it ("pending"). pred returns samples
 only for rows it computes, so the token to sample after must go in with the pred that
-samples: fill() writes all pending tokens but the last, and each generation step sends the
-pending ones and keeps the sampled token pending for the next.
+samples. fill() only adds to the pending tokens; each generation step sends them all in one
+pred that samples after the last, and keeps the sampled token pending for the next. So a
+prompt or a question costs one forward pass, not a prefill and then a one-token pred. A
+fork first writes all pending tokens but the last, so that branches share them.
 
     with Context(k) as ctx:
         ctx.fill(k.tokenize("def f", add_special=True))
@@ -14,6 +16,7 @@ pending ones and keeps the sampled token pending for the next.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
@@ -72,11 +75,13 @@ class Context:
         return self._stop
 
     def fill(self, text_or_ids: str | Iterable[int], add_special: bool = False) -> None:
-        """Add tokens (text is tokenized; add_special: with the tokenizer's BOS); all but
-        the last go into the file now."""
+        """Add pending tokens (text is tokenized; add_special: with the tokenizer's BOS);
+        the next step, fork or save writes them."""
         if isinstance(text_or_ids, str):
             text_or_ids = self.kernel.tokenize(text_or_ids, add_special=add_special)
         self.pending += text_or_ids
+
+    def _write_all_but_last(self) -> None:
         if len(self.pending) > 1:
             self.file.pred(self.pending[:-1], no_outputs=True)
             del self.pending[:-1]
@@ -121,7 +126,9 @@ class Context:
             yield out.token
 
     def fork(self) -> Context:
-        """A copy-on-write branch: a forked file and the same pending tokens."""
+        """A copy-on-write branch: a forked file and the same pending tokens (all but the
+        last written first, so that the branches share their pages)."""
+        self._write_all_but_last()
         return Context(self.kernel, self.file.fork(), self.pending, self._stop)
 
     def truncate(self, length: int) -> None:
@@ -151,6 +158,7 @@ class AsyncContext:
         self.file = file
         self.pending = list(pending)
         self._stop = None if stop is None else tuple(stop)
+        self._forking = asyncio.Lock()  # concurrent forks write the pending tokens once
 
     @classmethod
     async def create(
@@ -183,6 +191,8 @@ class AsyncContext:
         if isinstance(text_or_ids, str):
             text_or_ids = await self.kernel.tokenize(text_or_ids, add_special=add_special)
         self.pending += text_or_ids
+
+    async def _write_all_but_last(self) -> None:
         if len(self.pending) > 1:
             await self.file.pred(self.pending[:-1], no_outputs=True)
             del self.pending[:-1]
@@ -221,7 +231,10 @@ class AsyncContext:
             yield out.token
 
     async def fork(self) -> AsyncContext:
-        return AsyncContext(self.kernel, await self.file.fork(), self.pending, self._stop)
+        async with self._forking:
+            await self._write_all_but_last()
+            branch = await self.file.fork()
+        return AsyncContext(self.kernel, branch, self.pending, self._stop)
 
     async def truncate(self, length: int) -> None:
         written = (await self.file.stat()).tokens
