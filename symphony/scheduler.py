@@ -1,24 +1,17 @@
 """Two-level scheduling of pred calls onto batched forward passes.
 
-Level 1 (processes) decides whose work goes first and who must give up KV memory: fair
-share by weighted tokens (CFS's virtual runtime with nice weights), admission when device
-pages are short, and moving the pages of idle, low-priority processes to the host tier.
+Level 1 (processes) decides whose work goes first: fair share by weighted tokens (CFS's
+virtual runtime with nice weights), with admission when device pages are short
+(relief.py). Level 2 (batches) packs the chosen work into one forward pass per step, up to
+a token budget, so a long prompt is chunked and decodes keep flowing. A pred reserves its
+pages once, on admission, and commits once, when its last chunk is done: a failed or
+cancelled pred leaves its file as it was. Spare room computes guesses (decode_ahead.py).
 
-Level 2 (batches) packs the chosen work into one forward pass per step: decode tokens
-first, then prefill chunks, up to a token budget, so a long prompt is chunked and decodes
-keep flowing. A pred reserves its pages once, on admission, and commits once, when its
-last chunk is done: a failed or cancelled pred leaves its file as it was.
-
-Decoding ahead. A LIP in a decode loop sends, as its next pred, the token its last pred
-sampled, at the next position, with the same sampler. So when a pred that continued its
-file that way completes, the kernel reserves one entry and computes that pred at once, in
-room the step has to spare, while the answer travels to the LIP and the LIP decides. If
-the pred that arrives is that one, it takes the work (done, or in progress) and is
-answered as soon as it is done; the round trip is hidden behind the forward pass. If it is
-anything else, or any other call would change the file, the guess is rolled back first:
-until a pred takes it, it is not in the file, and nobody sees it. This is the KV cache's
-readahead. A seeded sampler draws from a fresh generator per pred, so the guess samples
-exactly what the pred would; the process is charged for the work only when a pred uses it.
+A step is two public functions over plain data, as vLLM v1's schedule() and
+update_from_output(): `schedule()` picks and admits the work and returns a StepPlan;
+`finish(plan, result)` takes the StepResult: outputs to the preds, commit or roll back,
+accounting. `run()` drives them: wait for work, hold for the processes just served,
+schedule, run the forward pass on the engine thread, finish.
 
 Everything here runs on the event loop's thread except the forward pass itself, which
 runs on the engine thread; the loop keeps answering other syscalls meanwhile.
@@ -28,94 +21,34 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
 import time
-import weakref
-from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import replace
 
 from kvfs.errors import FSError
-from kvfs.fs import FileSystem, Handle, Reservation
+from kvfs.fs import FileSystem, Handle
 from kvfs.inode import Inode
-from kvfs.pages import DEVICE, DISK, HOST
-from symphony.engine.engine import Batch, Engine
-from symphony.engine.sampler import SamplingParams, sample
+from symphony.decode_ahead import DecodeAhead
+from symphony.engine.engine import Engine
+from symphony.engine.sampler import SamplingParams
 from symphony.engine_thread import EngineThread
+from symphony.pred_job import JobState, Output, PredJob
 from symphony.process import Process
+from symphony.relief import Relief
+from symphony.sched_stats import SchedStats, StepRecord
+from symphony.step import Chunk, StepPlan, StepResult, forward
 
 log = logging.getLogger("symphony.scheduler")
 
-STATS_WINDOW = 10.0  # seconds of steps /proc/sched summarises
 HOLD_MAX, HOLD_SHARE = 0.010, 1.0  # the longest wait for just-served processes, absolute
-SLEEP_GRACE = 0.1  # seconds between two preds that still count as running, not asleep
 # and as a share of the last step
+SLEEP_GRACE = 0.1  # seconds between two preds that still count as running, not asleep
 
 
-@dataclass
-class Output:
-    row: int
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass(eq=False)
-class PredJob:
-    proc: Process
-    handle: Handle
-    tokens: list[int]
-    positions: list[int] | None  # None: contiguous after the file's last position
-    rows: list[int]  # rows of `tokens` to sample at
-    params: SamplingParams
-    generator: torch.Generator | None
-    future: asyncio.Future
-    seq: int
-    enqueued: float = field(default_factory=time.monotonic)
-    res: Reservation | None = None
-    done: int = 0  # tokens computed so far
-    outputs: list[Output] = field(default_factory=list)
-    cancelled: bool = False
-    ahead: bool = False  # computed ahead of its pred (decoding ahead); no pred owns it yet
-    follows: bool = False  # its tokens are the sample of its file's last pred, next in line
-    seconds: float = 0.0  # accelerator time of work done ahead, charged when a pred takes it
-
-    @property
-    def remaining(self) -> int:
-        return len(self.tokens) - self.done
-
-
-@dataclass
-class Step:
-    end: float
-    seconds: float
-    seqs: int
-    prefill: int
-    decode: int
-
-
-@dataclass
-class SchedStats:
-    steps: int = 0
-    tokens: int = 0
-    preemptions: int = 0  # idle processes whose pages were moved down
-    pages_swapped_out: int = 0
-    waits: int = 0  # admissions deferred for want of KV memory
-    ahead: int = 0  # preds guessed (decoding ahead), one token each
-    ahead_used: int = 0  # guesses a pred took
-    max_seqs: int = 0  # the most sequences one step has packed
-    recent: deque = field(default_factory=deque)  # Steps of the last STATS_WINDOW seconds
-    delays: deque = field(default_factory=lambda: deque(maxlen=1024))  # queue delays, s
-
-    def record(self, step: Step) -> None:
-        self.steps += 1
-        self.max_seqs = max(self.max_seqs, step.seqs)
-        self.tokens += step.prefill + step.decode
-        self.recent.append(step)
-        while self.recent and self.recent[0].end < step.end - STATS_WINDOW:
-            self.recent.popleft()
+def cancelled() -> FSError:
+    return FSError(errno.EINTR, "pred: cancelled, the process is exiting")
 
 
 class Scheduler:
@@ -129,22 +62,25 @@ class Scheduler:
         max_seqs: int,
         decode_ahead: bool,
     ):
-        self.engine, self.engine_thread, self.fs, self.procs = engine, engine_thread, fs, procs
+        self.engine, self.engine_thread, self.fs = engine, engine_thread, fs
         self.token_budget, self.max_seqs = token_budget, max_seqs
-        self.decode_ahead = decode_ahead
         self.context = engine.config.max_position_embeddings
-        self.queue: list[PredJob] = []
-        self.in_flight: list[tuple[PredJob, int]] = []
+        self.queue: list[PredJob] = []  # the run queue, in arrival order
+        self.running: StepPlan | None = None  # the step being computed, schedule to finish
         self.min_vruntime = 0.0
         self.stats = SchedStats()
-        self.next_seq = 0
-        self.eos = set(engine.eos_ids())
-        self.ahead: dict[Inode, PredJob] = {}  # work computed ahead, one per file at most
-        # Per open file: (token, file length, sampler) of its last sampled pred.
-        self.sampled: weakref.WeakKeyDictionary[Handle, tuple] = weakref.WeakKeyDictionary()
+        self._seqs = itertools.count()
+        self.ahead = DecodeAhead(fs, self.stats, enabled=decode_ahead,
+                                 eos=set(engine.eos_ids()), context=self.context,
+                                 device=engine.device, seq=self._seqs.__next__)
+        self.relief = Relief(fs, procs, self.stats)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+
+    @property
+    def decode_ahead(self) -> bool:
+        return self.ahead.enabled
 
     # -- level 1: submission, fair share, cancellation -----------------------------------
 
@@ -152,22 +88,15 @@ class Scheduler:
                positions: list[int] | None, rows: list[int],
                params: SamplingParams) -> asyncio.Future:
         """Queue a checked pred; the future gets its Outputs, or the error that failed it."""
-        guess = self.ahead.get(handle.inode)
+        guess = self.ahead.match(handle, tokens, positions, rows, params)
         if guess is not None:
-            if (guess.handle is handle and guess.tokens == tokens and rows == guess.rows
-                    and positions in (None, guess.positions) and params == guess.params):
-                return self._take(guess)
-            self._unahead(handle.inode)
+            return self._take(guess)
+        self.ahead.drop(handle.inode, self.running)  # any other pred on the file drops it
         self._arrive(proc)
-        last = self.sampled.get(handle)
-        inode = handle.inode
         job = PredJob(proc, handle, tokens, positions, rows, params,
                       params.generator(self.engine.device),
-                      asyncio.get_running_loop().create_future(), self.next_seq)
-        job.follows = (last == (tokens[0], inode.length, params) and rows == [0]
-                       and len(tokens) == 1
-                       and positions in (None, [inode.positions[-1] + 1]))
-        self.next_seq += 1
+                      asyncio.get_running_loop().create_future(), next(self._seqs),
+                      follows=self.ahead.follows(handle, tokens, positions, rows, params))
         self.queue.append(job)
         self._wake.set()
         return job.future
@@ -189,74 +118,28 @@ class Scheduler:
         proc.pending += 1
         proc.swapped = False
 
-    def _take(self, job: PredJob) -> asyncio.Future:
+    def _take(self, guess: PredJob) -> asyncio.Future:
         """The pred computed ahead arrived: it owns the work from now on."""
-        del self.ahead[job.handle.inode]
-        self._arrive(job.proc)
-        job.ahead, job.follows, job.enqueued = False, True, time.monotonic()
-        self.stats.ahead_used += 1
-        self.queue.append(job)
-        if job.done:  # already computed: answer now
-            self._charge(job, job.done, job.seconds)
-            self._complete(job)
+        self.ahead.take(guess)
+        self._arrive(guess.proc)
+        self.queue.append(guess)
+        if guess.done:  # already computed: answer now
+            self._charge(guess, guess.done, guess.seconds)
+            self._complete(guess)
         else:  # queued or in the running step: it goes on as any admitted pred
             self._wake.set()
-        return job.future
-
-    def _unahead(self, inode: Inode) -> PredJob | None:
-        """Forget the work computed ahead on inode; one in the running step is rolled back
-        when the step is done (returned, so a caller can wait for that)."""
-        job = self.ahead.pop(inode, None)
-        if job is None:
-            return None
-        if any(j is job for j, _ in self.in_flight):
-            job.cancelled = True
-            return job
-        self.fs.rollback(job.res)
-        job.res = None
-        return None
+        return guess.future
 
     async def settle(self, inode: Inode) -> None:
         """Before a call changes inode other than by pred: no work ahead is left on it."""
-        if self._unahead(inode) is not None:
+        if self.ahead.drop(inode, self.running) is not None:
             await self.quiesce()
-
-    def _go_ahead(self, job: PredJob) -> None:
-        """After job completed: compute the pred its LIP will most likely send next."""
-        handle, inode = job.handle, job.handle.inode
-        if not (self.decode_ahead and job.follows and job.outputs
-                and job.outputs[-1].row == len(job.tokens) - 1):
-            return
-        token, position = job.outputs[-1].token, job.positions[-1] + 1
-        if (token in self.eos or position >= self.context or not job.proc.alive
-                or handle.closed or inode.busy or inode in self.ahead
-                or any(j.handle.inode is inode for j in self.queue)):
-            return
-        try:
-            res = self.fs.reserve(handle, 1)
-        except FSError:  # no room: guessing must never cost anyone a page
-            return
-        guess = PredJob(job.proc, handle, [token], [position], [0], job.params,
-                        job.params.generator(self.engine.device),
-                        asyncio.get_running_loop().create_future(), self.next_seq,
-                        res=res, ahead=True, follows=True)
-        self.next_seq += 1
-        self.ahead[inode] = guess
-        self.stats.ahead += 1
-        self._wake.set()
-
-    def _drop_all_ahead(self) -> bool:
-        """Give back the pages of all work computed ahead (between steps). Any dropped?"""
-        inodes = list(self.ahead)
-        for inode in inodes:
-            self._unahead(inode)
-        return bool(inodes)
 
     async def give_way(self) -> bool:
         """A call is short of pages: every guess gives its pages back (after the step
         that may be writing one). Whether there were any."""
-        dropped = self._drop_all_ahead()
-        if dropped and self.in_flight:
+        dropped = self.ahead.drop_all(self.running)
+        if dropped and self.running is not None:
             await self.quiesce()
         return dropped
 
@@ -269,26 +152,27 @@ class Scheduler:
         """Its preds fail with EINTR; a pred in the running step is rolled back after it."""
         for job in [j for j in self.queue if j.proc is proc]:
             self._cancel(job)
-        for inode in [i for i, j in self.ahead.items() if j.proc is proc]:
-            self._unahead(inode)
+        self.ahead.drop_process(proc, self.running)
 
     def _cancel(self, job: PredJob) -> None:
-        job.cancelled = True
-        if any(j is job for j, _ in self.in_flight):
-            return  # _finish rolls it back when the step is done
-        self._fail(job, FSError(errno.EINTR, "pred: cancelled, the process is exiting"))
+        if self.running is not None and self.running.computes(job):
+            job.state = JobState.CANCELLED  # finish rolls it back when the step is done
+        else:
+            self._fail(job, cancelled())
 
-    def _drop(self, job: PredJob) -> None:
+    def _leave(self, job: PredJob) -> None:
+        """Out of the run queue."""
         self.queue.remove(job)
         job.proc.pending -= 1
-        if job.res is not None:
-            self.fs.rollback(job.res)
-            job.res = None
-        if not any(j.proc is job.proc and j.res is None for j in self.queue):
+        if not any(j.proc is job.proc and j.state is JobState.QUEUED for j in self.queue):
             job.proc.waiting = False
 
     def _fail(self, job: PredJob, err: Exception) -> None:
-        self._drop(job)
+        if job.state is not JobState.QUEUED:
+            self.fs.rollback(job.res)
+            job.res = None
+        job.state = JobState.FAILED
+        self._leave(job)
         if not job.future.done():
             job.future.set_exception(err)
 
@@ -303,7 +187,7 @@ class Scheduler:
         """Something that may make room happened (a close, an exit): try again."""
         self._wake.set()
 
-    # -- the loop ---------------------------------------------------------------------------
+    # -- the driver ---------------------------------------------------------------------
 
     async def run(self) -> None:
         served: list[Process] = []
@@ -312,26 +196,20 @@ class Scheduler:
             await self._wake.wait()
             self._wake.clear()
             await self._hold_for(served, last_step)
-            plan = self._plan()
-            if not plan:
+            plan = self.schedule()
+            if plan is None:
                 continue
             self._wake.set()  # more may be runnable after this step
-            self.in_flight, self._idle = plan, asyncio.Event()
             start = time.monotonic()
             try:
-                batch, params, gens = self._batch(plan)
-                result = await self.engine_thread.run(self._forward, batch, params, gens)
+                result = await self.engine_thread.run(forward, self.engine, plan)
             except Exception as e:  # the step failed as a whole: so does every pred in it
                 log.exception("forward pass failed")
-                for job, _ in plan:
-                    self._fail(job, FSError(errno.EIO, f"pred: the forward pass failed: {e}"))
+                self.fail_step(plan, FSError(errno.EIO, f"pred: the forward pass failed: {e}"))
             else:
                 last_step = time.monotonic() - start
-                self._finish(plan, result, last_step)
-            finally:
-                self.in_flight = []
-                self._idle.set()
-            served = [job.proc for job, _ in plan if job.future.done()]
+                self.finish(plan, replace(result, seconds=last_step))
+            served = [c.job.proc for c in plan.chunks if c.job.future.done()]
 
     async def _hold_for(self, served: list[Process], last_step: float) -> None:
         """Wait a little for the processes just served to send their next pred.
@@ -353,7 +231,7 @@ class Scheduler:
                     or sum(j.remaining for j in queued) >= self.token_budget)
             first = min((j.proc.vruntime for j in queued), default=float("inf"))
             worth = 0.0  # the latest time a missing process is worth waiting until
-            guessed = {j.proc for j in self.ahead.values()}
+            guessed = self.ahead.procs()
             for p in served:
                 if p.alive and not p.pending:
                     if p in guessed:
@@ -372,56 +250,54 @@ class Scheduler:
             except TimeoutError:
                 return
 
-    def _forward(self, batch: Batch, params: list[SamplingParams], gens: list) -> tuple:
-        """On the engine thread: one forward pass and the sampling of its logit rows."""
-        logits = self.engine.forward(batch)
-        if not params:
-            return [], [], [], []
-        s = sample(logits, params, gens)
-        return (s.tokens.tolist(), s.logprobs.tolist(), s.top_ids.tolist(),
-                s.top_logprobs.tolist())
+    # -- level 2: planning a step -----------------------------------------------------------
 
-    # -- level 2: packing a step ------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step and admit its work; None when there is nothing to run. The
+        plan is the running step until finish() or fail_step() is given it."""
+        chunks = self._pick()
+        if not chunks:
+            return None
+        self.running = StepPlan.build(chunks)
+        self._idle.clear()
+        return self.running
 
-    def _plan(self) -> list[tuple[PredJob, int]]:
-        """Pick (job, tokens this step) pairs in virtual-runtime order (decodes first among
-        equals). A prefill chunk leaves one token of the budget for each decode still
-        queued, so that decodes keep flowing past long prompts. Ordering all decodes before
-        all prefills would instead starve a prefill whenever decodes fill the step."""
-        plan: list[tuple[PredJob, int]] = []
+    def _pick(self) -> list[Chunk]:
+        """Chunks of queued work in virtual-runtime order (decodes first among equals),
+        then guesses in the room left. A prefill chunk leaves one token of the budget for
+        each decode still queued, so that decodes keep flowing past long prompts. Ordering
+        all decodes before all prefills would instead starve a prefill whenever decodes
+        fill the step."""
+        chunks: list[Chunk] = []
         budget = self.token_budget
         decodes = sum(j.remaining == 1 for j in self.queue)
-        first: dict[int, int] = {}  # id(inode) -> seq of its earliest pred not yet started
+        first: dict[int, int] = {}  # id(inode) -> seq of its earliest pred not yet admitted
         for j in self.queue:
-            if j.res is None:
+            if j.state is JobState.QUEUED:
                 key = id(j.handle.inode)
                 first[key] = min(first.get(key, j.seq), j.seq)
         for job in sorted(self.queue, key=lambda j: (j.proc.vruntime, j.remaining > 1, j.seq)):
-            if budget == 0 or len(plan) == self.max_seqs:
+            if budget == 0 or len(chunks) == self.max_seqs:
                 break
             if job.remaining == 1:
                 decodes -= 1
-            if job.res is None:
+            if job.state is JobState.QUEUED:
                 inode = job.handle.inode
                 if inode.busy or first[id(inode)] != job.seq:
                     continue  # preds on one file are served in the order they came
-                if not self._admit(job, others=bool(plan) or self._reserved()):
+                if not self._admit(job, others=bool(chunks) or self._admitted()):
                     continue
-            room = self.max_seqs - len(plan) - 1  # sequences left for the queued decodes
-            chunk = min(job.remaining, max(1, budget - min(decodes, room)))
-            plan.append((job, chunk))
-            budget -= chunk
+            room = self.max_seqs - len(chunks) - 1  # sequences left for the queued decodes
+            size = min(job.remaining, max(1, budget - min(decodes, room)))
+            chunks.append(Chunk(job, job.done, size))
+            budget -= size
         # Work ahead only fills room no pred wants: a guess never delays a pred.
-        for job in sorted((j for j in self.ahead.values() if not j.done),
-                          key=lambda j: (j.proc.vruntime, j.seq)):
-            if budget == 0 or len(plan) == self.max_seqs:
-                break
-            plan.append((job, 1))
-            budget -= 1
-        return plan
+        for guess in self.ahead.to_compute(min(budget, self.max_seqs - len(chunks))):
+            chunks.append(Chunk(guess, 0, 1))
+        return chunks
 
-    def _reserved(self) -> bool:
-        return any(j.res is not None for j in self.queue)
+    def _admitted(self) -> bool:
+        return any(j.state is JobState.ADMITTED for j in self.queue)
 
     def _admit(self, job: PredJob, others: bool) -> bool:
         """Reserve the job's pages, making room if need be. False: it waits (or failed)."""
@@ -436,133 +312,71 @@ class Scheduler:
             if max(positions) >= self.context:
                 raise FSError(errno.EOVERFLOW, f"pred: position {max(positions)} is past "
                               f"the model's context ({self.context})")
-            try:
-                job.res = self.fs.reserve(handle, len(job.tokens))
-            except FSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT) and self._drop_all_ahead():
-                    return self._admit(job, others)  # guesses give way to preds
-                if e.errno != errno.ENOSPC:
-                    raise
-                self._relieve(self._device_need(handle.inode, len(job.tokens)))
-                try:
-                    job.res = self.fs.reserve(handle, len(job.tokens))
-                except FSError as again:
-                    if again.errno != errno.ENOSPC or not others:
-                        raise
-                    # Others are running: they may go idle and give up their pages.
-                    proc.waiting = True
-                    self.stats.waits += 1
-                    return False
+            # Guesses give way to preds: a guess never costs a pred its pages.
+            res = self.relief.reserve(handle, len(job.tokens), others=others,
+                                      give_way=lambda: self.ahead.drop_all(self.running))
         except FSError as e:
             self._fail(job, e)
             return False
-        job.positions = positions
+        if res is None:  # others are running: they may go idle and give up their pages
+            proc.waiting = True
+            return False
+        job.res, job.positions, job.state = res, positions, JobState.ADMITTED
         proc.waiting = False
         self.stats.delays.append(time.monotonic() - job.enqueued)
         return True
 
-    def _device_need(self, inode: Inode, count: int) -> int:
-        size = self.fs.page_size
-        new = -(-(inode.length + count) // size) - len(inode.pages) + 1  # +1: a private tail
-        down = sum(p is not None and p.tier != DEVICE for p in inode.pages)
-        return max(0, new + down - self.fs.store.pool.free_in(DEVICE))
+    # -- finishing a step -------------------------------------------------------------------
 
-    def _relieve(self, need: int) -> None:
-        """Move device pages down, taking first from files no process has open, then from
-        idle processes, lowest priority and longest idle first. Pages that a process with
-        queued work uses are never moved, and nothing moves unless enough can."""
-        if need <= 0:
-            return
-        procs = list(self.procs())
-        protected = {id(page) for p in procs if p.pending for h in p.fds.values()
-                     for page in h.inode.pages if page is not None}
-        idle = sorted((p for p in procs if not p.pending),
-                      key=lambda p: (-p.nice, p.last_active))
-        groups: list[tuple[Process | None, list[Inode]]] = [
-            (None, [i for i in self.fs.files() if i.opens == 0])]
-        groups += [(p, [h.inode for h in p.fds.values()]) for p in idle]
-        plan: list[tuple[Process | None, list]] = []
-        seen: set[int] = set(protected)
-        for proc, inodes in groups:
-            pages = []
-            for page in (pg for inode in inodes for pg in inode.pages):
-                if page is not None and page.tier == DEVICE and id(page) not in seen:
-                    seen.add(id(page))
-                    pages.append(page)
-            if pages:
-                plan.append((proc, pages))
-        store = self.fs.store
-        movable = sum(len(pages) for _, pages in plan)
-        if min(movable, store.free_in(HOST) + store.free_in(DISK)) < need:
-            return  # it cannot help: leave everyone where they are
-        moved = 0
-        for proc, pages in plan:
-            n = store.move_down(pages[: need - moved])
-            moved += n
-            self.stats.pages_swapped_out += n
-            if proc is not None and n:
-                proc.swapped = True
-                self.stats.preemptions += 1
-            if moved >= need:
-                return
-
-    def _batch(self, plan: list[tuple[PredJob, int]]) -> tuple[Batch, list, list]:
-        ids, pos, q_lens, kv_lens, tables, rows, excluded = [], [], [], [], [], [], []
-        params, gens = [], []
-        for job, chunk in plan:
-            a, b = job.done, job.done + chunk
-            base = len(ids)
-            ids += job.tokens[a:b]
-            pos += job.positions[a:b]
-            q_lens.append(chunk)
-            kv_lens.append(job.res.start + b)
-            tables.append(job.res.page_table)
-            excluded.append(job.handle.inode.excluded)
-            for r in job.rows:
-                if a <= r < b:
-                    rows.append(base + r - a)
-                    params.append(job.params)
-                    gens.append(job.generator)
-        return Batch(ids, pos, q_lens, kv_lens, tables, rows, excluded), params, gens
-
-    def _finish(self, plan: list[tuple[PredJob, int]], result: tuple, seconds: float) -> None:
-        tokens, logprobs, top_ids, top_lps = result
-        total = sum(chunk for _, chunk in plan)
-        k = 0
+    def finish(self, plan: StepPlan, result: StepResult) -> None:
+        """The step is done: its samples go to their preds, a pred whose last chunk it was
+        commits and is answered, work given up meanwhile is rolled back, and each process
+        is charged its tokens and its share of the step's time."""
+        self.running = None
+        for (job, row), token, logprob, top_ids, top_lps in zip(
+                plan.samples, result.tokens, result.logprobs, result.top_ids,
+                result.top_logprobs, strict=True):
+            n = job.params.top_logprobs
+            job.outputs.append(Output(row, token, logprob,
+                                      list(zip(top_ids[:n], top_lps[:n], strict=True))))
+        total = plan.tokens
         prefill = decode = 0
-        for job, chunk in plan:
-            a, b = job.done, job.done + chunk
-            for r in job.rows:
-                if a <= r < b:
-                    n = job.params.top_logprobs
-                    job.outputs.append(Output(r, tokens[k], logprobs[k],
-                                              list(zip(top_ids[k][:n], top_lps[k][:n],
-                                                       strict=True))))
-                    k += 1
-            if chunk == 1 and len(job.tokens) == 1:
+        for c in plan.chunks:
+            job, seconds = c.job, result.seconds * c.size / total
+            if c.size == 1 and len(job.tokens) == 1:
                 decode += 1
             else:
-                prefill += chunk
-            if job.ahead:
-                if job.cancelled:  # _unahead left it to us
-                    self.fs.rollback(job.res)
-                    job.res = None
-                else:  # a pred may take it: done and charged then
-                    job.done, job.seconds = b, seconds * chunk / total
+                prefill += c.size
+            if job.state in (JobState.AHEAD, JobState.DROPPED):
+                self.ahead.computed(job, c.end, seconds)  # charged when a pred takes it
                 continue
-            self._charge(job, chunk, seconds * chunk / total)
-            if job.cancelled:
-                self._fail(job, FSError(errno.EINTR, "pred: cancelled, the process is exiting"))
+            self._charge(job, c.size, seconds)
+            if job.state is JobState.CANCELLED:
+                self._fail(job, cancelled())
                 continue
-            job.done = b
+            job.done = c.end
             if job.remaining == 0:
                 self._complete(job)
-        self.stats.record(Step(time.monotonic(), seconds, len(plan), prefill, decode))
+        self.stats.record(StepRecord(time.monotonic(), result.seconds, len(plan.chunks),
+                                     prefill, decode))
         # As CFS's: the least of the queued and of those that just ran ("current"), never
         # going back. Counting the queue alone would let a process that is only between
         # two preds be clamped to the other's vruntime on its next pred, losing its lead.
-        runnable = [j.proc.vruntime for j in self.queue] + [j.proc.vruntime for j, _ in plan]
+        runnable = ([j.proc.vruntime for j in self.queue]
+                    + [c.job.proc.vruntime for c in plan.chunks])
         self.min_vruntime = max(self.min_vruntime, min(runnable))
+        self._idle.set()
+
+    def fail_step(self, plan: StepPlan, err: Exception) -> None:
+        """The forward pass failed: every pred in the step fails with err, and its guesses
+        are dropped."""
+        self.running = None
+        for c in plan.chunks:
+            if c.job.state in (JobState.AHEAD, JobState.DROPPED):
+                self.ahead.lost(c.job)
+            else:
+                self._fail(c.job, err)
+        self._idle.set()
 
     def _charge(self, job: PredJob, tokens: int, seconds: float) -> None:
         proc = job.proc
@@ -573,12 +387,13 @@ class Scheduler:
     def _complete(self, job: PredJob) -> None:
         """Its last chunk is done: the entries join the file and the pred is answered."""
         self.fs.commit(job.res, job.tokens, job.positions)
-        job.res = None
-        self._drop(job)
+        job.res, job.state = None, JobState.ANSWERED
+        self._leave(job)
         job.proc.last_active = job.proc.answered = time.monotonic()
-        if job.outputs and job.outputs[-1].row == len(job.tokens) - 1:
-            self.sampled[job.handle] = (job.outputs[-1].token, job.handle.inode.length,
-                                        job.params)
+        self.ahead.answered(job)
         if not job.future.done():
             job.future.set_result(job.outputs)
-        self._go_ahead(job)
+        inode = job.handle.inode
+        if self.ahead.go_ahead(job, file_queued=any(j.handle.inode is inode
+                                                    for j in self.queue)):
+            self._wake.set()

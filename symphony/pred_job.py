@@ -1,0 +1,69 @@
+"""A pred call's work in the scheduler, and the one state that says where it stands."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from kvfs.fs import Handle, Reservation
+from symphony.engine.sampler import SamplingParams
+from symphony.process import Process
+
+
+class JobState(Enum):
+    """Where a job stands. The step now running is the scheduler's to know, not the job's:
+    a job of any live state but QUEUED may be in it.
+
+    QUEUED -> ADMITTED -> ANSWERED, the usual course; a guess starts AHEAD and becomes
+    ADMITTED when its pred takes it. CANCELLED and DROPPED are the states of work given up
+    while a step writes it: the step's end rolls it back."""
+
+    QUEUED = "queued"  # in the run queue, no pages reserved yet
+    ADMITTED = "admitted"  # in the run queue, its pages reserved; computed chunk by chunk
+    AHEAD = "ahead"  # a guess (decoding ahead), its entry reserved; no pred owns it yet
+    CANCELLED = "cancelled"  # its caller gave up during a step computing it
+    DROPPED = "dropped"  # a guess given up: rolled back, or to be when its step ends
+    ANSWERED = "answered"  # committed to its file and answered
+    FAILED = "failed"  # rolled back and failed with an error
+
+
+@dataclass
+class Output:
+    row: int
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(eq=False)
+class PredJob:
+    proc: Process
+    handle: Handle
+    tokens: list[int]
+    positions: list[int] | None  # None: after the file's last position, read on admission
+    rows: list[int]  # rows of `tokens` to sample at
+    params: SamplingParams
+    generator: torch.Generator | None
+    future: asyncio.Future
+    seq: int  # arrival order
+    state: JobState = JobState.QUEUED
+    enqueued: float = field(default_factory=time.monotonic)
+    res: Reservation | None = None  # the room its entries are written into, once admitted
+    done: int = 0  # tokens computed so far
+    outputs: list[Output] = field(default_factory=list)
+    follows: bool = False  # its tokens are the sample of its file's last pred, next in line
+    seconds: float = 0.0  # accelerator time of work done ahead, charged when a pred takes it
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.done
+
+    @property
+    def samples_last(self) -> bool:
+        """Whether it sampled after its last token (what the next pred of a decode loop
+        feeds back)."""
+        return bool(self.outputs) and self.outputs[-1].row == len(self.tokens) - 1

@@ -1,0 +1,89 @@
+"""One engine step as plain data: what the scheduler plans (StepPlan), what the forward pass
+and the sampler give back (StepResult), and the function that turns one into the other on
+the engine thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from symphony.engine.engine import Batch, Engine
+from symphony.engine.sampler import SamplingParams, sample
+from symphony.pred_job import PredJob
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens [start, end) of a job's tokens, computed in this step."""
+
+    job: PredJob
+    start: int
+    size: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size
+
+
+@dataclass
+class StepPlan:
+    chunks: list[Chunk]
+    batch: Batch
+    samples: list[tuple[PredJob, int]]  # per logit row of the batch: its job, and its row
+
+    @classmethod
+    def build(cls, chunks: list[Chunk]) -> StepPlan:
+        ids, pos, q_lens, kv_lens, tables, rows, excluded = [], [], [], [], [], [], []
+        samples = []
+        for c in chunks:
+            job = c.job
+            base = len(ids)
+            ids += job.tokens[c.start:c.end]
+            pos += job.positions[c.start:c.end]
+            q_lens.append(c.size)
+            kv_lens.append(job.res.start + c.end)
+            tables.append(job.res.page_table)
+            excluded.append(job.handle.inode.excluded)
+            for r in job.rows:
+                if c.start <= r < c.end:
+                    rows.append(base + r - c.start)
+                    samples.append((job, r))
+        return cls(chunks, Batch(ids, pos, q_lens, kv_lens, tables, rows, excluded), samples)
+
+    @property
+    def params(self) -> list[SamplingParams]:
+        return [job.params for job, _ in self.samples]
+
+    @property
+    def generators(self) -> list[torch.Generator | None]:
+        return [job.generator for job, _ in self.samples]
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.size for c in self.chunks)
+
+    def computes(self, job: PredJob) -> bool:
+        return any(c.job is job for c in self.chunks)
+
+
+@dataclass
+class StepResult:
+    """Per logit row of the plan's batch, in order: the sampled token, its logprob, and the
+    top ids and logprobs (as many as the batch's largest top_logprobs)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    seconds: float = 0.0  # the step's time, shared out by tokens computed
+
+
+def forward(engine: Engine, plan: StepPlan) -> StepResult:
+    """On the engine thread: the plan's forward pass and the sampling of its logit rows."""
+    logits = engine.forward(plan.batch)
+    if not plan.samples:
+        return StepResult([], [], [], [])
+    s = sample(logits, plan.params, plan.generators)
+    return StepResult(s.tokens.tolist(), s.logprobs.tolist(), s.top_ids.tolist(),
+                      s.top_logprobs.tolist())

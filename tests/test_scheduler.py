@@ -1,0 +1,512 @@
+"""The scheduler as plain data: schedule() plans a step, finish() takes synthetic samples.
+
+A real kvfs FileSystem on a small CPU pool (kvfs_helpers), processes made here, and no
+engine, daemon or sleep: each test drives steps by hand and checks what was planned,
+admitted, answered, committed and charged."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kvfs_helpers import make_fs
+
+from kvfs.fs import Handle
+from kvfs.pages import DEVICE, HOST
+from kvfs.perm import Cred
+from symphony.engine.sampler import GREEDY, SamplingParams
+from symphony.pred_job import JobState, Output
+from symphony.process import Process
+from symphony.scheduler import SLEEP_GRACE, Scheduler
+from symphony.step import Chunk, StepPlan, StepResult
+
+CONTEXT, EOS, SAMPLE = 1024, 99, 7
+ENGINE = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT),
+                         device=torch.device("cpu"), eos_ids=lambda: (EOS,))
+
+
+def in_loop(test):
+    """Run an async test body in a fresh event loop (futures need a running one)."""
+    @functools.wraps(test)
+    def run() -> None:
+        asyncio.run(test())
+    return run
+
+
+def result(plan: StepPlan, tokens: list[int] | None = None, seconds: float = 0.01) -> StepResult:
+    """What the forward pass and the sampler would give back: `tokens`, else SAMPLE for
+    every logit row."""
+    n = len(plan.samples)
+    return StepResult(tokens or [SAMPLE] * n, [-1.0] * n, [[]] * n, [[]] * n, seconds)
+
+
+class World:
+    def __init__(self, *, budget: int = 8, max_seqs: int = 8, ahead: bool = False,
+                 pages: int = 64, host: int = 16):
+        self.fs = make_fs(pages=pages, host=host)
+        self.procs: list[Process] = []
+        self.sched = Scheduler(ENGINE, None, self.fs, lambda: self.procs, budget, max_seqs,
+                               ahead)
+
+    def process(self, nice: int = 0) -> tuple[Process, Handle]:
+        """A new process with one anonymous file open."""
+        pid = len(self.procs) + 1
+        p = Process(pid, 0, Cred(1000 + pid, 1000 + pid), f"token{pid}", nice=nice)
+        self.procs.append(p)
+        handle = self.fs.open(p.cred, "", os.O_RDWR)
+        p.add_fd(handle)
+        return p, handle
+
+    def pred(self, p: Process, f: Handle, tokens: list[int],
+             params: SamplingParams = GREEDY) -> asyncio.Future:
+        return self.sched.submit(p, f, tokens, None, [len(tokens) - 1], params)
+
+    def step(self, tokens: list[int] | None = None) -> StepPlan:
+        plan = self.sched.schedule()
+        assert plan is not None, "nothing was planned"
+        self.sched.finish(plan, result(plan, tokens))
+        return plan
+
+    @property
+    def free(self) -> int:
+        return self.fs.store.free_in(DEVICE)
+
+
+def sizes(plan: StepPlan) -> list[tuple[Process, int]]:
+    return [(c.job.proc, c.size) for c in plan.chunks]
+
+
+# -- budget and chunking -------------------------------------------------------------------
+
+
+@in_loop
+async def test_a_long_prefill_is_chunked_to_the_token_budget_and_commits_once():
+    w = World(budget=8)
+    p, f = w.process()
+    answer = w.pred(p, f, list(range(1, 21)))
+    plans = []
+    for _ in range(3):
+        assert f.inode.length == 0 and not answer.done()  # in the file only when all done
+        plans.append(w.step())
+    assert [pl.batch.q_lens for pl in plans] == [[8], [8], [4]]
+    assert [pl.batch.kv_lens for pl in plans] == [[8], [16], [20]]
+    assert plans[1].batch.positions == list(range(8, 16))
+    # only the last chunk holds the row to sample
+    assert [pl.batch.logit_rows for pl in plans] == [[], [], [3]]
+    assert answer.result() == [Output(19, SAMPLE, -1.0, [])]
+    assert f.inode.tokens == list(range(1, 21)) and f.inode.positions == list(range(20))
+    assert not f.inode.busy and p.tokens == 20 and p.pending == 0
+    assert w.sched.schedule() is None
+
+
+@in_loop
+async def test_a_prefill_chunk_leaves_room_for_each_decode_and_decodes_go_first_among_equals():
+    w = World(budget=8)
+    a, fa = w.process()
+    b, fb = w.process()
+    w.pred(a, fa, list(range(1, 21)))
+    w.pred(b, fb, [5])  # came second, equal virtual runtime: a decode goes first
+    plan = w.step()
+    assert sizes(plan) == [(b, 1), (a, 7)]
+    # b behind a now (nice 0: one token, one vruntime), yet its decodes flow each step
+    a.vruntime = 0.0
+    decode = w.pred(b, fb, [6])
+    plan = w.step()
+    assert sizes(plan) == [(a, 7), (b, 1)] and decode.done()
+    w.pred(b, fb, [7])
+    assert sizes(w.step()) == [(b, 1), (a, 6)]
+
+
+@in_loop
+async def test_max_seqs_caps_the_sequences_of_a_step():
+    w = World(budget=8, max_seqs=2)
+    procs = [w.process() for _ in range(3)]
+    for p, f in procs:
+        w.pred(p, f, [5])
+    assert [c.job.proc for c in w.step().chunks] == [procs[0][0], procs[1][0]]
+    assert [c.job.proc for c in w.step().chunks] == [procs[2][0]]
+
+
+# -- virtual runtime and nice -----------------------------------------------------------
+
+
+@in_loop
+async def test_the_lowest_virtual_runtime_goes_first():
+    w = World(max_seqs=1)
+    (late, fl), (early, fe) = w.process(), w.process()
+    late.vruntime, early.vruntime = 50.0, 10.0
+    w.pred(late, fl, [5])
+    w.pred(early, fe, [5])
+    assert sizes(w.step()) == [(early, 1)]
+    assert early.vruntime == 11.0
+    assert sizes(w.step()) == [(late, 1)]
+
+
+@in_loop
+async def test_contending_processes_get_steps_by_nice_weight():
+    """One token a step, two processes always queued: their shares are the CFS weights."""
+    w = World(budget=1, max_seqs=1)
+    (a, fa), (b, fb) = w.process(nice=0), w.process(nice=5)
+    for p, f in ((a, fa), (b, fb)):
+        w.pred(p, f, [5])
+    steps = {a: 0, b: 0}
+    for _ in range(200):
+        (chunk,) = w.step().chunks
+        steps[chunk.job.proc] += 1
+        w.pred(chunk.job.proc, chunk.job.handle, [5])
+    assert steps[a] / steps[b] == pytest.approx(1.25**5, rel=0.05)
+    assert a.tokens == steps[a] and b.vruntime == pytest.approx(steps[b] * 1.25**5)
+
+
+@in_loop
+async def test_only_a_real_sleep_costs_a_process_its_lead():
+    w = World(budget=8)
+    w.sched.min_vruntime = 1000.0
+    (between, fb), (sleeper, fs), (new, fn) = w.process(), w.process(), w.process()
+    between.answered = time.monotonic() - SLEEP_GRACE / 10
+    sleeper.answered = time.monotonic() - SLEEP_GRACE * 10
+    for p, f in ((between, fb), (sleeper, fs), (new, fn)):
+        w.pred(p, f, [5])
+    assert between.vruntime == 0.0
+    assert sleeper.vruntime == new.vruntime == 1000.0 - 8
+
+
+# -- admission and relief -----------------------------------------------------------------
+
+
+@in_loop
+async def test_an_idle_process_s_pages_move_down_to_admit_a_pred():
+    w = World(budget=16, pages=4, host=8)
+    (idle, fi), (busy, fb) = w.process(), w.process()
+    w.pred(idle, fi, list(range(1, 13)))
+    w.step()
+    assert w.free == 1  # idle holds three pages
+    w.pred(busy, fb, list(range(1, 9)))  # two pages
+    assert sizes(w.step()) == [(busy, 8)]
+    assert idle.swapped and w.sched.stats.preemptions == 1
+    assert w.sched.stats.pages_swapped_out == 2
+    assert sum(page.tier == HOST for page in fi.inode.pages) == 2
+    assert fb.inode.length == 8
+
+
+@in_loop
+async def test_a_pred_short_of_pages_waits_while_others_run_then_takes_an_idle_one_s():
+    """The pages of a process with work queued never move; the pred waits instead, and is
+    admitted once that process is idle and its pages can move."""
+    w = World(budget=16, pages=4, host=8)
+    (a, fa), (b, fb) = w.process(), w.process()
+    w.pred(a, fa, list(range(1, 9)))
+    w.step()
+    w.pred(a, fa, [9])  # a third page: one left
+    waiting = w.pred(b, fb, list(range(1, 13)))  # three pages
+    b.vruntime = 100.0  # after a
+    assert sizes(w.step()) == [(a, 1)]
+    assert b.waiting and b.state == "waiting" and w.sched.stats.waits == 1
+    assert all(page.tier == DEVICE for page in fa.inode.pages) and not a.swapped
+    assert sizes(w.step()) == [(b, 12)]
+    assert waiting.done() and not b.waiting and a.swapped
+
+
+@in_loop
+async def test_pages_a_process_with_queued_work_uses_never_move():
+    """b is idle, but shares a's pages through a fork: only b's own pages move."""
+    w = World(budget=16, pages=4, host=8)
+    (a, fa), (b, _) = w.process(), w.process()
+    w.pred(a, fa, list(range(1, 9)))
+    w.step()
+    b.add_fd(w.fs.fork(fa, b.cred))  # looked at before b's own file
+    fb = w.fs.open(b.cred, "", os.O_RDWR)
+    b.add_fd(fb)
+    w.pred(b, fb, list(range(1, 9)))
+    w.step()
+    assert w.free == 0
+    w.pred(a, fa, [9, 10, 11, 12])
+    assert sizes(w.step()) == [(a, 4)]
+    assert [page.tier for page in fa.inode.pages] == [DEVICE] * 3
+    assert [page.tier for page in fb.inode.pages] == [HOST] * 2 and b.swapped
+
+
+@in_loop
+async def test_enospc_only_when_nothing_can_help():
+    """No host tier: the idle process's pages cannot move, and nothing else runs."""
+    w = World(budget=16, pages=4, host=0)
+    (idle, fi), (p, f) = w.process(), w.process()
+    w.pred(idle, fi, list(range(1, 9)))
+    w.step()
+    failed = w.pred(p, f, list(range(1, 13)))
+    assert w.sched.schedule() is None
+    assert failed.exception().errno == errno.ENOSPC
+    assert f.inode.length == 0 and f.inode.pages == [] and not f.inode.busy
+    assert p.pending == 0 and not p.waiting
+    assert not idle.swapped and all(page.tier == DEVICE for page in fi.inode.pages)
+    assert w.free == 2
+
+
+@in_loop
+async def test_nothing_moves_unless_enough_can():
+    w = World(budget=32, pages=4, host=8)
+    (idle, fi), (p, f) = w.process(), w.process()
+    w.pred(idle, fi, [1, 2, 3, 4])
+    w.step()
+    failed = w.pred(p, f, list(range(1, 21)))  # five pages: more than the pool
+    assert w.sched.schedule() is None and failed.exception().errno == errno.ENOSPC
+    assert not idle.swapped and fi.inode.pages[0].tier == DEVICE
+    assert w.sched.stats.pages_swapped_out == 0
+
+
+# -- preds on one file, cancellation ------------------------------------------------------
+
+
+@in_loop
+async def test_preds_on_one_file_are_served_in_the_order_they_came():
+    w = World(budget=4)
+    p, f = w.process()
+    prompt = w.pred(p, f, list(range(1, 11)))
+    decode = w.pred(p, f, [50])  # one token: among equals it would go first
+    for size in (4, 4, 2):
+        assert sizes(w.step()) == [(p, size)]
+    assert prompt.done() and not decode.done()
+    plan = w.step()
+    assert plan.batch.positions == [10] and decode.done()
+    assert f.inode.tokens == [*range(1, 11), 50]
+
+
+@in_loop
+async def test_a_queued_pred_cancelled_fails_and_changes_nothing():
+    w = World()
+    p, f = w.process()
+    answer = w.pred(p, f, [1, 2, 3])
+    w.sched.cancel(answer)
+    assert answer.exception().errno == errno.EINTR
+    assert w.sched.queue == [] and p.pending == 0 and not w.sched.uses(f)
+    assert w.sched.schedule() is None and f.inode.length == 0
+
+
+@in_loop
+async def test_a_pred_cancelled_in_the_running_step_is_rolled_back_after_it():
+    w = World()
+    p, f = w.process()
+    w.pred(p, f, [1, 2, 3])
+    w.step()
+    pages, free = list(f.inode.pages), w.free
+    answer = w.pred(p, f, [4, 5, 6])
+    plan = w.sched.schedule()
+    assert f.inode.busy and w.free == free - 1  # its reservation: a second page
+    w.sched.cancel(answer)
+    (job,) = [c.job for c in plan.chunks]
+    assert job.state is JobState.CANCELLED and not answer.done()
+    w.sched.finish(plan, result(plan))
+    assert answer.exception().errno == errno.EINTR and job.state is JobState.FAILED
+    assert f.inode.tokens == [1, 2, 3] and f.inode.pages == pages and not f.inode.busy
+    assert w.free == free and p.pending == 0 and w.sched.queue == []
+    assert p.tokens == 6  # the step did compute it
+
+
+@in_loop
+async def test_a_failed_step_fails_its_preds_and_drops_its_guesses():
+    w = World(ahead=True)
+    p, f = w.process()
+    q, g = w.process()
+    w.pred(p, f, [1, 2, 3])
+    w.step()
+    w.pred(p, f, [SAMPLE])
+    w.step()  # p guesses
+    free = w.free
+    answer = w.pred(q, g, [1, 2])
+    plan = w.sched.schedule()
+    assert len(plan.chunks) == 2
+    w.sched.fail_step(plan, OSError(errno.EIO, "the forward pass failed"))
+    assert answer.exception().errno == errno.EIO
+    assert not w.sched.ahead.guesses and not f.inode.busy and not g.inode.busy
+    assert w.free == free + 1 and f.inode.length == 4 and g.inode.length == 0
+
+
+# -- decoding ahead ---------------------------------------------------------------------
+
+
+async def decoding(w: World, p: Process, f: Handle, params: SamplingParams = GREEDY):
+    """p's file holds a prompt and one fed-back sample; the guess of the next pred is
+    made (not yet computed). Returns it."""
+    prompt = w.pred(p, f, [1, 2, 3], params)
+    while not prompt.done():
+        w.step()
+    assert not w.sched.ahead.guesses  # a prompt does not continue a sample
+    w.pred(p, f, [SAMPLE], params)
+    w.step([9])
+    return w.sched.ahead.guesses[f.inode]
+
+
+@in_loop
+async def test_a_guess_is_computed_unseen_and_a_matching_pred_takes_it_without_a_step():
+    w = World(ahead=True)
+    p, f = w.process()
+    guess = await decoding(w, p, f)
+    assert guess.state is JobState.AHEAD and guess.tokens == [9] and guess.positions == [4]
+    assert w.sched.stats.ahead == 1
+    plan = w.step([11])
+    assert plan.chunks == [Chunk(guess, 0, 1)] and plan.batch.kv_lens == [5]
+    # not in the file, not charged
+    assert f.inode.tokens == [1, 2, 3, SAMPLE] and p.tokens == 4 and guess.done == 1
+    answer = w.pred(p, f, [9])
+    assert answer.done() and answer.result()[0].token == 11
+    assert f.inode.tokens == [1, 2, 3, SAMPLE, 9] and p.tokens == 5
+    assert w.sched.stats.ahead_used == 1 and p.pending == 0
+    nxt = w.sched.ahead.guesses[f.inode]  # and the next one is guessed
+    assert nxt.tokens == [11] and nxt.positions == [5]
+
+
+@in_loop
+async def test_a_pred_takes_its_guess_in_the_running_step():
+    w = World(ahead=True)
+    p, f = w.process()
+    guess = await decoding(w, p, f)
+    plan = w.sched.schedule()
+    answer = w.pred(p, f, [9])
+    assert not answer.done() and guess.state is JobState.ADMITTED
+    w.sched.finish(plan, result(plan, [11]))
+    assert answer.result()[0].token == 11 and f.inode.length == 5 and p.tokens == 5
+
+
+@in_loop
+async def test_a_guess_never_delays_a_pred():
+    w = World(ahead=True, budget=2)
+    p, f = w.process()
+    q, g = w.process()
+    guess = await decoding(w, p, f)
+    q.vruntime = p.vruntime + 100  # last in line, and still first to be served
+    w.pred(q, g, [1, 2])
+    assert sizes(w.step()) == [(q, 2)] and guess.done == 0
+    assert w.step().chunks == [Chunk(guess, 0, 1)]
+
+
+@in_loop
+async def test_no_guess_after_an_end_of_sequence():
+    w = World(ahead=True)
+    p, f = w.process()
+    w.pred(p, f, [1, 2, 3])
+    w.step()
+    w.pred(p, f, [SAMPLE])
+    w.step([EOS])
+    assert not w.sched.ahead.guesses
+
+
+@in_loop
+async def test_another_pred_drops_the_guess_first():
+    w = World(ahead=True)
+    p, f = w.process()
+    free = w.free
+    guess = await decoding(w, p, f)
+    w.step([11])
+    assert w.free == free - 2  # the file's page, and the guess's
+    other = w.pred(p, f, [5])
+    assert guess.state is JobState.DROPPED and not w.sched.ahead.guesses
+    assert not f.inode.busy and w.free == free - 1
+    plan = w.step([12])
+    assert plan.batch.token_ids == [5] and plan.batch.positions == [4]
+    assert other.result()[0].token == 12 and f.inode.tokens == [1, 2, 3, SAMPLE, 5]
+    assert w.sched.stats.ahead_used == 0 and p.tokens == 5
+
+
+@in_loop
+async def test_settle_drops_the_guess_before_a_truncate_and_a_close():
+    w = World(ahead=True)
+    p, f = w.process()
+    free = w.free
+    await decoding(w, p, f)
+    await w.sched.settle(f.inode)
+    assert not w.sched.ahead.guesses and not f.inode.busy
+    w.fs.truncate(f, 2)  # no EBUSY
+    w.pred(p, f, [3])
+    w.step([SAMPLE])
+    w.pred(p, f, [SAMPLE])
+    w.step([9])
+    assert w.sched.ahead.guesses
+    await w.sched.settle(f.inode)
+    w.fs.close(f)
+    assert w.free == free
+
+
+@in_loop
+async def test_settle_waits_for_the_step_computing_the_guess_and_rolls_it_back():
+    w = World(ahead=True)
+    p, f = w.process()
+    free = w.free
+    guess = await decoding(w, p, f)
+    plan = w.sched.schedule()
+    settling = asyncio.create_task(w.sched.settle(f.inode))
+    await asyncio.sleep(0)  # let it run up to its wait
+    assert not settling.done() and f.inode.busy and guess.state is JobState.DROPPED
+    w.sched.finish(plan, result(plan, [11]))
+    await settling
+    assert not f.inode.busy and w.free == free - 1 and f.inode.length == 4
+    assert p.tokens == 4  # a dropped guess is never charged
+
+
+@in_loop
+async def test_a_guess_gives_its_page_to_a_pred_short_of_pages():
+    w = World(ahead=True, pages=2, host=0)
+    p, f = w.process()
+    q, g = w.process()
+    guess = await decoding(w, p, f)
+    assert w.free == 0  # p's file and its guess
+    answer = w.pred(q, g, [1])
+    assert sizes(w.step()) == [(q, 1)] and answer.done()
+    assert guess.state is JobState.DROPPED and not f.inode.busy
+
+
+@in_loop
+async def test_give_way_frees_every_guess_once_no_step_writes_it():
+    w = World(ahead=True)
+    p, f = w.process()
+    free = w.free
+    await decoding(w, p, f)
+    assert await w.sched.give_way()
+    assert w.free == free - 1 and not w.sched.ahead.guesses
+    assert not await w.sched.give_way()
+    w.pred(p, f, [9])
+    w.step()
+    guess = w.sched.ahead.guesses[f.inode]
+    plan = w.sched.schedule()  # computes it
+    giving = asyncio.create_task(w.sched.give_way())
+    await asyncio.sleep(0)
+    assert not giving.done() and f.inode.busy
+    w.sched.finish(plan, result(plan))
+    assert await giving and guess.res is None and not f.inode.busy
+
+
+@in_loop
+async def test_cancel_process_fails_its_preds_and_drops_its_guesses():
+    w = World(ahead=True)
+    p, f = w.process()
+    free = w.free
+    await decoding(w, p, f)
+    other = w.fs.open(p.cred, "", os.O_RDWR)
+    p.add_fd(other)
+    queued = w.pred(p, other, [1, 2])
+    w.sched.cancel_process(p)
+    assert queued.exception().errno == errno.EINTR
+    assert not w.sched.ahead.guesses and w.sched.queue == [] and p.pending == 0
+    assert w.free == free - 1 and w.sched.schedule() is None
+
+
+@in_loop
+async def test_a_seeded_guess_draws_from_a_fresh_generator_as_its_pred_would():
+    w = World(ahead=True)
+    p, f = w.process()
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    w.pred(p, f, [1, 2, 3], seeded)
+    w.step()
+    w.pred(p, f, [SAMPLE], seeded)
+    plan = w.sched.schedule()
+    (job, _), = plan.samples
+    torch.rand(1, generator=job.generator)  # the pred's own sampling draws from its stream
+    w.sched.finish(plan, result(plan, [9]))
+    guess = w.sched.ahead.guesses[f.inode]
+    fresh = seeded.generator(torch.device("cpu"))
+    assert torch.equal(torch.rand(4, generator=guess.generator), torch.rand(4, generator=fresh))
