@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
 
@@ -214,6 +215,7 @@ class Header:
     length: int  # entries, N
     ranges: int  # excluded ranges, R
     offsets: dict[str, tuple[int, int]]  # tensor -> absolute [begin, end) in the file
+    size: int  # bytes of the whole file, as the header lays it out
 
 
 @dataclass
@@ -233,14 +235,16 @@ class Imported:
     v: torch.Tensor
 
 
-def header_length(first8: bytes, file_size: int) -> int:
-    """The JSON header's length from the file's first 8 bytes, checked against its size."""
-    if file_size < 8 or len(first8) < 8:
-        raise _bad(f"truncated: {file_size} bytes, fewer than the 8-byte header length")
+def header_length(first8: bytes, file_size: int | None) -> int:
+    """The JSON header's length from the file's first 8 bytes, checked against the file's
+    size when it is known (None: an import stream, whose size is known only at its end)."""
+    size = len(first8) if file_size is None else file_size
+    if size < 8 or len(first8) < 8:
+        raise _bad(f"truncated: {size} bytes, fewer than the 8-byte header length")
     (n,) = struct.unpack("<Q", bytes(first8[:8]))
     if n < 2 or n > MAX_HEADER:
         raise _bad(f"bad header length {n} (must be 2..{MAX_HEADER})")
-    if 8 + n > file_size:
+    if file_size is not None and 8 + n > file_size:
         raise _bad(f"truncated: header length {n} runs past the end of the {file_size}-byte file")
     return n
 
@@ -267,10 +271,11 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def parse_header(prefix: bytes, file_size: int, layout: Layout | None = None) -> Header:
+def parse_header(prefix: bytes, file_size: int | None, layout: Layout | None = None) -> Header:
     """Check the header of a `file_size`-byte file whose first bytes are `prefix` (at least
     8 + header_length of them): structure, metadata, tensor table, and that the tensors tile
-    the rest of the file exactly. With `layout`, the file must also match it."""
+    the rest of the file exactly (when its size is known). With `layout`, the file must also
+    match it."""
     n_head = header_length(prefix, file_size)
     if len(prefix) < 8 + n_head:
         raise _bad(f"truncated: header needs {8 + n_head} bytes, got {len(prefix)}")
@@ -281,6 +286,8 @@ def parse_header(prefix: bytes, file_size: int, layout: Layout | None = None) ->
         raise _bad(f"header is not UTF-8 ({e.reason})") from None
     except json.JSONDecodeError as e:
         raise _bad(f"header is not valid JSON ({e.msg} at {e.pos})") from None
+    except RecursionError:  # json's decoder recurses once per level of nesting
+        raise _bad("header JSON nests too deep") from None
     if not isinstance(head, dict):
         raise _bad(f"header JSON is a {type(head).__name__}, not an object")
 
@@ -349,6 +356,9 @@ def parse_header(prefix: bytes, file_size: int, layout: Layout | None = None) ->
         if end - begin != size:
             raise _bad(f"tensor {name} data_offsets [{begin}, {end}] hold {end - begin} bytes, "
                        f"its shape needs {size}")
+    # Ranges are non-empty and disjoint, so at most N: the file's size is bounded by N alone.
+    if r > n:
+        raise _bad(f"tensor excluded has {r} ranges, more than the file's {n} entries allow")
 
     # The tensors must tile the data section: no gaps, no overlap, nothing after.
     data_start, pos = 8 + n_head, 0
@@ -359,12 +369,13 @@ def parse_header(prefix: bytes, file_size: int, layout: Layout | None = None) ->
         if begin > pos:
             raise _bad(f"gap of {begin - pos} bytes before tensor {name}")
         pos = end
-    if data_start + pos > file_size:
-        raise _bad(f"truncated: tensors need {data_start + pos} bytes, file has {file_size}")
-    if data_start + pos < file_size:
-        raise _bad(f"{file_size - data_start - pos} bytes of trailing data after the tensors")
+    size = data_start + pos
+    if file_size is not None and size > file_size:
+        raise _bad(f"truncated: tensors need {size} bytes, file has {file_size}")
+    if file_size is not None and size < file_size:
+        raise _bad(f"{file_size - size} bytes of trailing data after the tensors")
     offsets = {nm: (data_start + e[2][0], data_start + e[2][1]) for nm, e in entries.items()}
-    return Header(own, n, r, offsets)
+    return Header(own, n, r, offsets, size)
 
 
 def _shape_rule(name: str, own: Layout) -> str:
@@ -401,8 +412,10 @@ def _values(h: Header, raw: dict[str, bytes], vocab_size: int | None
     return tok.tolist(), pos.tolist(), [tuple(x) for x in exc.tolist()]
 
 
-def parse(data: bytes, layout: Layout, vocab_size: int | None = None) -> Imported:
-    """A whole serialized KV file, checked in full; FSError(EINVAL) names the first problem."""
+def parse(data: bytes | bytearray | memoryview, layout: Layout,
+          vocab_size: int | None = None) -> Imported:
+    """A whole serialized KV file, checked in full; FSError(EINVAL) names the first problem.
+    The K/V of a writable buffer are used in place, a read-only one's are copied."""
     buf = memoryview(data).cast("B")
     h = parse_header(buf, len(buf), layout)
     raw = {nm: buf[a:b] for nm, (a, b) in h.offsets.items()}
@@ -413,7 +426,9 @@ def parse(data: bytes, layout: Layout, vocab_size: int | None = None) -> Importe
         if h.length == 0:
             t = torch.zeros(shape, dtype=layout.dtype)  # frombuffer refuses empty buffers
         else:
-            t = torch.frombuffer(bytearray(raw[name]), dtype=torch.uint8)
+            # torch tensors over a buffer may be written through, so it must be writable.
+            src = bytearray(raw[name]) if raw[name].readonly else raw[name]
+            t = torch.frombuffer(src, dtype=torch.uint8)
             t = t.view(layout.dtype).view(shape)
         bits = t.view(_BITS[layout.dtype])
         for start, end in excluded:
@@ -422,6 +437,39 @@ def parse(data: bytes, layout: Layout, vocab_size: int | None = None) -> Importe
                            f"(not canonical)")
         kv.append(t)
     return Imported(tokens, positions, excluded, kv[0], kv[1])
+
+
+class Incoming:
+    """A serialized KV file arriving in pieces (an import stream), checked as it arrives: the
+    header as soon as it is whole, then `admit` judges it before any room is made for the
+    rest, and no more bytes are kept than the header declares."""
+
+    def __init__(self, layout: Layout, admit: Callable[[Header], None]):
+        self.layout, self.admit = layout, admit
+        self._head = bytearray()  # what came before the header was whole
+        self._body: np.ndarray | None = None  # then the whole file, its declared size
+        self._got = 0
+
+    def feed(self, piece: bytes) -> None:
+        if self._body is None:
+            self._head += piece
+            if len(self._head) < 8 or len(self._head) < 8 + header_length(self._head, None):
+                return
+            header = parse_header(self._head, None, self.layout)
+            self.admit(header)
+            # Uninitialized: the buffer's memory is taken only as the bytes arrive.
+            self._body = np.empty(header.size, dtype=np.uint8)
+            piece, self._head = self._head, bytearray()
+        if self._got + len(piece) > len(self._body):
+            raise _bad(f"more than the {len(self._body)} bytes its header declares")
+        self._body[self._got:self._got + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+        self._got += len(piece)
+
+    def data(self) -> memoryview:
+        """What has arrived, for `parse` (which names what is missing, if anything)."""
+        if self._body is None:
+            return memoryview(self._head)
+        return memoryview(self._body)[:self._got]
 
 
 def read_meta(path: str | os.PathLike, layout: Layout | None = None,

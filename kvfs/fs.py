@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfs.errors import FSError, enoent
-from kvfs.format import Imported, Layout, export_bytes, parse, read_range
+from kvfs.format import Imported, Incoming, Layout, export_bytes, parse, read_range
 from kvfs.inode import Inode, now_ns
 from kvfs.pages import Page, PageStore
-from kvfs.perm import ROOT, Cred, R, W, X, check, check_sticky
+from kvfs.perm import ROOT, Cred, R, W, X, allowed, check, check_sticky
 from kvfs.ranges import covered, merge_ranges
 
 O_ACCMODE = os.O_ACCMODE
 NAME_MAX = 255
-TMP = "/tmp"
+PATH_MAX = 4096
 
 
 @dataclass(eq=False)
@@ -65,6 +65,8 @@ class StatResult:
 def split(path: str) -> list[str]:
     if not path.startswith("/"):
         raise FSError(errno.EINVAL, f"{path!r}: paths are absolute")
+    if len(path) > PATH_MAX:
+        raise FSError(errno.ENAMETOOLONG, f"{path[:64]!r}...: over PATH_MAX ({PATH_MAX})")
     parts = [p for p in path.split("/") if p]
     for p in parts:
         if len(p) > NAME_MAX:
@@ -85,10 +87,13 @@ class FileSystem:
         self.root.parent = self.root
         self._mkdir_in(self.root, "home", 0o755, ROOT)
         self._mkdir_in(self.root, "tmp", 0o1777, ROOT)
-        # Hooks of the state directory: save a changed file, save the namespace, and load
-        # the pages of a file restored from disk on its first open.
+        # Hooks of the state directory: save a changed file, save the namespace (neither
+        # fails the call: a failed save is logged and tried again), make a file durable for
+        # fsync (raises EIO when it cannot), and load the pages of a file restored from disk
+        # on its first open.
         self.on_change: Callable[[Inode], None] = lambda inode: None
         self.on_namespace_change: Callable[[], None] = lambda: None
+        self.on_sync: Callable[[Inode], None] = lambda inode: None
         self.on_load: Callable[[Inode], None] = lambda inode: None
 
     # -- inodes and paths ---------------------------------------------------------------
@@ -144,16 +149,6 @@ class FileSystem:
                     seen.add(child.ino)
                     yield child
 
-    def in_tmp(self, inode: Inode) -> bool:
-        """Whether a directory is /tmp or under it (its files are never persisted)."""
-        tmp = self.root.entries["tmp"]
-        node = inode
-        while node is not self.root:
-            if node is tmp:
-                return True
-            node = node.parent
-        return False
-
     # -- directories --------------------------------------------------------------------
 
     def _mkdir_in(self, parent: Inode, name: str, mode: int, cred: Cred) -> Inode:
@@ -182,14 +177,19 @@ class FileSystem:
             raise FSError(errno.ENOTDIR, repr(path))
         if d.entries:
             raise FSError(errno.ENOTEMPTY, repr(path))
-        if d is self.root.entries["tmp"] or d is self.root.entries["home"]:
-            raise FSError(errno.EBUSY, f"{path!r} is part of the namespace's skeleton")
+        self._not_skeleton(d, path)
         self._writable_dir(cred, parent, path)
         check_sticky(cred, parent, d, repr(path))
         del parent.entries[name]
         parent.nlink -= 1
         parent.touch()
         self.on_namespace_change()
+
+    def _not_skeleton(self, inode: Inode | None, path: str) -> None:
+        """EBUSY for /home and /tmp: they stay where they are (homes are made in /home, and
+        saving skips /tmp), as a mount point does."""
+        if inode is not None and inode in (self.root.entries["home"], self.root.entries["tmp"]):
+            raise FSError(errno.EBUSY, f"{path!r} is part of the namespace's skeleton")
 
     def readdir(self, cred: Cred, path: str) -> list[tuple[str, Inode]]:
         d = self.lookup(cred, path)
@@ -276,18 +276,24 @@ class FileSystem:
         self.on_namespace_change()
 
     def link(self, handle: Handle, path: str) -> None:
-        """Give an open file (anonymous or not) another name."""
-        self._live(handle)
+        """Give an open file (anonymous or not) another name.
+
+        As Linux's protected_hardlinks: only its owner, or who may read and write it, may
+        link a file, since a name keeps its pages charged to the owner's quota."""
+        inode = self._live(handle)
         cred = handle.cred
+        if not (cred.uid == inode.uid or allowed(cred, inode, R | W)):
+            raise FSError(errno.EPERM, f"link {path!r}: not the owner of the file, and "
+                          "no read and write permission on it")
         parent, name = self._parent(cred, path)
         if name in parent.entries:
             raise FSError(errno.EEXIST, repr(path))
         self._writable_dir(cred, parent, path)
-        parent.entries[name] = handle.inode
+        parent.entries[name] = inode
         parent.touch()
-        handle.inode.nlink += 1
-        handle.inode.touch(modified=False)
-        handle.inode.dirty = True  # now named: the next save writes it
+        inode.nlink += 1
+        inode.touch(modified=False)
+        inode.dirty = True  # now named: the next save writes it
         self.on_namespace_change()
 
     def rename(self, cred: Cred, old: str, new: str) -> None:
@@ -300,6 +306,8 @@ class FileSystem:
         target = dst_dir.entries.get(dst_name)
         if target is inode:
             return
+        self._not_skeleton(inode, old)
+        self._not_skeleton(target, new)
         self._writable_dir(cred, src_dir, old)
         self._writable_dir(cred, dst_dir, new)
         check_sticky(cred, src_dir, inode, repr(old))
@@ -419,7 +427,7 @@ class FileSystem:
     def fsync(self, handle: Handle) -> None:
         inode = self._live(handle)
         if inode.nlink > 0:
-            self.on_change(inode)
+            self.on_sync(inode)
 
     # -- the canonical form (docs/kv-format.md) ------------------------------------------
 
@@ -431,7 +439,8 @@ class FileSystem:
         return read_range(self._readable(handle, "read"), self.store, self.layout, offset, size)
 
     def fill(self, inode: Inode, imported: Imported) -> None:
-        """Give an inode without pages the entries and K/V of an import, all or nothing."""
+        """Give a file the entries and K/V of an import in place of what it held, all or
+        nothing: its old pages are freed only once the new ones are written."""
         n, size = len(imported.tokens), self.page_size
         excluded = merge_ranges(list(imported.excluded))
         holes = self._holes(n, excluded)
@@ -450,26 +459,64 @@ class FileSystem:
         if n % size:
             pool.write_rows(pages[-1].slot, 0, imported.k[:, full * size:],
                             imported.v[:, full * size:])
-        inode.pages = pages
+        old, inode.pages = inode.pages, pages
         inode.tokens, inode.positions = list(imported.tokens), list(imported.positions)
         inode.excluded = excluded
+        inode.fingerprint = self.fingerprint  # parse checked it: even over another model's file
+        self.store.unref(old)
 
-    def import_file(self, cred: Cred, path: str, data: bytes, mode: int = 0o600) -> Inode:
-        """A new file at `path` (replacing a file there) from its canonical form. A bad or
-        foreign-model file is refused whole (EINVAL) and nothing changes."""
-        imported = parse(data, self.layout, self.vocab_size)
+    def _import_target(self, cred: Cred, path: str) -> tuple[Inode, str, Inode | None]:
+        """Where an import to `path` goes: its directory, name, and the file it rewrites (None:
+        it makes one). Checked as a write is: permission to write the file, else to write
+        and search the directory."""
         parent, name = self._parent(cred, path)
         old = parent.entries.get(name)
-        if old is not None and old.is_dir:
+        if old is None:
+            self._writable_dir(cred, parent, path)
+        elif old.is_dir:
             raise FSError(errno.EISDIR, repr(path))
-        self._writable_dir(cred, parent, path)
+        else:
+            check(cred, old, W, f"import {path!r}: write permission denied")
+        return parent, name, old
+
+    def receive(self, cred: Cred, path: str) -> Incoming:
+        """An import stream to `path`, checked before its body is taken: the caller's
+        permission now, then its header as soon as that arrives, whose length must fit what
+        the file's owner could ever hold."""
+        old = self._import_target(cred, path)[2]
+        owner = cred.uid if old is None else old.uid
+        return Incoming(self.layout, lambda header: self._could_hold(owner, header.length, path))
+
+    def _could_hold(self, uid: int, length: int, path: str) -> None:
+        """Refuse a file of `length` entries whose pages could never all be had for uid, even
+        with nothing else held: EDQUOT past uid's quota, EFBIG past the device pool. Counted
+        unpunched: which pages are holes is known only once the whole file is in."""
+        pages = self._pages_for(length)
+        limit, capacity = self.store.limit(uid), self.store.capacity("device")
+        if limit is not None and pages > limit:
+            raise FSError(errno.EDQUOT, f"import {path!r}: {length} entries take up to {pages} "
+                          f"pages, over uid {uid}'s quota of {limit}")
+        if pages > capacity:
+            raise FSError(errno.EFBIG, f"import {path!r}: {length} entries take up to {pages} "
+                          f"pages, more than the KV pool's {capacity}")
+
+    def import_file(self, cred: Cred, path: str, data: bytes | bytearray | memoryview,
+                    mode: int = 0o600) -> Inode:
+        """The canonical form `data` into `path`, as a write would put it there: over a file,
+        its contents are replaced in place (same inode, owner, group, mode and links; `mode`
+        is for a new file only). A bad or foreign-model file is refused whole (EINVAL), and
+        a refused import changes nothing."""
+        parent, name, old = self._import_target(cred, path)
+        if old is not None and old.busy:
+            raise FSError(errno.EBUSY, f"import {path!r}: a forward pass is writing the file")
+        imported = parse(data, self.layout, self.vocab_size)
         if old is not None:
-            check_sticky(cred, parent, old, repr(path))
+            self.fill(old, imported)
+            old.touch()
+            self.on_change(old)
+            return old
         inode = self._new_inode(stat.S_IFREG | (mode & 0o7777), cred)
         self.fill(inode, imported)
-        if old is not None:
-            old.nlink -= 1
-            self._maybe_free(old)
         parent.entries[name] = inode
         inode.nlink = 1
         parent.touch()

@@ -115,8 +115,9 @@ def is_kernel_dir(k: Kernel, path: str) -> bool:
 
 def cmd_cp(k: Kernel, args: argparse.Namespace) -> int:
     """Kernel to local exports, local to kernel imports (the kernel checks the file and
-    refuses it whole), kernel to kernel does both. The copy keeps SRC's permission bits; a
-    DST that is a directory receives a file of SRC's name."""
+    refuses it whole), kernel to kernel does both. A new copy gets SRC's permission bits;
+    an existing kernel DST is rewritten in place, keeping its owner and mode, as cp(1) does.
+    A DST that is a directory receives a file of SRC's name."""
     if not (args.src.startswith(PREFIX) or args.dst.startswith(PREFIX)):
         raise ValueError(
             f"kv cp: neither {args.src} nor {args.dst} is a kernel path (write one as {PREFIX}PATH)"

@@ -20,6 +20,7 @@ from kvfs.perm import Cred
 from symphony.engine.sampler import SamplingParams
 from symphony.process import NICE_MAX, NICE_MIN, Process
 from syscalls import symphony_pb2 as pb
+from syscalls import wire
 
 if TYPE_CHECKING:
     from symphony.daemon import Kernel
@@ -67,7 +68,7 @@ def sys_getpid(k: Kernel, proc: Process, cred: Cred, req: pb.Void) -> pb.GetPidR
 
 
 def sys_ps(k: Kernel, proc: Process, cred: Cred, req: pb.Void) -> pb.PsReply:
-    return pb.PsReply(procs=[k.proc_info(p) for p in k.procs])
+    return pb.PsReply(procs=[k.proc_info(p, cred) for p in k.procs])
 
 
 async def sys_kill(k: Kernel, proc: Process, cred: Cred, req: pb.KillRequest) -> pb.Empty:
@@ -150,6 +151,14 @@ def _sampling(req: pb.PredRequest, vocab: int) -> SamplingParams:
     return params
 
 
+def pred_reply_bytes(rows: int, top_logprobs: int) -> int:
+    """The most bytes a PredReply of `rows` outputs with `top_logprobs` entries each can
+    take: each integer as its longest varint, with its field's tag and length prefix. A
+    PredOutput: 1 + 5 (tag, length) + 6 (row) + 6 (token) + 5 (logprob); a TopLogprob: 1 + 1
+    + 6 (id) + 5 (logprob)."""
+    return rows * (23 + 13 * top_logprobs)
+
+
 async def sys_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> pb.PredReply:
     handle = _fd(proc, req.fd)
     if not handle.writable:
@@ -174,6 +183,11 @@ async def sys_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) ->
     if bad or len(set(rows)) != len(rows):
         raise einval(f"pred: output rows {rows} are not distinct rows of {len(tokens)} tokens")
     params = _sampling(req, k.engine.config.vocab_size)
+    size = pred_reply_bytes(len(rows), params.top_logprobs)
+    if size > wire.MAX_PAYLOAD:
+        raise FSError(errno.EMSGSIZE, f"pred: {len(rows)} output rows with {params.top_logprobs}"
+                      f" top logprobs each may take {size >> 20} MiB, over the "
+                      f"{wire.MAX_PAYLOAD >> 20} MiB limit of a reply")
     future = k.sched.submit(proc, handle, tokens, positions, sorted(rows), params)
     try:
         outputs = await future
@@ -193,13 +207,18 @@ def _fd(proc: Process, fd: int) -> Handle:
     return proc.handle(fd)
 
 
+async def _settle_path(k: Kernel, cred: Cred, path: str) -> None:
+    """Before a call rewrites the file at `path`: no work ahead is left on it."""
+    with contextlib.suppress(FSError):  # else the call itself says what is wrong
+        await k.sched.settle(k.fs.lookup(cred, path))
+
+
 async def sys_open(k: Kernel, proc: Process, cred: Cred, req: pb.OpenRequest) -> pb.FdReply:
     if req.flags & ~OPEN_FLAGS:
         raise einval(f"open {req.path!r}: unsupported flags {req.flags & ~OPEN_FLAGS:#o}")
     mode = req.mode if req.HasField("mode") else 0o600
     if req.flags & os.O_TRUNC and req.path:
-        with contextlib.suppress(FSError):  # else open itself says what is wrong
-            await k.sched.settle(k.fs.lookup(cred, req.path))
+        await _settle_path(k, cred, req.path)
     handle = k.fs.open(cred, req.path, req.flags, mode)
     return pb.FdReply(fd=proc.add_fd(handle))
 
@@ -353,14 +372,18 @@ async def sys_export(k: Kernel, proc: Process, cred: Cred,
 
 async def sys_import(k: Kernel, proc: Process, cred: Cred,
                      chunks: AsyncIterator[pb.ImportChunk]) -> pb.Empty:
-    path, mode, data = None, 0o600, bytearray()
-    async for chunk in chunks:
-        if path is None:
-            path, mode = chunk.path, chunk.mode if chunk.HasField("mode") else 0o600
-        data += chunk.data
-    if not path:
+    """Checked as it arrives, so that a refused file costs the kernel little: the caller's
+    permission on the path before the body is taken, the header as soon as it is whole."""
+    first = await anext(chunks, None)
+    if first is None or not first.path:
         raise einval("import: no path in the first chunk")
-    await _room_made(k, lambda: k.fs.import_file(cred, path, bytes(data), mode))
+    path, mode = first.path, first.mode if first.HasField("mode") else 0o600
+    incoming = k.fs.receive(cred, path)
+    incoming.feed(first.data)
+    async for chunk in chunks:
+        incoming.feed(chunk.data)
+    await _settle_path(k, cred, path)
+    await _room_made(k, lambda: k.fs.import_file(cred, path, incoming.data(), mode))
     return pb.Empty()
 
 
@@ -368,7 +391,7 @@ async def sys_import(k: Kernel, proc: Process, cred: Cred,
 
 
 def sys_procfs(k: Kernel, proc: Process, cred: Cred, req: pb.PathRequest) -> pb.ProcfsReply:
-    return pb.ProcfsReply(text=k.procfs.read(req.path))
+    return pb.ProcfsReply(text=k.procfs.read(req.path, cred))
 
 
 # name: (function, request type or None for a client stream, reply type, server streams)

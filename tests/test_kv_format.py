@@ -9,6 +9,7 @@ import stat
 import struct
 import time
 
+import numpy as np
 import pytest
 import safetensors
 import safetensors.torch
@@ -16,7 +17,9 @@ import torch
 
 from kvfs.errors import FSError
 from kvfs.format import (
+    Incoming,
     Layout,
+    _plan,
     export_bytes,
     exported_size,
     parse,
@@ -477,3 +480,88 @@ def test_file_written_by_safetensors_imports():
     assert again != data  # another encoding (key and data order) ...
     imp = parse(again, layout)  # ... of the same content
     assert export_bytes(import_into(store, layout, imp), store, layout) == data
+
+
+@pytest.mark.parametrize("text", [b'{"a":' * 1000 + b"1" + b"}" * 1000,
+                                  b"[" * 100_000 + b"]" * 100_000])
+def test_deeply_nested_header(text):
+    data, layout = good()
+    refused(join(None, split(data)[1], text), layout, "nests too deep")
+
+
+def test_more_excluded_ranges_than_entries():
+    # Each range is non-empty and they are disjoint: R > N is refused at the header, so a
+    # header's declared size grows with N alone.
+    data, layout = good()
+    prefix = _plan(23, 1 << 40, layout)[0]
+    refused(prefix, layout, "ranges, more than the file's 23 entries")
+
+
+def test_parse_uses_a_writable_buffer_in_place():
+    data, layout = good()
+    buf = np.frombuffer(bytearray(data), dtype=np.uint8)
+    imp = parse(memoryview(buf), layout)
+    start = buf.__array_interface__["data"][0]
+    assert start <= imp.k.data_ptr() < imp.v.data_ptr() < start + len(data)
+
+
+# -- an import stream (Incoming) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("piece", [1, 7, 500, 1 << 20])
+def test_incoming_takes_a_file_in_any_pieces(piece):
+    data, layout = good()
+    admitted = []
+    incoming = Incoming(layout, admitted.append)
+    for at in range(0, len(data), piece):
+        incoming.feed(data[at:at + piece])
+    assert [h.size for h in admitted] == [len(data)]
+    assert bytes(incoming.data()) == data
+    assert parse(incoming.data(), layout).tokens == parse(data, layout).tokens
+
+
+def not_admitted(header):
+    raise AssertionError(f"admitted {header}")
+
+
+def test_incoming_refuses_a_bad_header_as_soon_as_it_arrives():
+    data, layout = good()
+    with pytest.raises(FSError, match="bad header length") as e:
+        Incoming(layout, not_admitted).feed(b"\xff" * 8)
+    assert e.value.errno == errno.EINVAL
+    n = struct.unpack("<Q", data[:8])[0]
+    other = Layout("another-model", torch.float32, 4, 2, 2, 8)
+    with pytest.raises(FSError, match="another model"):
+        Incoming(other, not_admitted).feed(data[:8 + n])  # the header alone
+    with pytest.raises(FSError, match="ranges, more than"):
+        Incoming(layout, not_admitted).feed(_plan(23, 1 << 40, layout)[0])
+
+
+def test_incoming_stops_at_what_admit_refuses():
+    data, layout = good()
+
+    def admit(header):
+        raise FSError(errno.EFBIG, f"{header.length} entries")
+
+    with pytest.raises(FSError, match="23 entries"):
+        Incoming(layout, admit).feed(data)
+
+
+def test_incoming_refuses_more_than_the_header_declares():
+    data, layout = good()
+    incoming = Incoming(layout, lambda header: None)
+    incoming.feed(data[:100])
+    incoming.feed(data[100:])
+    with pytest.raises(FSError, match=f"more than the {len(data)} bytes") as e:
+        incoming.feed(b"\0")
+    assert e.value.errno == errno.EINVAL
+    with pytest.raises(FSError, match="more than"):
+        Incoming(layout, lambda header: None).feed(data + b"\0")
+
+
+@pytest.mark.parametrize("cut", [5, 100, -1])
+def test_incoming_cut_short_is_refused_by_parse(cut):
+    data, layout = good()
+    incoming = Incoming(layout, lambda header: None)
+    incoming.feed(data[:cut])
+    refused(incoming.data(), layout, "truncated")

@@ -175,6 +175,21 @@ def test_rename_refusals_change_nothing(fs):
         ALICE, "/home/alice/full/d2").ino
 
 
+def test_home_and_tmp_stay_where_they_are(fs):
+    """Renaming them away, or an empty directory over them, is EBUSY, as rmdir is."""
+    fs.mkdir(ROOT, "/empty")
+    before = snapshot(fs)
+    for old, new in (("/tmp", "/scratch"), ("/home", "/empty"), ("/tmp", "/home/alice/t"),
+                     ("/empty", "/tmp"), ("/empty", "/home")):
+        raises(errno.EBUSY, fs.rename, ROOT, old, new)
+    assert snapshot(fs) == before
+
+
+def test_paths_over_path_max_are_refused(fs):
+    raises(errno.ENAMETOOLONG, fs.mkdir, ALICE, "/home/alice" + "/d" * 2043)
+    fs.mkdir(ALICE, "/home/alice/" + "d" * 255)  # a long name is no long path
+
+
 # -- permissions ------------------------------------------------------------------------
 
 
@@ -386,3 +401,104 @@ def test_bring_up_without_room_is_enospc_and_changes_nothing(tmp_path):
     append(fs, a, [1])
     assert_kv(fs, a)
     assert fs.store.pool.free_in("host") == 4
+
+
+# -- import -----------------------------------------------------------------------------
+
+
+def exported(fs, tokens: list[int]) -> bytes:
+    """The canonical form of a file holding `tokens` (made and dropped again)."""
+    h = fs.open(ROOT, "")
+    append(fs, h, tokens)
+    data = fs.export(h)
+    fs.close(h)
+    return data
+
+
+def test_import_over_a_file_rewrites_it_in_place(fs):
+    """As a write on a local disk: same inode, owner, group, mode and links; open handles
+    see the new contents; the old pages go once the new ones are in, unless a fork shares
+    them; the owner is charged, not the writer, and the file is saved."""
+    h = fs.open(ALICE, "/home/alice/f", RW_CREAT, 0o666)
+    append(fs, h, list(range(10)))  # two full pages and a tail
+    fs.link(h, "/home/alice/g")
+    clone = fs.fork(h, ALICE)  # shares the two full pages
+    data = exported(fs, [5, 6, 7, 8, 9])
+    free, saved = fs.store.pool.free_in("device"), []
+    fs.on_change = saved.append
+    inode = fs.import_file(BOB, "/home/alice/f", data, 0o600)  # alice's dir: bob can't write it
+    assert inode is h.inode and saved == [inode] and inode.dirty
+    st = fs.stat(ROOT, "/home/alice/g")
+    assert (st.ino, st.uid, st.gid, st.mode & 0o7777, st.nlink, st.tokens) == \
+        (inode.ino, 1000, 1000, 0o666, 2, 5)
+    assert fs.read(h, 0, 99) == ([5, 6, 7, 8, 9], [0, 1, 2, 3, 4])
+    assert_kv(fs, h)
+    assert fs.export(h) == data
+    assert fs.read(clone, 0, 99)[0] == list(range(10))
+    assert_kv(fs, clone)
+    assert fs.store.pool.free_in("device") == free - 2 + 1  # two new pages, the old tail out
+    assert fs.store.used[1000] == 3 + 2 and not fs.store.used.get(1001)  # clone's, file's
+    fs.close(clone)
+    fs.close(h)
+    fs.unlink(ALICE, "/home/alice/f")
+    fs.unlink(ALICE, "/home/alice/g")
+    assert fs.store.pool.free_in("device") == 64
+
+
+def test_import_over_a_file_needs_write_permission_on_the_file(fs):
+    """Not on the directory, and no sticky-bit check: as open(O_WRONLY | O_TRUNC)."""
+    fs.mkdir(ALICE, "/home/alice/open", 0o777)
+    for path, mode in (("/home/alice/open/f", 0o644), ("/tmp/f", 0o644), ("/tmp/g", 0o602)):
+        h = fs.open(ALICE, path, RW_CREAT, mode)
+        append(fs, h, [1, 2, 3])
+        fs.close(h)
+    data = exported(fs, [4, 5])
+    before = snapshot(fs)
+    raises(errno.EACCES, fs.import_file, BOB, "/home/alice/open/f", data)
+    raises(errno.EACCES, fs.import_file, BOB, "/tmp/f", data)
+    raises(errno.EACCES, fs.receive, BOB, "/tmp/f")  # before any of the body is taken
+    raises(errno.EACCES, fs.receive, BOB, "/home/alice/new")  # creating: the directory's
+    raises(errno.EISDIR, fs.receive, ALICE, "/home/alice/open")
+    assert snapshot(fs) == before
+    fs.import_file(BOB, "/tmp/g", data)  # sticky /tmp, alice's file, writable by others
+    st = fs.stat(ROOT, "/tmp/g")
+    assert (st.uid, st.mode & 0o7777, st.tokens) == (1000, 0o602, 2)
+    raises(errno.EPERM, fs.chmod, BOB, "/tmp/g", 0o666)
+
+
+def test_a_refused_import_over_a_file_changes_nothing():
+    fs = make_fs(pages=8, host=0, default_quota=4)
+    fs.home(ALICE, "alice")
+    h = fs.open(ALICE, "/home/alice/f", RW_CREAT)
+    append(fs, h, list(range(10)))  # three of alice's four pages
+    data = exported(fs, [4, 5, 6, 7, 8])
+    before = snapshot(fs)
+    raises(errno.EINVAL, fs.import_file, ALICE, "/home/alice/f", data[:-1])
+    raises(errno.EINVAL, fs.import_file, ALICE, "/home/alice/f", b"x" * 64)
+    # The new pages must be had before the old ones go: 3 + 2 is over the quota.
+    raises(errno.EDQUOT, fs.import_file, ALICE, "/home/alice/f", data)
+    res = fs.reserve(h, 1)  # a forward pass is writing the file
+    raises(errno.EBUSY, fs.import_file, ALICE, "/home/alice/f", exported(fs, [1]))
+    fs.rollback(res)
+    assert snapshot(fs) == before
+    assert fs.read(h, 0, 99)[0] == list(range(10))
+    assert_kv(fs, h)
+
+
+def test_an_import_stream_is_bounded_by_what_its_owner_could_hold():
+    """Judged at the header, before any room is made for the body: by the owner's quota
+    (EDQUOT) and by the device pool (EFBIG), both counted without holes."""
+    big = make_fs(pages=80)
+
+    def header(entries: int) -> bytes:
+        data = exported(big, list(range(entries)))
+        return data[:8 + int.from_bytes(data[:8], "little")]
+
+    fs = make_fs(pages=9, quota={1000: 7})
+    fs.home(ALICE, "alice")
+    raises(errno.EDQUOT, fs.receive(ALICE, "/home/alice/f").feed, header(29))  # 8 pages
+    fs.receive(ALICE, "/home/alice/f").feed(header(28))
+    fs.receive(ROOT, "/tmp/f").feed(header(29))  # root has no quota
+    fs.close(fs.open(ROOT, "/tmp/root", RW_CREAT, 0o666))
+    fs.receive(ALICE, "/tmp/root").feed(header(29))  # charged to root, the file's owner
+    raises(errno.EFBIG, fs.receive(ROOT, "/tmp/f").feed, header(37))  # 10 pages

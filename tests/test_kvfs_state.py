@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 
 import pytest
 from kvfs_helpers import append, assert_kv, make_fs
@@ -197,3 +198,157 @@ def test_shutdown_saves_what_is_still_open(tmp_path):
     after = boot(tmp_path)
     assert after.export(after.open(ROOT, "/home/alice/open")) == fs.export(h)
     assert [n for n, _ in after.readdir(ROOT, "/tmp")] == []
+
+
+def contents(fs: FileSystem, path: str) -> bytes | None:
+    """A file's canonical form, None where there is no such name."""
+    try:
+        h = fs.open(ROOT, path)
+    except FSError as e:
+        assert e.errno == errno.ENOENT, e
+        return None
+    try:
+        return fs.export(h)
+    finally:
+        fs.close(h)
+
+
+def test_a_crash_before_any_write_leaves_each_file_old_or_new(tmp_path, monkeypatch):
+    """The state directory is copied as a crash would leave it before each of its writes,
+    and at the end: every copy restores each file as it was before the calls or after."""
+    state = tmp_path / "state"
+    fs = boot(state)
+    fs.home(ALICE, "alice")
+    home = "/home/alice/"
+    for name, n in (("a", 9), ("b", 13), ("d", 6), ("e", 3), ("f", 7), ("g", 5)):
+        h = fs.open(ALICE, home + name, RW_CREAT)
+        append(fs, h, [(i * 3 + n) % 100 for i in range(n)])
+        fs.close(h)
+    names = ("a", "b", "d", "e", "f", "g", "imported", "linked")
+    old = {n: contents(fs, home + n) for n in names}
+    snapshots = []
+    write = kvfs.state.atomic_write
+
+    def copy_then_write(path, chunks):
+        snapshots.append(shutil.copytree(state, tmp_path / f"crash{len(snapshots)}"))
+        write(path, chunks)
+
+    monkeypatch.setattr(kvfs.state, "atomic_write", copy_then_write)
+    src = fs.open(ALICE, "/tmp/src", RW_CREAT)
+    append(fs, src, list(range(50, 70)))
+    fs.import_file(ALICE, home + "imported", fs.export(src))  # a new name
+    anon = fs.open(ALICE, "")
+    append(fs, anon, [7, 8, 9, 10, 11])
+    fs.link(anon, home + "linked")  # an anonymous file with entries gets a name
+    fs.close(src)
+    fs.rename(ALICE, "/tmp/src", home + "a")  # from /tmp over a saved file
+    fs.rename(ALICE, home + "b", home + "d")  # over a saved file
+    fs.unlink(ALICE, home + "e")
+    fs.import_file(ALICE, home + "f", old["g"])  # over a saved file
+    g = fs.open(ALICE, home + "g", os.O_RDWR)
+    append(fs, g, [1, 2])
+    fs.fsync(g)
+    fs.close(anon)
+    snapshots.append(shutil.copytree(state, tmp_path / "done"))
+    new = {n: contents(fs, home + n) for n in names}
+    assert all(new[n] != old[n] for n in names)
+    for snapshot in snapshots:
+        after = boot(snapshot)
+        for n in names:
+            assert contents(after, home + n) in (old[n], new[n]), (snapshot.name, n)
+    # Data files of the files that lost their names went once the namespace was saved.
+    assert sorted(int(p.stem) for p in (state / "files").iterdir()) == sorted(
+        fs.lookup(ROOT, home + n).ino for n in names if new[n] is not None)
+
+
+def test_restore_tells_a_file_created_empty_from_lost_data(tmp_path):
+    fs = boot(tmp_path)
+    fs.home(ALICE, "alice")
+    fs.close(fs.open(ALICE, "/home/alice/empty", RW_CREAT))
+    h = fs.open(ALICE, "/home/alice/full", RW_CREAT)
+    append(fs, h, [1, 2, 3])
+    fs.close(h)
+    assert boot(tmp_path).stat(ROOT, "/home/alice/empty").tokens == 0
+    (tmp_path / "files" / f"{h.inode.ino}.kv").unlink()  # damage: its data is gone
+    with pytest.raises(FSError) as e:
+        boot(tmp_path)
+    assert e.value.errno == errno.EIO and "/home/alice/full" in str(e.value)
+
+
+def test_a_failed_save_fails_no_call_and_fsync_says_eio(tmp_path, monkeypatch):
+    """The change stands in memory, the failure is logged and tried again: at the next
+    save, at fsync (which alone reports it, EIO), and at stop."""
+    fs = make_fs()
+    state = StateDir(tmp_path, fs)
+    state.restore()
+    fs.home(ALICE, "alice")
+    f = fs.open(ALICE, "/home/alice/f", RW_CREAT)
+    append(fs, f, [1, 2, 3])
+    fs.fsync(f)
+    saved = fs.export(f)
+
+    def disk_full(path, chunks):
+        raise OSError(errno.ENOSPC, f"{path}: no space left")
+
+    monkeypatch.setattr(kvfs.state, "atomic_write", disk_full)
+    fs.mkdir(ALICE, "/home/alice/d")
+    g = fs.open(ALICE, "/home/alice/d/g", RW_CREAT)
+    append(fs, g, [4, 5])
+    fs.close(g)
+    append(fs, f, [6])
+    with pytest.raises(FSError) as e:
+        fs.fsync(f)
+    assert e.value.errno == errno.EIO and "no space left" in str(e.value)
+    latest = fs.export(f)
+    fs.close(f)
+    assert fs.stat(ALICE, "/home/alice/d/g").tokens == 2  # in memory, all stands
+    with pytest.raises(FSError) as e:
+        state.shutdown()
+    assert e.value.errno == errno.EIO and "the namespace" in str(e.value)
+    before = boot(tmp_path)
+    assert contents(before, "/home/alice/f") == saved
+    assert contents(before, "/home/alice/d/g") is None
+    monkeypatch.undo()
+    g = fs.open(ALICE, "/home/alice/d/g")
+    fs.fsync(g)  # the namespace, stale, goes with it
+    assert contents(boot(tmp_path), "/home/alice/d/g") == fs.export(g)
+    state.shutdown()  # and f, whose save at close failed
+    assert contents(boot(tmp_path), "/home/alice/f") == latest
+
+
+def test_a_tree_deeper_than_the_stack_saves_and_restores(tmp_path):
+    fs = make_fs()
+    fs.home(ALICE, "alice")
+    fs.mkdir(ALICE, "/home/alice/d")
+    for _ in range(1999):  # built from the bottom up, so that every path stays short
+        fs.mkdir(ALICE, "/home/alice/up")
+        fs.rename(ALICE, "/home/alice/d", "/home/alice/up/d")
+        fs.rename(ALICE, "/home/alice/up", "/home/alice/d")
+    deep = "/home/alice" + "/d" * 2000  # 4011 bytes: inside PATH_MAX
+    h = fs.open(ALICE, deep + "/f", RW_CREAT)
+    append(fs, h, [1, 2, 3])
+    state = StateDir(tmp_path, fs)
+    state.restore()  # nothing on disk yet: saves the namespace
+    fs.mkdir(ALICE, deep + "/e")
+    state.shutdown()
+    after = boot(tmp_path)
+    assert contents(after, deep + "/f") == fs.export(h)
+    assert after.stat(ROOT, deep).nlink == 3 and after.stat(ROOT, deep + "/e").nlink == 2
+
+
+def test_import_over_a_saved_file_rewrites_its_data_in_place(tmp_path):
+    fs = boot(tmp_path)
+    fs.home(ALICE, "alice")
+    h = fs.open(ALICE, "/home/alice/f", RW_CREAT, 0o640)
+    append(fs, h, list(range(9)))
+    fs.close(h)
+    src = fs.open(ALICE, "", RW_CREAT)
+    append(fs, src, [3, 4, 5])
+    data = fs.export(src)
+    again = boot(tmp_path)  # f restored, its pages not loaded: replaced all the same
+    ino = again.stat(ROOT, "/home/alice/f").ino
+    again.import_file(ALICE, "/home/alice/f", data)
+    third = boot(tmp_path)
+    st = third.stat(ROOT, "/home/alice/f")
+    assert (st.ino, st.uid, st.mode & 0o7777, st.tokens) == (ino, 1000, 0o640, 3)
+    assert third.export(third.open(ROOT, "/home/alice/f")) == data
