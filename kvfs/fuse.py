@@ -2,15 +2,19 @@
 
 The mount is a client of the kernel like any LIP: every operation is a syscall, made for the
 process behind the FUSE request (`acting_as` its uid and gid, which a root session may do),
-so the kernel decides access; the mount itself checks none. A KV file's bytes are its
-canonical serialized form (docs/kv-format.md):
+so the kernel decides access. A KV file's bytes are its canonical serialized form
+(docs/kv-format.md):
 
 - reading opens the file, forks it (a copy-on-write snapshot, so a reader sees one version
   even while a LIP appends) and serves reads from an `export` stream of the snapshot,
   restarted at the new offset when a read jumps ahead;
-- writing collects the bytes in a spool per open file and imports them when the file is
-  closed (flush); the kernel checks the whole file, and a refused one leaves nothing. A new
-  file exists only in the mount until then.
+- writing collects the bytes in a spool per open file and imports them, as the writer, when
+  the file is closed (flush); the kernel checks the whole file, and a refused one leaves
+  nothing. Over an existing file the import rewrites it in place: its inode, owner, group,
+  mode and links stay, as a write on a disk leaves them.
+- A new file exists only in the mount until then. The one check the mount makes itself is
+  for such a file: whoever reaches it (the kernel checks search permission on its directory)
+  sees it, but only its writer, or root, may change or use it.
 
 DIR/proc shows the kernel's /proc texts (`procfs`), read-only. Entry and attribute caches
 are off (timeout 0) and files are opened direct_io, bypassing the page cache, so changes
@@ -66,6 +70,15 @@ def fuse_error(e: OSError) -> pyfuse3.FUSEError:
 
 def child(parent: str, name: bytes) -> str:
     return ("" if parent == "/" else parent) + "/" + os.fsdecode(name)
+
+
+def parent_of(path: str) -> str:
+    return path.rsplit("/", 1)[0] or "/"
+
+
+def moved(path: str, old: str, new: str) -> str:
+    """`path` once `old` is renamed `new`."""
+    return new + path[len(old) :] if path == old or path.startswith(old + "/") else path
 
 
 def in_proc(path: str) -> bool:
@@ -143,25 +156,35 @@ class Reader:
 
 @dataclass
 class Writer:
-    """A KV file open for writing: its bytes so far, imported as `uid`:`gid` on close."""
+    """A KV file open for writing: its bytes so far, imported on close as `uid`:`gid`, its
+    writer."""
 
     path: str
     ino: int
     uid: int
     gid: int
-    mode: int
-    existed: bool  # the kernel has a file at `path` (which the import replaces)
+    mode: int  # for the file the import makes, if there is none at `path` by then
+    # The kernel has a file at `path`: the import rewrites it in place, as a write on a disk
+    # does (its inode, owner, group, mode and links stay).
+    existed: bool
     base_size: int = 0  # that file's size, while its bytes are not yet in the spool
     unseeded: bool = False  # opened without O_TRUNC: the spool must start from its bytes
     dirty: bool = False
     length: int = 0  # of the spool (not asked of the spool: an import may be reading it)
-    owner: tuple[int, int] | None = None  # (uid, gid) to give the file once imported
+    owner: tuple[int, int] | None = None  # (uid, gid) root gave the new file, set once imported
     born_ns: int = field(default_factory=time.time_ns)
     spool: Any = field(default_factory=lambda: tempfile.SpooledTemporaryFile(SPOOL_MEMORY))
     lock: trio.Lock = field(default_factory=trio.Lock)
 
     def size(self) -> int:
         return self.base_size if self.unseeded else self.length
+
+    def attributes(self) -> pyfuse3.EntryAttributes:
+        """What the mount shows of a new file the kernel has not seen yet."""
+        uid, gid = self.owner or (self.uid, self.gid)
+        return entry(
+            self.ino, stat.S_IFREG | self.mode, self.size(), 1, uid, gid, (self.born_ns,) * 3
+        )
 
     def chunks(self) -> Iterator[bytes]:
         self.spool.seek(0)
@@ -234,12 +257,24 @@ class KvFS(pyfuse3.Operations):
             self.own[path] = next(self.inodes)
         return self.own[path]
 
+    def pending(self, path: str) -> Writer | None:
+        """The writer of a new file at `path` that the kernel has not seen yet, if any."""
+        w = self.writing.get(path)
+        return None if w is None or w.existed else w
+
+    async def search(self, path: str, ctx: pyfuse3.RequestContext) -> None:
+        """Have the kernel check the caller's search permission down to a file it has not
+        seen yet, as its lookup would for a file it has."""
+        await self.run(self.who(ctx.uid, ctx.gid).access, parent_of(path), os.X_OK)
+
     async def attrs(self, path: str, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if in_proc(path):
             return await self.proc_attrs(path, ctx)
+        w = self.pending(path)
+        if w is not None:
+            await self.search(path, ctx)
+            return w.attributes()
         w = self.writing.get(path)
-        if w is not None and not w.existed:
-            return entry(w.ino, stat.S_IFREG | w.mode, w.size(), 1, w.uid, w.gid, (w.born_ns,) * 3)
         st = await self.run(self.who(ctx.uid, ctx.gid).stat, path)
         a = stat_entry(st, pyfuse3.ROOT_INODE if path == "/" else st.ino)
         if w is not None:
@@ -305,28 +340,70 @@ class KvFS(pyfuse3.Operations):
         path = self.path_of(inode)
         if in_proc(path):
             raise pyfuse3.FUSEError(errno.EROFS)
+        h = self.handles.get(fh) if fh is not None else None
+        mine = isinstance(h, Writer)  # the caller's own file open for writing (ftruncate)
+        w = h if isinstance(h, Writer) else self.writing.get(path)
+        if w is not None and not w.existed:
+            await self.change_pending(w, attr, fields, ctx)
+        else:
+            await self.change(path, w, mine, attr, fields, ctx)
+        return await self.getattr(inode, ctx)
+
+    async def change(
+        self,
+        path: str,
+        w: Writer | None,
+        mine: bool,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        """setattr of a file the kernel has (`w`: a writer of it, whose spool a size change
+        cuts): the kernel checks the caller as for any change of it."""
         k = self.who(ctx.uid, ctx.gid)
-        w = self.handles.get(fh) if fh is not None else self.writing.get(path)
-        w = w if isinstance(w, Writer) else None
         if fields.update_size:
+            if not mine:  # a path needs write permission; an fd open for writing has it
+                await self.run(k.access, path, os.W_OK)
             await self.resize(w, path, attr.st_size, ctx)
         if fields.update_mode:
-            if w is None or w.existed:
-                await self.run(k.chmod, path, attr.st_mode & 0o7777)
-            if w is not None:
-                w.mode = attr.st_mode & 0o7777
+            await self.run(k.chmod, path, attr.st_mode & 0o7777)
         if fields.update_uid or fields.update_gid:
             uid = attr.st_uid if fields.update_uid else -1
             gid = attr.st_gid if fields.update_gid else -1
-            if w is None or w.existed:
-                await self.run(k.chown, path, uid, gid)
-            elif ctx.uid != 0:  # the kernel's rule, for a file it has not seen yet
+            await self.run(k.chown, path, uid, gid)
+        if fields.update_atime or fields.update_mtime:
+            # The kernel keeps its own times and has no call to set them; the caller must
+            # still be allowed what touch(1) is (pyfuse3 does not say whether the times are
+            # "now"): to own the file, or to write it.
+            if ctx.uid != 0 and ctx.uid != (await self.run(k.stat, path)).uid:
+                await self.run(k.access, path, os.W_OK)
+
+    async def change_pending(
+        self,
+        w: Writer,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        """setattr of a new file the kernel has not seen yet: the caller must reach it, and
+        only its writer (or root) may change it, as only its owner could once it is there."""
+        await self.search(w.path, ctx)
+        if ctx.uid not in (0, w.uid):
+            f = fields
+            metadata = (f.update_mode, f.update_uid, f.update_gid, f.update_atime, f.update_mtime)
+            raise pyfuse3.FUSEError(errno.EPERM if any(metadata) else errno.EACCES)
+        if fields.update_size:
+            await self.resize(w, w.path, attr.st_size, ctx)
+        if fields.update_mode:
+            w.mode = attr.st_mode & 0o7777
+        if fields.update_uid or fields.update_gid:
+            if ctx.uid != 0:  # the kernel's rule
                 raise pyfuse3.FUSEError(errno.EPERM)
-            if w is not None:
-                was = w.owner or (w.uid, w.gid)
-                w.owner = (was[0] if uid == -1 else uid, was[1] if gid == -1 else gid)
-        # atime/mtime: the kernel keeps its own times and has no call to set them.
-        return await self.getattr(inode, ctx)
+            was = w.owner or (w.uid, w.gid)
+            w.owner = (
+                attr.st_uid if fields.update_uid else was[0],
+                attr.st_gid if fields.update_gid else was[1],
+            )
 
     async def resize(
         self, w: Writer | None, path: str, size: int, ctx: pyfuse3.RequestContext
@@ -393,8 +470,12 @@ class KvFS(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.EEXIST)
         await self.run(k.rename, old, new)
         for inode, path in list(self.paths.items()):
-            if path == old or path.startswith(old + "/"):
-                self.paths[inode] = new + path[len(old) :]
+            self.paths[inode] = moved(path, old, new)
+        # Files being written follow their names, so that they import where they now are.
+        for h in self.handles.values():
+            if isinstance(h, Writer):
+                h.path = moved(h.path, old, new)
+        self.writing = {w.path: w for w in self.writing.values()}
 
     async def link(
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
@@ -416,9 +497,11 @@ class KvFS(pyfuse3.Operations):
         path = self.path_of(inode)
         if in_proc(path):
             return not mode & os.W_OK
-        if path in self.writing:  # not imported yet: only its writer knows it
-            return True
+        w = self.pending(path)
         try:
+            if w is not None:  # the kernel has not seen it yet: only its writer may use it
+                await self.search(path, ctx)
+                return ctx.uid in (0, w.uid)
             await self.run(self.who(ctx.uid, ctx.gid).access, path, mode)
         except pyfuse3.FUSEError as e:
             if e.errno == errno.EACCES:
@@ -446,9 +529,9 @@ class KvFS(pyfuse3.Operations):
             for name, st in await self.run(self.who(ctx.uid, ctx.gid).readdir, path):
                 if not (path == "/" and name == "proc"):  # the mount's /proc hides it
                     entries.append((name, stat_entry(st, st.ino), child(path, name.encode())))
-            for p, w in self.writing.items():
-                if not w.existed and p.rsplit("/", 1)[0] == ("" if path == "/" else path):
-                    entries.append((p.rsplit("/", 1)[1], await self.attrs(p, ctx), p))
+            for p, w in self.writing.items():  # the kernel's readdir checked the caller
+                if not w.existed and parent_of(p) == path:
+                    entries.append((p.rsplit("/", 1)[1], w.attributes(), p))
             if path == "/":
                 entries.append(("proc", await self.proc_attrs(PROC, ctx), PROC))
         return self.add(Listing([(os.fsencode(n), a, p) for n, a, p in entries]))
@@ -476,6 +559,9 @@ class KvFS(pyfuse3.Operations):
             text = await self.proc_text(path, ctx)
             # Sizes change between stat and read: direct_io reads to the end regardless.
             return pyfuse3.FileInfo(fh=self.add(ProcText(text.encode())), direct_io=True)
+        w = self.pending(path)
+        if w is not None and ctx.uid not in (0, w.uid):  # only its writer may use it yet
+            raise pyfuse3.FUSEError(errno.EACCES)
         k = self.who(ctx.uid, ctx.gid)
         if access == os.O_RDONLY:
 
@@ -492,8 +578,6 @@ class KvFS(pyfuse3.Operations):
 
         st = await self.run(check)
         trunc = bool(flags & os.O_TRUNC)
-        # The import makes a new file, the writer's; root can give it back to its owner.
-        keep = ctx.uid == 0 and (st.uid, st.gid) != (ctx.uid, ctx.gid)
         w = Writer(
             path,
             inode,
@@ -504,7 +588,6 @@ class KvFS(pyfuse3.Operations):
             base_size=st.size,
             unseeded=not trunc,
             dirty=trunc,
-            owner=(st.uid, st.gid) if keep else None,
         )
         if trunc:
             self.writing[path] = w

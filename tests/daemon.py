@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -10,9 +11,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from checkpoints import add_tokenizer, make_checkpoint
 
 from syscalls.client import Kernel
@@ -71,14 +74,16 @@ class Daemon:
         return self.log.read_text(errors="replace")
 
 
-def start_daemon(model: Path, root: Path | None = None, *flags: str) -> Daemon:
+def start_daemon(model: Path, root: Path | None = None, *flags: str,
+                 preexec_fn: Callable[[], None] | None = None) -> Daemon:
+    """preexec_fn runs in the kernel's process before it starts (to lower a limit)."""
     root = root or world_dir()
     sock, state, log = root / "kernel.sock", root / "state", root / "kernel.log"
     with open(log, "ab") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "symphony.cli", "kernel", "--model", str(model),
              "--socket", str(sock), "--state-dir", str(state), *flags],
-            stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=ROOT)
+            stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=ROOT, preexec_fn=preexec_fn)
     daemon = Daemon(sock, state, log, process)
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
@@ -115,3 +120,69 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+SYMPHONY = [sys.executable, "-m", "symphony.cli"]
+NEEDS_MOUNT = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
+    reason="needs root, /dev/fuse and fusermount3",
+)
+
+
+def mounted_at(target: Path) -> bool:
+    """From the mount table: stat on a mount whose kernel died would fail."""
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == str(target) for line in f)
+
+
+@contextlib.contextmanager
+def mounted(daemon: Daemon, foreground: bool = True):
+    """The kernel mounted at DIR (the process too when in the foreground); always unmounted
+    at the end, lazily if it must be."""
+    target = daemon.socket.parent / "mnt"
+    target.mkdir(exist_ok=True)
+    cmd = [*SYMPHONY, "mount", str(target), "--socket", str(daemon.socket)]
+    process = None
+    if foreground:
+        process = subprocess.Popen([*cmd, "--foreground"], cwd=ROOT)
+        wait_for(lambda: mounted_at(target) or process.poll() is not None, what="the mount")
+        assert process.poll() is None, "the mount process exited"
+    else:
+        subprocess.run(cmd, cwd=ROOT, check=True, timeout=60)
+        assert mounted_at(target)
+    try:
+        yield target, process
+    finally:
+        if mounted_at(target):
+            umount = subprocess.run([*SYMPHONY, "umount", str(target)], cwd=ROOT)
+            if umount.returncode:
+                subprocess.run(["fusermount3", "-u", "-z", str(target)])
+        if process is not None:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def errno_of(fn, *args) -> int:
+    """The errno fn(*args) fails with; 0 if it does not."""
+    try:
+        fn(*args)
+    except OSError as e:
+        return e.errno
+    return 0
+
+
+def as_user(uid: int, *cmd: str) -> subprocess.CompletedProcess:
+    """A plain system tool run as another user (the venv's Python lives where they cannot
+    read)."""
+    return subprocess.run(
+        cmd, user=uid, group=uid, extra_groups=[], capture_output=True, cwd="/", timeout=60
+    )
+
+
+def make(k: Kernel, path: str, n: int, mode: int = 0o644, salt: int = 0) -> None:
+    """A KV file of n tokens at path."""
+    with k.open(path, os.O_CREAT | os.O_RDWR, mode) as f:
+        f.pred(prompt(n, salt), no_outputs=True)

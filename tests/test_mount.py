@@ -4,65 +4,33 @@ under it."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import shutil
 import signal
 import stat
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from daemon import ROOT, prompt, start_daemon, wait_for
+from daemon import (
+    NEEDS_MOUNT,
+    ROOT,
+    SYMPHONY,
+    as_user,
+    errno_of,
+    make,
+    mounted,
+    mounted_at,
+    prompt,
+    start_daemon,
+    wait_for,
+)
 
 from kvfs.fuse import SLACK
 from syscalls.convert import proc_fields
 
-SYMPHONY = [sys.executable, "-m", "symphony.cli"]
 OWNER, OTHER = 60001, 60002
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    os.geteuid() != 0 or not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"),
-    reason="needs root, /dev/fuse and fusermount3",
-)]
-
-
-def mounted_at(target: Path) -> bool:
-    """From the mount table: stat on a mount whose kernel died would fail."""
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == str(target) for line in f)
-
-
-@contextlib.contextmanager
-def mounted(daemon, foreground: bool = True):
-    """The kernel mounted at DIR (the process too when in the foreground); always unmounted
-    at the end, lazily if it must be."""
-    target = daemon.socket.parent / "mnt"
-    target.mkdir(exist_ok=True)
-    cmd = [*SYMPHONY, "mount", str(target), "--socket", str(daemon.socket)]
-    process = None
-    if foreground:
-        process = subprocess.Popen([*cmd, "--foreground"], cwd=ROOT)
-        wait_for(lambda: mounted_at(target) or process.poll() is not None, what="the mount")
-        assert process.poll() is None, "the mount process exited"
-    else:
-        subprocess.run(cmd, cwd=ROOT, check=True, timeout=60)
-        assert mounted_at(target)
-    try:
-        yield target, process
-    finally:
-        if mounted_at(target):
-            umount = subprocess.run([*SYMPHONY, "umount", str(target)], cwd=ROOT)
-            if umount.returncode:
-                subprocess.run(["fusermount3", "-u", "-z", str(target)])
-        if process is not None:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+pytestmark = [pytest.mark.slow, NEEDS_MOUNT]
 
 
 @pytest.fixture(scope="module")
@@ -75,27 +43,6 @@ def mnt(daemon):
 def k(daemon):
     with daemon.connect() as k:
         yield k
-
-
-def make(k, path: str, n: int, mode: int = 0o644, salt: int = 0) -> None:
-    with k.open(path, os.O_CREAT | os.O_RDWR, mode) as f:
-        f.pred(prompt(n, salt), no_outputs=True)
-
-
-def errno_of(fn, *args) -> int:
-    try:
-        fn(*args)
-    except OSError as e:
-        return e.errno
-    return 0
-
-
-def as_user(uid: int, *cmd: str) -> subprocess.CompletedProcess:
-    """A plain system tool run as another user (the venv's Python lives where they cannot
-    read)."""
-    return subprocess.run(
-        cmd, user=uid, group=uid, extra_groups=[], capture_output=True, cwd="/", timeout=60
-    )
 
 
 def test_ls_and_stat_show_the_kernels_files(k, mnt):
@@ -297,7 +244,7 @@ def test_the_kernel_decides_access_for_each_user(daemon, k, mnt):
     assert errno_of(k.stat, "/tmp/u1/mine.kv") == errno.ENOENT
     assert as_user(OWNER, "cp", str(good), str(mnt / "tmp/u1/mine.kv")).returncode == 0
     assert k.stat("/tmp/u1/mine.kv").uid == OWNER
-    # Root writes over it: a new file (the import's), given back to its owner.
+    # Root writes over it: rewritten in place, still its owner's.
     subprocess.run(["cp", good, mnt / "tmp/u1/mine.kv"], check=True)
     st = k.stat("/tmp/u1/mine.kv")
     assert (st.uid, st.gid, stat.S_IMODE(st.mode)) == (OWNER, OWNER, 0o644 & ~current_umask())

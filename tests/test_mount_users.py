@@ -1,0 +1,195 @@
+"""Two real users writing through the mount: a file being written (not yet imported) is as
+out of reach as one the kernel has, and writing another user's file keeps its inode, owner,
+group, mode and links, as a write on a disk does."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from daemon import NEEDS_MOUNT, as_user, errno_of, make, mounted, world_dir
+
+A, B = 60001, 60002
+
+pytestmark = [pytest.mark.slow, NEEDS_MOUNT]
+
+# Python becomes the user (argv[1]) only after starting: it may live where other users
+# cannot read.
+BECOME = """
+import os, sys
+os.setgroups([])
+os.setgid(int(sys.argv[1]))
+os.setuid(int(sys.argv[1]))
+"""
+# Write files through the mount and hold them open (so not yet imported) until stdin closes.
+HOLD = """
+os.umask(0o077)
+fds = []
+for path, source in zip(sys.argv[2::2], sys.argv[3::2]):
+    with open(source, "rb") as f:
+        data = f.read()
+    fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
+    assert os.write(fds[-1], data) == len(data)
+print("written", flush=True)
+sys.stdin.read()
+for fd in fds:
+    os.close(fd)
+"""
+# truncate(2) of a path (truncate(1) opens the file and cuts the fd instead): its errno.
+TRUNCATE = """
+try:
+    os.truncate(sys.argv[2], 0)
+except OSError as e:
+    print(e.errno)
+"""
+
+
+@pytest.fixture(scope="module")
+def mnt(daemon):
+    with mounted(daemon) as (target, _):
+        yield target
+
+
+@pytest.fixture()
+def k(daemon):
+    with daemon.connect() as k:
+        yield k
+
+
+def source(k, n: int, salt: int) -> tuple[Path, bytes]:
+    """A KV file's canonical form in a file every user may read, and its bytes."""
+    make(k, "/tmp/source.kv", n, salt=salt)
+    data = k.export("/tmp/source.kv")
+    k.unlink("/tmp/source.kv")
+    path = world_dir() / "source.kv"
+    path.write_bytes(data)
+    path.chmod(0o644)
+    return path, data
+
+
+def python_as(uid: int, code: str, *args: str | Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", BECOME + code, str(uid), *map(str, args)],
+                            cwd="/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def truncate_errno(uid: int, path: str) -> int:
+    out, err = python_as(uid, TRUNCATE, path).communicate(timeout=60)
+    assert not err, err
+    return int(out or 0)
+
+
+@contextlib.contextmanager
+def held_open(uid: int, *writes: tuple[str, Path]):
+    """uid's process writes each (file in the mount, source) and holds the files open until
+    the block ends; then it closes them, which imports them."""
+    hold = python_as(uid, HOLD, *(p for pair in writes for p in pair))
+    try:
+        assert hold.stdout.readline() == b"written\n", hold.stderr.read()
+        yield
+    finally:
+        _, err = hold.communicate(timeout=60)
+    assert hold.returncode == 0, err
+
+
+def refused(uid: int, *cmd: str) -> bytes:
+    """The error a tool run as uid fails with."""
+    run = as_user(uid, *cmd)
+    assert run.returncode != 0, cmd
+    return run.stderr
+
+
+def test_a_file_being_written_in_a_private_home_is_out_of_others_reach(k, mnt):
+    k.mkdir("/home/a", 0o700)
+    k.chown("/home/a", A, A)
+    src, data = source(k, 9, salt=1)
+    new = str(mnt / "home/a/new.kv")
+    with held_open(A, (new, src)):
+        assert as_user(A, "stat", "-c", "%a %u", new).stdout == b"600 60001\n"
+        for cmd in (["stat"], ["chmod", "644"], ["truncate", "-s", "0"], ["touch", "-c"],
+                    ["cat"], ["getfattr", "-d"]):
+            assert b"Permission denied" in refused(B, *cmd, new), cmd
+        assert truncate_errno(B, new) == errno.EACCES
+        assert as_user(B, "test", "-e", new).returncode == 1
+    st = k.stat("/home/a/new.kv")
+    assert (st.uid, stat.S_IMODE(st.mode)) == (A, 0o600)
+    assert k.export("/home/a/new.kv") == data
+
+
+def test_in_a_shared_directory_only_its_writer_changes_a_file_being_written(k, mnt):
+    make(k.acting_as(A, A), "/tmp/old.kv", 5)  # A's, 0644: others may read it, not write it
+    ino = k.stat("/tmp/old.kv").ino
+    src_new, data_new = source(k, 9, salt=1)
+    src_old, data_old = source(k, 7, salt=2)
+    new, old = str(mnt / "tmp/new.kv"), str(mnt / "tmp/old.kv")
+    with held_open(A, (new, src_new), (old, src_old)):
+        assert as_user(B, "stat", "-c", "%a %u", new).stdout == b"600 60001\n"  # /tmp: searchable
+        for path in (new, old):
+            assert b"Operation not permitted" in refused(B, "chmod", "666", path)
+            assert truncate_errno(B, path) == errno.EACCES
+            assert b"Permission denied" in refused(B, "truncate", "-s", "0", path)
+            refused(B, "touch", "-c", path)
+            assert as_user(B, "test", "-w", path).returncode == 1
+        assert b"Permission denied" in refused(B, "cat", new)
+        assert as_user(B, "cat", old).stdout == k.export("/tmp/old.kv")  # the kernel's version
+        assert as_user(A, "chmod", "640", new).returncode == 0  # its writer may
+        assert as_user(B, "stat", "-c", "%a", new).stdout == b"640\n"
+    st = k.stat("/tmp/new.kv")
+    assert (st.uid, stat.S_IMODE(st.mode)) == (A, 0o640)
+    assert k.export("/tmp/new.kv") == data_new
+    assert k.export("/tmp/old.kv") == data_old and k.stat("/tmp/old.kv").ino == ino
+
+
+def test_writing_another_users_file_keeps_its_inode_owner_mode_and_links(k, mnt):
+    owner = k.acting_as(A, A)
+    owner.mkdir("/tmp/a", 0o755)  # B may not make files here: the writes must go in place
+    src, data = source(k, 9, salt=1)
+    for name, mode in (("w2.kv", 0o602), ("w6.kv", 0o666)):
+        path = f"/tmp/a/{name}"
+        make(owner, path, 5, mode)
+        with owner.open(path) as f:
+            f.link(path + ".link")
+        ino = k.stat(path).ino
+        cp = as_user(B, "cp", str(src), str(mnt / path[1:]))
+        assert cp.returncode == 0, cp.stderr
+        ks, ms = k.stat(path), os.stat(mnt / path[1:])
+        assert (ks.ino, ks.uid, ks.gid, stat.S_IMODE(ks.mode)) == (ino, A, A, mode)
+        assert (ms.st_ino, ms.st_uid, ms.st_gid, ms.st_mode) == (ks.ino, ks.uid, ks.gid, ks.mode)
+        assert k.export(path) == k.export(path + ".link") == data
+        assert b"Operation not permitted" in refused(B, "chmod", "666", str(mnt / path[1:]))
+    w2 = str(mnt / "tmp/a/w2.kv")
+    assert b"Permission denied" in refused(B, "cat", w2)
+    # Without O_TRUNC, the writing starts from the file's bytes, which B may not read: they
+    # go only back into the file.
+    patched = data[:-4] + b"\x00\x00\x80\x3f"  # the last V value, 1.0f
+    patch = src.with_name("patch")
+    patch.write_bytes(patched[-4:])
+    patch.chmod(0o644)
+    dd = as_user(B, "dd", f"if={patch}", f"of={w2}", f"seek={len(data) - 4}", "oflag=seek_bytes",
+                 "conv=notrunc", "status=none")
+    assert dd.returncode == 0, dd.stderr
+    assert k.export("/tmp/a/w2.kv") == patched
+    st = k.stat("/tmp/a/w2.kv")
+    assert (st.uid, stat.S_IMODE(st.mode)) == (A, 0o602)
+
+
+def test_a_file_being_written_follows_a_rename(k, mnt):
+    owner = k.acting_as(A, A)
+    owner.mkdir("/tmp/d", 0o755)
+    make(owner, "/tmp/d/old.kv", 5)
+    ino = k.stat("/tmp/d/old.kv").ino
+    src_new, data_new = source(k, 9, salt=1)
+    src_old, data_old = source(k, 7, salt=2)
+    with held_open(A, (str(mnt / "tmp/d/new.kv"), src_new), (str(mnt / "tmp/d/old.kv"), src_old)):
+        os.rename(mnt / "tmp/d/old.kv", mnt / "tmp/d/moved.kv")
+        os.rename(mnt / "tmp/d", mnt / "tmp/e")
+    assert sorted(name for name, _ in k.readdir("/tmp/e")) == ["moved.kv", "new.kv"]
+    assert k.export("/tmp/e/new.kv") == data_new
+    assert k.export("/tmp/e/moved.kv") == data_old and k.stat("/tmp/e/moved.kv").ino == ino
+    assert errno_of(k.stat, "/tmp/d") == errno.ENOENT
