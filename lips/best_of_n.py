@@ -1,6 +1,7 @@
 """best_of_n: sample n continuations of one prompt in parallel and keep the most likely.
 
     python lips/best_of_n.py --prompt "def parse(line):" --n 8 --seed 1
+    python lips/best_of_n.py --prompt-file prompt.txt --n 8       # or --prompt - < prompt.txt
 
 The prompt is computed once; its KV file is forked n ways (copy-on-write, so the branches
 share its pages) and the branches decode concurrently, which the kernel batches. The pick

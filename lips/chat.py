@@ -2,10 +2,12 @@
 
     python lips/chat.py --system "You are terse." --message "Hi" --message "What is 2+2?"
     python lips/chat.py --save chats/today < questions.txt
+    python lips/chat.py --system-file persona.txt --message-file long-question.txt
 
 Each turn renders the whole conversation and sends only the tokens the file does not hold
-yet, so earlier turns are never recomputed. Turns come from --message, else from stdin
-lines. Relative --save paths are under the user's home.
+yet, so earlier turns are never recomputed. Turns come from --message or --message-file
+(a whole file, or with "--message -" all of stdin, is one turn), else from stdin lines.
+Relative --save paths are under the user's home.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from syscalls.client import Kernel
 from syscalls.context import Context, TextStream
 from syscalls.flags import (
     add_sampling_flags,
+    add_text_flags,
     check_flags,
     kv_path,
     lip_main,
@@ -27,8 +30,8 @@ from syscalls.flags import (
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chat", description=__doc__.split("\n")[0])
-    p.add_argument("--message", action="append", help="a user turn (repeatable)")
-    p.add_argument("--system", help="the system message")
+    add_text_flags(p, "message", "a user turn, repeatable", action="append")
+    add_text_flags(p, "system", "the system message")
     p.add_argument("--save", metavar="PATH", help="link the conversation's KV file here")
     add_sampling_flags(p)
     return p

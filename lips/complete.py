@@ -2,10 +2,12 @@
 
     python lips/complete.py --prompt "def fibonacci(n):" --max-new-tokens 64
     python lips/complete.py --prompt-ids 1,2,3 --json --temperature 0.8 --seed 0
+    python lips/complete.py --prompt - < prompt.txt      # or --prompt-file prompt.txt
 
 Same flags and output as `symphony generate`: text mode streams the prompt and then each
 token's text as it comes; --json prints {"prompt_ids", "output_ids", "text"}; a model
-without a tokenizer prints ids.
+without a tokenizer prints ids. A prompt on the command line is in every user's ps(1):
+a private one comes from standard input (--prompt -) or a file (--prompt-file).
 """
 
 from __future__ import annotations

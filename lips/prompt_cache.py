@@ -1,6 +1,7 @@
 """prompt_cache: answer questions about a document whose attention state is kept in a KV file.
 
     python lips/prompt_cache.py --document notes.txt --cache notes.kv --question "Why?"
+    python lips/prompt_cache.py --document notes.txt --cache notes.kv --question-file q.txt
 
 The first run computes the document once and names its KV file PATH (relative paths are
 under the user's home); the kernel keeps it across runs and restarts. Every question then
@@ -20,6 +21,7 @@ from syscalls.client import Kernel
 from syscalls.context import Context
 from syscalls.flags import (
     add_sampling_flags,
+    add_text_flags,
     check_flags,
     kv_path,
     lip_main,
@@ -33,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prompt_cache", description=__doc__.split("\n")[0])
     p.add_argument("--document", required=True, type=Path, help="a text file")
     p.add_argument("--cache", required=True, metavar="PATH", help="the document's KV file")
-    p.add_argument("--question", required=True, action="append", help="repeatable")
+    add_text_flags(p, "question", "a question, repeatable", action="append")
     add_sampling_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -78,6 +80,8 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
     check_flags(args, info.has_tokenizer)
     if not info.has_tokenizer:
         raise ValueError("the model has no tokenizer")
+    if not args.question:
+        raise ValueError("no question: give --question or --question-file")
     path = kv_path(k.home, args.cache)
     document = k.tokenize(args.document.read_text(), add_special=True)
     start = time.perf_counter()

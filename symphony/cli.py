@@ -68,6 +68,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
         socket=socket_path(args.socket), state_dir=Path(args.state_dir or default_state_dir()),
         token_budget=args.token_budget, max_seqs=args.max_seqs, disk_pages=args.disk_pages,
         quota=args.quota, decode_ahead=args.decode_ahead == "on",
+        max_procs_per_user=args.max_procs_per_user,
     )
     run_kernel(engine, engine_thread, opts)
     return 0
@@ -80,7 +81,8 @@ def control():
 
 
 KERNEL_OPTIONS = ("model", "state_dir", "device", "dtype", "kv_pages", "host_pages",
-                  "disk_pages", "token_budget", "max_seqs", "quota", "decode_ahead")
+                  "disk_pages", "token_budget", "max_seqs", "quota", "decode_ahead",
+                  "max_procs_per_user")
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -111,6 +113,9 @@ def add_kernel_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument("--decode-ahead", choices=["on", "off"],
                    default="on" if Options.decode_ahead else "off",
                    help="compute a decoding LIP's next pred in spare room before it comes")
+    k.add_argument("--max-procs-per-user", type=int, default=Options.max_procs_per_user,
+                   help="processes a user may have at once; more get EAGAIN (root: no "
+                   "limit; default %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,9 +4,9 @@ socket, on uvloop."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
+import resource
 import signal
 import socket
 from pathlib import Path
@@ -15,15 +15,16 @@ import grpc
 
 from kvfs.fs import FileSystem
 from kvfs.pages import PageStore
+from kvfs.perm import Cred
 from kvfs.state import StateDir
 from symphony.engine.engine import Engine
 from symphony.engine.fingerprint import fingerprint
 from symphony.engine_thread import EngineThread
 from symphony.options import Options
-from symphony.process import Process, ProcessTable, os_cpu_seconds
+from symphony.process import Process, ProcessTable
 from symphony.procfs import ProcFS
 from symphony.scheduler import Scheduler
-from symphony.server import Front, Hello
+from symphony.server import Front, Hello, grpc_options
 from syscalls import symphony_pb2 as pb
 from syscalls import wire
 from syscalls.session import hello_path
@@ -83,15 +84,18 @@ class Kernel:
         self.sched.poke()
 
     async def kill(self, proc: Process) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(proc.os_pid, signal.SIGKILL)
+        """SIGKILL the OS process that said hello (if it is gone, its lifeline may live on
+        in a child: reaping closes it) and reap."""
+        proc.send_signal(signal.SIGKILL)
         await self.reap(proc)
 
-    def proc_info(self, p: Process) -> pb.ProcInfo:
+    def proc_info(self, p: Process, cred: Cred) -> pb.ProcInfo:
+        """What ps shows `cred` of p: another user's process without its argv."""
         return pb.ProcInfo(
-            pid=p.pid, os_pid=p.os_pid, uid=p.uid, user=p.user, name=p.name, argv=p.argv,
+            pid=p.pid, os_pid=p.os_pid, uid=p.uid, user=p.user, name=p.name,
+            argv=p.argv if p.inspectable_by(cred) else [],
             state=p.state, nice=p.nice, syscalls=sum(p.calls.values()), tokens=p.tokens,
-            pages=self.pages_of(p), cpu_seconds=os_cpu_seconds(p.os_pid),
+            pages=self.pages_of(p), cpu_seconds=p.cpu_seconds,
             accel_seconds=p.accel_seconds, fds=len(p.fds), started=p.started,
         )
 
@@ -111,7 +115,7 @@ class Kernel:
                 if _answers(path):
                     raise OSError(f"{path}: a kernel already listens there")
                 path.unlink()
-        server, front = grpc.aio.server(), Front(self)
+        server, front = grpc.aio.server(options=grpc_options()), Front(self)
         server.add_generic_rpc_handlers([front.handler()])
         if not server.add_insecure_port(f"unix:{sock}"):
             raise OSError(f"{sock}: cannot listen")
@@ -131,16 +135,18 @@ class Kernel:
             await stop.wait()
         finally:
             log.info("shutting down")
-            hello.close()
-            for lifeline in self.lifelines.values():  # a clean stop, not a crash: the mount
-                lifeline.write(wire.frame(wire.SHUTDOWN, 0))  # unmounts
-            await server.stop(grace=1.0)
-            for proc in list(self.procs):
-                await self.reap(proc)
-            scheduler.cancel()
-            self.state.shutdown()  # every changed named file, then the namespace
-            for path in (sock, hello_path(sock), pid_path(sock)):
-                path.unlink(missing_ok=True)
+            try:
+                hello.close()
+                for lifeline in self.lifelines.values():  # a clean stop, not a crash: the
+                    lifeline.write(wire.frame(wire.SHUTDOWN, 0))  # mount unmounts
+                await server.stop(grace=1.0)
+                for proc in list(self.procs):
+                    await self.reap(proc)
+                scheduler.cancel()
+                self.state.shutdown()  # all it can save; EIO after, if anything was not
+            finally:  # whatever failed, no socket or pid file outlives the kernel
+                for path in (sock, hello_path(sock), pid_path(sock)):
+                    path.unlink(missing_ok=True)
 
 
 def _answers(path: Path) -> bool:
@@ -158,5 +164,9 @@ def run_kernel(engine: Engine, engine_thread: EngineThread, opts: Options) -> No
     """Serve until SIGTERM or SIGINT, on uvloop; engine_thread built the engine."""
     import uvloop
 
+    # Each session holds descriptors (its lifeline, a pidfd, its gRPC connection): take as
+    # many as the OS allows.
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     kernel = Kernel(engine, engine_thread, opts)
     uvloop.run(kernel.serve())

@@ -18,3 +18,4 @@ class Options:
     disk_pages: int = 0
     quota: int | None = None  # pages per user (root has none)
     decode_ahead: bool = True  # compute a decoding LIP's next pred before it comes
+    max_procs_per_user: int = 256  # sessions a user other than root may hold at once

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,6 +36,20 @@ def os_groups(os_pid: int) -> frozenset[int]:
     except OSError:
         pass
     return frozenset()
+
+
+def os_alive(pidfd: int | None) -> bool:
+    """Whether the process a pidfd names still runs. A pid may name another process once
+    the first is gone; a pidfd never does."""
+    if pidfd is None:
+        return False
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a kernel not run as root may not signal it, but it runs
+        pass
+    return True
 
 
 def os_cpu_seconds(os_pid: int) -> float:
@@ -71,6 +87,7 @@ class Process:
     swapped: bool = False  # its pages were moved off the device while it was idle
     answered: float = 0.0  # when its last pred was answered (monotonic)
     think: float = 0.0  # how long it usually takes from an answer to its next pred, s
+    pidfd: int | None = None  # the OS process that said hello, even once its pid is reused
 
     @property
     def uid(self) -> int:
@@ -92,6 +109,24 @@ class Process:
             return "running"
         return "swapped" if self.swapped else "sleeping"
 
+    def inspectable_by(self, cred: Cred) -> bool:
+        """Whether cred may see what the process says and holds (argv, fds, calls): its
+        user and root only, since an argv can hold a prompt."""
+        return cred.root or cred.uid == self.uid
+
+    @property
+    def cpu_seconds(self) -> float:
+        """Its OS process's CPU time; 0 once that is gone, as its pid may be another's."""
+        seconds = os_cpu_seconds(self.os_pid)
+        return seconds if os_alive(self.pidfd) else 0.0
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the OS process that said hello; nothing if it is gone, never another
+        process that got its pid since."""
+        if self.pidfd is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                signal.pidfd_send_signal(self.pidfd, sig)
+
     def add_fd(self, handle: Handle) -> int:
         fd = self.next_fd
         self.next_fd += 1
@@ -109,20 +144,31 @@ class ProcessTable:
     def __init__(self) -> None:
         self.by_pid: dict[int, Process] = {}
         self.by_token: dict[str, Process] = {}
+        self.per_uid: Counter = Counter()  # uid -> processes in the table
         self.next_pid = 1
 
-    def spawn(self, os_pid: int, uid: int, gid: int) -> Process:
-        """A new process for a peer the OS vouched for, with a fresh session token."""
-        cred = Cred(uid, gid, os_groups(os_pid))
-        proc = Process(self.next_pid, os_pid, cred, secrets.token_hex(TOKEN_BYTES))
+    def spawn(self, os_pid: int, uid: int, gid: int, pidfd: int | None = None) -> Process:
+        """A new process for a peer the OS vouched for, with a fresh session token. The
+        table owns `pidfd` (a pidfd of the peer) from here on and closes it at remove."""
+        groups = os_groups(os_pid)
+        # Read before the check: if the peer still runs, the groups read were its own.
+        cred = Cred(uid, gid, groups if os_alive(pidfd) else frozenset())
+        proc = Process(self.next_pid, os_pid, cred, secrets.token_hex(TOKEN_BYTES),
+                       pidfd=pidfd)
         self.next_pid += 1
         self.by_pid[proc.pid] = proc
         self.by_token[proc.token] = proc
+        self.per_uid[uid] += 1
         return proc
 
     def remove(self, proc: Process) -> None:
-        self.by_pid.pop(proc.pid, None)
+        if self.by_pid.pop(proc.pid, None) is None:
+            return
         self.by_token.pop(proc.token, None)
+        self.per_uid[proc.uid] -= 1
+        if proc.pidfd is not None:
+            os.close(proc.pidfd)
+            proc.pidfd = None
 
     def get(self, pid: int) -> Process:
         proc = self.by_pid.get(pid)

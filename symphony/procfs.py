@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 from kvfs.errors import FSError
 from kvfs.pages import DISK, TIERS
-from symphony.process import Process, os_cpu_seconds
+from kvfs.perm import Cred
+from symphony.process import Process
 from symphony.users import user_name
 
 if TYPE_CHECKING:
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
 
 FILES = ("kv", "meminfo", "sched")
 PROC_FILES = ("fds", "status", "syscalls")
+PUBLIC = ("status",)  # what other users may read of a process (without its argv)
+PID_DIGITS = 18  # longer names are no pid (and int() refuses over 4300 digits)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -35,24 +38,39 @@ class ProcFS:
     def __init__(self, kernel: Kernel):
         self.k = kernel
 
-    def read(self, path: str) -> str:
-        """The text of a file; for a directory, its entries a line each, subdirectories
-        ending in "/"."""
+    def read(self, path: str, cred: Cred) -> str:
+        """The text of a file as `cred` may see it; for a directory, its entries a line
+        each, subdirectories ending in "/". Another user's PID/fds and PID/syscalls are
+        EACCES, and left out of PID/'s listing (the mount reads every entry it lists); its
+        status has no argv."""
         parts = [p for p in path.split("/") if p]
         if parts[:1] == ["proc"]:
             parts = parts[1:]
+        where = f"/proc/{'/'.join(parts)}"
         if not parts:
             return "".join(f"{name}\n" for name in FILES) + "".join(
                 f"{p.pid}/\n" for p in self.k.procs)
-        if len(parts) == 1 and parts[0].isdigit() and int(parts[0]) in self.k.procs.by_pid:
-            return "".join(f"{name}\n" for name in PROC_FILES)
         if len(parts) == 1 and parts[0] in FILES:
             return getattr(self, parts[0])()
-        if len(parts) == 2 and parts[0].isdigit() and parts[1] in PROC_FILES:
-            proc = self.k.procs.by_pid.get(int(parts[0]))
-            if proc is not None:
-                return getattr(self, parts[1])(proc)
-        raise FSError(errno.ENOENT, f"/proc/{'/'.join(parts)}")
+        proc = self.process(parts[0])
+        if proc is None or len(parts) > 2 or parts[1:] and parts[1] not in PROC_FILES:
+            raise FSError(errno.ENOENT, where)
+        mine = proc.inspectable_by(cred)
+        if len(parts) == 1:
+            return "".join(f"{name}\n" for name in PROC_FILES if mine or name in PUBLIC)
+        if not (mine or parts[1] in PUBLIC):
+            raise FSError(errno.EACCES, f"{where}: process {proc.pid} is another user's")
+        if parts[1] == "status":
+            return self.status(proc, mine)
+        return getattr(self, parts[1])(proc)
+
+    def process(self, name: str) -> Process | None:
+        """The process a /proc name stands for: a pid in ASCII digits as str() writes it
+        (not "03", "²" or "٣", which int() would take)."""
+        if not (name.isascii() and name.isdigit()) or len(name) > PID_DIGITS:
+            return None
+        pid = int(name)
+        return self.k.procs.by_pid.get(pid) if str(pid) == name else None
 
     def meminfo(self) -> str:
         store = self.k.fs.store
@@ -110,13 +128,14 @@ class ProcFS:
         ]
         return lines(pairs)
 
-    def status(self, p: Process) -> str:
+    def status(self, p: Process, mine: bool) -> str:
         return lines([
-            ("pid", p.pid), ("os_pid", p.os_pid), ("name", p.name), ("argv", " ".join(p.argv)),
+            ("pid", p.pid), ("os_pid", p.os_pid), ("name", p.name),
+            ("argv", " ".join(p.argv) if mine else ""),
             ("state", p.state), ("uid", p.uid), ("user", p.user), ("gid", p.cred.gid),
             ("nice", p.nice), ("fds", len(p.fds)), ("pages", self.k.pages_of(p)),
             ("tokens", p.tokens), ("syscalls", sum(p.calls.values())),
-            ("cpu_seconds", f"{os_cpu_seconds(p.os_pid):.2f}"),
+            ("cpu_seconds", f"{p.cpu_seconds:.2f}"),
             ("accel_seconds", f"{p.accel_seconds:.3f}"),
             ("uptime_s", f"{time.time() - p.started:.1f}"),
         ])

@@ -13,6 +13,8 @@ import inspect
 import logging
 import os
 import pwd
+import re
+import resource
 import socket
 import struct
 import time
@@ -26,9 +28,10 @@ from kvfs.errors import FSError
 from kvfs.perm import Cred
 from symphony.process import Process
 from symphony.syscall_table import TABLE
+from symphony.users import user_name
 from syscalls import symphony_pb2 as pb
 from syscalls import wire
-from syscalls.session import AS_KEY, SESSION_KEY
+from syscalls.session import AS_KEY, SESSION_KEY, refusal
 
 if TYPE_CHECKING:
     from symphony.daemon import Kernel
@@ -62,11 +65,30 @@ def error_reply(reply_type, e: BaseException):
     return reply_type(error=pb.Error(errno=errno.EIO, message=f"kernel error: {e!r}"))
 
 
+ID_MAX = (1 << 32) - 2  # uid_t and gid_t; (uid_t) -1 means "no id" to the OS
+AS_FORM = re.compile(r"(-?[0-9]{1,20}):(-?[0-9]{1,20})")  # longer is no id either
+
+# gRPC's server defaults do not fit a kernel. It takes requests of at most 4 MiB (we take
+# wire.MAX_PAYLOAD, as the lifeline does: longer ones fail with RESOURCE_EXHAUSTED, EMSGSIZE
+# to the client). And it sheds calls with CANCELLED once about 1000 (at random; all past
+# 3000) wait to be picked up, which an asyncio LIP with thousands of preds in flight hit.
+CALL_OPTIONS = [
+    ("grpc.max_receive_message_length", wire.MAX_PAYLOAD),
+    ("grpc.server.max_pending_requests", 1 << 16),
+    ("grpc.server.max_pending_requests_hard_limit", 1 << 16),
+]
+
+
 def as_cred(value: str) -> Cred:
-    try:
-        uid, gid = (int(x) for x in value.split(":"))
-    except ValueError:
-        raise FSError(errno.EINVAL, f"{AS_KEY}: {value!r} is not uid:gid") from None
+    """The credentials `symphony-as: uid:gid` names; EINVAL for anything but two ids."""
+    form = AS_FORM.fullmatch(value)
+    if form is None:
+        raise FSError(errno.EINVAL, f"{AS_KEY}: {value!r} is not uid:gid")
+    uid, gid = int(form[1]), int(form[2])
+    for what, n in (("uid", uid), ("gid", gid)):
+        if not 0 <= n <= ID_MAX:
+            raise FSError(errno.EINVAL, f"{AS_KEY}: {value!r}: {what} {n} is not in "
+                          f"[0, {ID_MAX}]")
     try:
         groups = frozenset(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
     except KeyError:
@@ -177,7 +199,55 @@ class Front:
 
 
 PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5, asm-generic (x86, arm)
 pred_request = parser(pb.PredRequest)
+# Descriptors kept for root's sessions and for what running sessions open (fsync writes a
+# file, swap, the state directory): other users' hellos are refused before these.
+FD_RESERVE = 256
+
+
+def fd_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def grpc_options() -> list[tuple[str, int]]:
+    """The gRPC server's settings. Its connections need no hello, so they cannot be counted
+    per user: capped at half the descriptors outside the reserve, a flood of them leaves
+    hellos and running sessions their share."""
+    return [("grpc.max_allowed_incoming_connections", max(1, (fd_limit() - FD_RESERVE) // 2)),
+            *CALL_OPTIONS]
+
+
+def refused(kernel: Kernel, uid: int, fd: int) -> str | None:
+    """Why a new session of uid, on descriptor fd, is refused; None when it is not. Root's
+    never is."""
+    if uid == 0:
+        return None
+    limit = kernel.opts.max_procs_per_user
+    if kernel.procs.per_uid[uid] >= limit:
+        return (f"{user_name(uid)} has {limit} processes, the limit per user "
+                "(symphony kernel --max-procs-per-user)")
+    # The OS hands out the lowest free descriptor, so a new one numbered fd means that at
+    # least fd are open (gRPC's connections and the files being written included).
+    if fd >= fd_limit() - FD_RESERVE:
+        return (f"the kernel has {fd} of its {fd_limit()} file descriptors open; the last "
+                f"{FD_RESERVE} are kept for root and running sessions")
+    return None
+
+
+def peer_pidfd(sock: socket.socket, pid: int) -> int | None:
+    """A pidfd of the process that connected, which names it even once its pid is reused;
+    None when it is gone. Before SO_PEERPIDFD (Linux 6.5), pidfd_open right away leaves
+    its pid only the moment since connect() to be reused in."""
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError as e:
+        if e.errno != errno.ENOPROTOOPT:
+            return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
 
 
 class Hello(asyncio.Protocol):
@@ -194,7 +264,12 @@ class Hello(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         pid, uid, gid = PEERCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
-        self.proc = self.kernel.procs.spawn(pid, uid, gid)
+        why = refused(self.kernel, uid, sock.fileno())
+        if why is not None:
+            transport.write(refusal(errno.EAGAIN, why))
+            transport.close()
+            return
+        self.proc = self.kernel.procs.spawn(pid, uid, gid, peer_pidfd(sock, pid))
         self.kernel.lifelines[self.proc.pid] = transport
         transport.write(f"{self.proc.token}\n".encode())
 

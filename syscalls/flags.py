@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -54,10 +55,33 @@ def parse_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids wants integers: {e}") from e
 
 
+def text_arg(value: str) -> str:
+    """A text flag's value; "-" reads the text from standard input."""
+    return sys.stdin.read() if value == "-" else value
+
+
+def text_file(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{path}: {e.strerror}") from e
+
+
+def add_text_flags(p: argparse._ActionsContainer, flag: str, what: str, **kw: Any) -> None:
+    """--FLAG TEXT ("-": standard input) and --FLAG-file PATH, either one giving args.FLAG
+    the text. A prompt need not be on the command line, which every user's ps shows."""
+    dest = flag.replace("-", "_")
+    p.add_argument(f"--{flag}", dest=dest, type=text_arg, metavar="TEXT",
+                   help=f"{what} (- reads it from standard input)", **kw)
+    p.add_argument(f"--{flag}-file", dest=dest, type=text_file, metavar="PATH",
+                   help=f"{what}, read from a file", **kw)
+
+
 def add_prompt_flags(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt")
-    src.add_argument("--prompt-ids", type=parse_ids)
+    add_text_flags(src, "prompt", "the prompt")
+    src.add_argument("--prompt-ids", type=parse_ids, metavar="IDS",
+                     help="the prompt as token ids: 1,2,3")
 
 
 def kv_path(home: str, path: str) -> str:
