@@ -6,7 +6,10 @@ import argparse
 import dataclasses
 import json
 import os
+import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -19,24 +22,29 @@ START_TIMEOUT = 300.0  # loading and fingerprinting a large checkpoint takes a w
 STOP_TIMEOUT = 120.0  # stopping saves every changed KV file
 
 
-def pid_path(sock: Path) -> Path:
-    return sock.with_name(sock.name + ".pid")
+PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def kernel_pid(sock: Path) -> int | None:
+    """The pid of the kernel that listens on sock, as the OS tells it (SO_PEERCRED of a
+    connection); None when nothing answers there. Not the kernel's pid file: after a crash
+    that names a dead kernel, a zombie, or whatever process has its pid since."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        pid = int(pid_path(sock).read_text())
-        os.kill(pid, 0)
-        return pid
-    except (OSError, ValueError):
+        probe.connect(str(sock))
+        cred = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
+        return PEERCRED.unpack(cred)[0]
+    except OSError:
         return None
+    finally:
+        probe.close()
 
 
 def cmd_start(args: argparse.Namespace, kernel_argv: list[str]) -> int:
     sock = socket_path(args.socket)
-    if kernel_pid(sock):
-        print(f"symphony: a kernel already runs on {sock} (pid {kernel_pid(sock)})",
-              file=sys.stderr)
+    pid = kernel_pid(sock)
+    if pid is not None:
+        print(f"symphony: a kernel already runs on {sock} (pid {pid})", file=sys.stderr)
         return 1
     sock.parent.mkdir(parents=True, exist_ok=True)
     log = sock.with_name(sock.name + ".log")
@@ -73,15 +81,16 @@ def cmd_stop(args: argparse.Namespace) -> int:
     if pid is None:
         print(f"symphony: no kernel runs on {sock}", file=sys.stderr)
         return 1
-    os.kill(pid, signal.SIGTERM)  # it saves every changed KV file, then exits
-    deadline = time.monotonic() + STOP_TIMEOUT
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+    # A pidfd reads ready once the kernel has exited, reaped or not: its parent need not be
+    # us, nor reap it.
+    pidfd = os.pidfd_open(pid)
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)  # it saves every changed KV file
+        if select.select([pidfd], [], [], STOP_TIMEOUT)[0]:
             print(f"kernel {pid} stopped")
             return 0
-        time.sleep(0.1)
+    finally:
+        os.close(pidfd)
     print(f"symphony: kernel {pid} is still running after {STOP_TIMEOUT:.0f} s", file=sys.stderr)
     return 1
 

@@ -10,6 +10,7 @@ Calls from many tasks run concurrently on one session; the kernel batches their 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -81,10 +82,9 @@ class AsyncKernel(Session):
         if fd is not None:
             await self._do(convert.close(fd))
             return
+        self._end(errno.EBADF, "the session is closed")  # closes the lifeline if it has one
         await self._channel.close()
-        if self._line is not None:
-            self._line.close()  # the socket, or the transport that has taken it over
-        else:
+        if self._line is None:
             self._lifeline.close()
 
     async def __aenter__(self) -> AsyncKernel:
@@ -97,7 +97,7 @@ class AsyncKernel(Session):
         try:
             reply = await self._send(call)
         except grpc.RpcError as e:
-            raise convert.transport_error(e, self.socket) from e
+            raise self._failed(e) from e
         return call.result(errors.check(reply))
 
     # -- process ----------------------------------------------------------------------
@@ -109,6 +109,7 @@ class AsyncKernel(Session):
         try:
             await self._do(convert.exit(code))
         finally:
+            self._exited()
             await self.close()
 
     async def getpid(self) -> int:
@@ -223,7 +224,7 @@ class AsyncKernel(Session):
             async for chunk in self._send(call):
                 yield call.result(errors.check(chunk))
         except grpc.RpcError as e:
-            raise convert.transport_error(e, self.socket) from e
+            raise self._failed(e) from e
 
     async def export(self, target: Target, offset: int = 0, length: int = 0) -> bytes:
         return b"".join([chunk async for chunk in self.export_iter(target, offset, length)])

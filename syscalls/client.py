@@ -6,13 +6,15 @@
             print(k.detokenize([out[0].token]))
 
 Kernel statuses raise OSError subclasses (FileNotFoundError for ENOENT, and so on); a kernel
-that is gone raises BrokenPipeError (EPIPE) naming the socket.
+that is gone raises BrokenPipeError (EPIPE) naming the socket. Once the session is closed,
+every call raises EBADF; once the process has exited, EPERM.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import os
 import socket
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -35,11 +37,14 @@ from syscalls.convert import (
     Target,
 )
 from syscalls.lifeline import Lifeline
+from syscalls.wire import MAX_PAYLOAD
 
 T = TypeVar("T")
 
-# gRPC caps what it receives at 4 MiB; a read of a long file can be larger.
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
+# One limit for every message, either way, whichever transport (gRPC's own default is 4 MiB
+# received): a longer request fails here with EMSGSIZE before it is sent.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_PAYLOAD),
+                   ("grpc.max_send_message_length", MAX_PAYLOAD)]
 
 
 class Session:
@@ -57,12 +62,33 @@ class Session:
         self._channel = channel
         self._stub = pb_grpc.KernelStub(channel)
         self._metadata = [(session.SESSION_KEY, token)]
+        self._ended: list[tuple[int, str]] = []  # why calls fail now; views share it
         self.pid = self.uid = self.gid = -1
         self.user = self.home = ""
 
     def _send(self, call: convert.Call) -> Any:
         """The stub's answer: the reply itself, or on grpc.aio something to await."""
+        if self._ended:
+            raise errors.error(*self._ended[0])
         return getattr(self._stub, call.rpc)(call.request, metadata=self._metadata)
+
+    def _failed(self, e: grpc.RpcError) -> OSError:
+        """What a call whose transport failed raises: why the session ended, if it ended
+        meanwhile (closing the channel cancels the calls in flight), else what the status
+        means."""
+        if self._ended:
+            return errors.error(*self._ended[0])
+        return convert.transport_error(e, self.socket)
+
+    def _end(self, code: int, why: str) -> None:
+        """From now on calls raise OSError(code, why); the first reason given stays."""
+        if not self._ended:
+            self._ended.append((code, f"{self.socket}: {why}"))
+        if self._line is not None:
+            self._line.end(*self._ended[0])
+
+    def _exited(self) -> None:
+        self._end(errno.EPERM, f"no session: process {self.pid} has exited")
 
     def _identify(self, ident: Identity) -> None:
         self.pid, self.uid, self.gid = ident.pid, ident.uid, ident.gid
@@ -121,6 +147,7 @@ class Kernel(Session):
         if fd is not None:
             self._do(convert.close(fd))
             return
+        self._end(errno.EBADF, "the session is closed")
         self._channel.close()
         if os.getpid() == self._opener:  # a child's close must not end its parent's session
             with contextlib.suppress(OSError):  # wakes a thread reading it; the kernel reaps
@@ -137,7 +164,7 @@ class Kernel(Session):
         try:
             reply = self._send(call)
         except grpc.RpcError as e:
-            raise convert.transport_error(e, self.socket) from e
+            raise self._failed(e) from e
         return call.result(errors.check(reply))
 
     # -- process ----------------------------------------------------------------------
@@ -151,6 +178,7 @@ class Kernel(Session):
         try:
             self._do(convert.exit(code))
         finally:
+            self._exited()
             self.close()
 
     def getpid(self) -> int:
@@ -274,7 +302,7 @@ class Kernel(Session):
             for chunk in self._send(call):
                 yield call.result(errors.check(chunk))
         except grpc.RpcError as e:
-            raise convert.transport_error(e, self.socket) from e
+            raise self._failed(e) from e
 
     def export(self, target: Target, offset: int = 0, length: int = 0) -> bytes:
         return b"".join(self.export_iter(target, offset, length))

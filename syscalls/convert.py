@@ -55,6 +55,15 @@ class Sampling:
     seed: int | None = None
     top_logprobs: int = 0  # also return the n most likely (id, logprob) per output
 
+    def __post_init__(self) -> None:
+        """EINVAL for an integer the proto's field cannot hold (protobuf would raise a bare
+        ValueError); the kernel checks the rest (docs/syscalls.md)."""
+        for name, bits in (("top_k", 32), ("top_logprobs", 32), ("seed", 64)):
+            value, bound = getattr(self, name), 1 << (bits - 1)
+            if value is not None and not -bound <= value < bound:
+                raise errors.error(errno.EINVAL, f"pred: sampler: {name} must be a signed "
+                                   f"{bits}-bit integer, got {value}")
+
     def proto(self) -> pb.Sampler:
         # Field by field: dataclasses.asdict would be a third of a pred's client time.
         return pb.Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
@@ -405,6 +414,10 @@ def transport_error(e: grpc.RpcError, sock: os.PathLike | str) -> OSError:
 
 
 def connect_error(e: OSError, sock: os.PathLike | str) -> OSError:
-    """The hello handshake's failure, saying which socket had no kernel behind it."""
+    """The hello handshake's failure, saying which socket had no kernel behind it. EAGAIN
+    comes only from a kernel that answered and refused the session (syscalls/session.py):
+    its own message says why."""
+    if e.errno == errno.EAGAIN:
+        return e
     reason = e.strerror or str(e)
     return errors.error(e.errno or errno.ECONNREFUSED, f"no Symphony kernel at {sock}: {reason}")

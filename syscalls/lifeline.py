@@ -1,12 +1,15 @@
 """The lifeline as a transport for pred (syscalls/wire.py), for each client.
 
 Both take a serialized PredRequest and give back the serialized PredReply, so a pred
-goes through the same conversions and checks whichever way it travels.
+goes through the same conversions and checks whichever way it travels. Once no reply can
+come, every call raises why: EPIPE when the kernel hung up, EPROTO when its bytes were not
+frames (the client then hangs up too), or the reason the session gave to `end`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import itertools
 import socket
@@ -14,10 +17,16 @@ import threading
 
 from syscalls import errors, wire
 
+Why = tuple[int, str]  # errno and message of what calls get once no reply can come
 
-def _gone(where: str, why: str) -> OSError:
-    """What a call gets when no reply can come: EPIPE naming the socket, as on gRPC."""
-    return errors.error(errno.EPIPE, f"{where}: kernel unreachable: {why}")
+
+def _gone(where: str, why: str) -> Why:
+    """The kernel hung up: EPIPE naming the socket, as on gRPC."""
+    return errno.EPIPE, f"{where}: kernel unreachable: {why}"
+
+
+def _broken(where: str, e: wire.FrameError) -> Why:
+    return errno.EPROTO, f"{where}: the lifeline is broken: {e}"
 
 
 class Lifeline:
@@ -33,15 +42,18 @@ class Lifeline:
         self._frames = wire.Frames()
         self._replies: dict[int, bytes] = {}
         self._reading = False
-        self._closed: str | None = None  # why no more replies will come
+        self._closed: Why | None = None
 
     def call(self, payload: bytes) -> bytes:
+        if self._closed:
+            raise errors.error(*self._closed)
         call = next(self._ids)
+        data = wire.frame(wire.PRED, call, payload)
         try:
             with self._sending:
-                self.sock.sendall(wire.frame(wire.PRED, call, payload))
+                self.sock.sendall(data)
         except OSError as e:
-            raise _gone(self.where, e.strerror or str(e)) from e
+            raise errors.error(*_gone(self.where, e.strerror or str(e))) from e
         while True:
             with self._state:
                 while self._reading and call not in self._replies and not self._closed:
@@ -49,15 +61,22 @@ class Lifeline:
                 if call in self._replies:
                     return self._replies.pop(call)
                 if self._closed:
-                    raise _gone(self.where, self._closed)
+                    raise errors.error(*self._closed)
                 self._reading = True
             self._read()
 
+    def end(self, code: int, message: str) -> None:
+        """The session ends: calls waiting and later ones raise OSError(code, message). The
+        owner closes the socket."""
+        with self._state:
+            self._closed = self._closed or (code, message)
+            self._state.notify_all()
+
     def _read(self) -> None:
         try:
-            data, why = self.sock.recv(1 << 16), "the lifeline closed"
+            data, why = self.sock.recv(1 << 16), _gone(self.where, "the lifeline closed")
         except OSError as e:
-            data, why = b"", e.strerror or str(e)
+            data, why = b"", _gone(self.where, e.strerror or str(e))
         except BaseException:  # KeyboardInterrupt: another waiter must take over reading
             with self._state:
                 self._reading = False
@@ -65,12 +84,16 @@ class Lifeline:
             raise
         with self._state:
             self._reading = False
-            try:
-                frames = self._frames.feed(data) if data else []
-            except wire.FrameError as e:
-                data, why = b"", str(e)
+            frames = []
+            if data:
+                try:
+                    frames = self._frames.feed(data)
+                except wire.FrameError as e:
+                    data, why = b"", _broken(self.where, e)
+                    with contextlib.suppress(OSError):  # nothing more can be trusted: hang up
+                        self.sock.shutdown(socket.SHUT_RDWR)
             if not data:
-                self._closed = why
+                self._closed = self._closed or why
             for kind, call, payload in frames:
                 if kind == wire.REPLY:
                     self._replies[call] = payload
@@ -89,17 +112,17 @@ class AsyncLifeline(asyncio.Protocol):
         self._waiting: dict[int, asyncio.Future] = {}
         self._transport: asyncio.Transport | None = None
         self._joining: asyncio.Task | None = None
-        self._closed: str | None = None
+        self._closed: Why | None = None
 
     async def call(self, payload: bytes) -> bytes:
-        if self._closed:
-            raise _gone(self.where, self._closed)
         loop = asyncio.get_running_loop()
-        if self._transport is None:
+        if self._transport is None and not self._closed:
             if self._joining is None:  # once, however many tasks call first
                 self._joining = loop.create_task(
                     loop.create_unix_connection(lambda: self, sock=self.sock))
             await asyncio.shield(self._joining)
+        if self._closed:  # checked after joining too: the session may have ended meanwhile
+            raise errors.error(*self._closed)
         call = next(self._ids)
         reply = self._waiting[call] = loop.create_future()
         try:
@@ -108,7 +131,10 @@ class AsyncLifeline(asyncio.Protocol):
         finally:
             self._waiting.pop(call, None)
 
-    def close(self) -> None:
+    def end(self, code: int, message: str) -> None:
+        """The session ends: close the socket, or the transport that has taken it over;
+        calls waiting and later ones raise OSError(code, message)."""
+        self._fail((code, message))
         if self._transport is not None:
             self._transport.close()
         else:
@@ -121,8 +147,8 @@ class AsyncLifeline(asyncio.Protocol):
         try:
             frames = self._frames.feed(data)
         except wire.FrameError as e:
-            self._transport.close()
-            self._fail(str(e))
+            self._fail(_broken(self.where, e))
+            self._transport.close()  # nothing more can be trusted: hang up
             return
         for kind, call, payload in frames:
             reply = self._waiting.get(call) if kind == wire.REPLY else None
@@ -130,10 +156,10 @@ class AsyncLifeline(asyncio.Protocol):
                 reply.set_result(payload)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(str(exc) if exc else "the lifeline closed")
+        self._fail(_gone(self.where, str(exc) if exc else "the lifeline closed"))
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: Why) -> None:
         self._closed = self._closed or why
         for reply in self._waiting.values():
             if not reply.done():
-                reply.set_exception(_gone(self.where, why))
+                reply.set_exception(errors.error(*self._closed))

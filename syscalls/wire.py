@@ -16,11 +16,15 @@ tenth of that. Every other syscall, and pred too for any gRPC client, stays on g
 
 from __future__ import annotations
 
+import errno
 import struct
 
 HEADER = struct.Struct("<IIB")  # payload bytes, call id, kind
 PRED, REPLY, SHUTDOWN = 1, 2, 3
-MAX_PAYLOAD = 64 << 20  # a longer frame means the stream is not frames: drop the connection
+# A longer frame means the stream is not frames: drop the connection. It is also the most a
+# gRPC message may carry either way (syscalls.client.CHANNEL_OPTIONS, the kernel's server), so
+# every message has the same limit whichever transport takes it.
+MAX_PAYLOAD = 64 << 20
 
 
 class FrameError(ValueError):
@@ -28,6 +32,11 @@ class FrameError(ValueError):
 
 
 def frame(kind: int, call: int, payload: bytes = b"") -> bytes:
+    """The frame; EMSGSIZE when the payload is over MAX_PAYLOAD (the other end would take it
+    for garbage and hang up)."""
+    if len(payload) > MAX_PAYLOAD:
+        raise OSError(errno.EMSGSIZE, f"a frame of {len(payload)} bytes is over the "
+                      f"{MAX_PAYLOAD >> 20} MiB limit of a message")
     return HEADER.pack(len(payload), call, kind) + payload
 
 

@@ -70,7 +70,7 @@ def test_tasks_on_one_async_lifeline_each_get_their_own_reply():
 
         got = await asyncio.gather(*(one(fd) for fd in range(3, 11)))
         await kernel
-        line.close()
+        line.end(errno.EBADF, "k.sock: the session is closed")
         return got
 
     assert asyncio.run(calls()) == list(range(3, 11))
@@ -106,6 +106,62 @@ def test_frames_are_cut_where_their_headers_say():
     assert got == [(wire.PRED, 1, b"abc"), (wire.SHUTDOWN, 0, b""), (wire.REPLY, 7, b"x" * 100)]
     with pytest.raises(wire.FrameError):
         frames.feed(wire.HEADER.pack(wire.MAX_PAYLOAD + 1, 1, wire.PRED))
+
+
+def sent_frames(peer: socket.socket) -> list:
+    """Every frame the client sent, once it has hung up."""
+    frames, got = wire.Frames(), []
+    while data := peer.recv(1 << 16):
+        got += frames.feed(data)
+    return got
+
+
+def test_bytes_from_the_kernel_that_are_not_frames_fail_every_call_with_eproto():
+    """As a reply over wire.MAX_PAYLOAD would: each caller gets EPROTO naming the socket
+    (the sync client once died of an UnboundLocalError), and the client hangs up."""
+    not_a_frame = wire.HEADER.pack(wire.MAX_PAYLOAD + 1, 1, wire.REPLY)
+    request = pb.PredRequest(fd=3).SerializeToString()
+    ours, peer = socket.socketpair()
+    line = Lifeline(ours, "k.sock")
+    peer.sendall(not_a_frame)
+    for _ in range(2):  # the first read it; the next is refused unsent
+        with pytest.raises(OSError, match="k.sock: the lifeline is broken") as e:
+            line.call(request)
+        assert e.value.errno == errno.EPROTO
+    assert [kind for kind, _, _ in sent_frames(peer)] == [wire.PRED]
+
+    async def calls() -> None:
+        ours, peer = socket.socketpair()
+        line = AsyncLifeline(ours, "k.sock")
+        pending = asyncio.create_task(line.call(request))
+        await asyncio.sleep(0.05)  # sent, waiting for its reply
+        peer.sendall(not_a_frame)
+        for call in (pending, line.call(request)):
+            with pytest.raises(OSError, match="k.sock: the lifeline is broken") as e:
+                await call
+            assert e.value.errno == errno.EPROTO
+        assert [kind for kind, _, _ in await asyncio.to_thread(sent_frames, peer)] == [wire.PRED]
+
+    asyncio.run(calls())
+
+
+def test_a_pred_too_long_for_a_frame_gets_emsgsize_unsent():
+    ours, peer = socket.socketpair()
+    ours.settimeout(5)  # sending it would block: nothing reads the other end
+    line = Lifeline(ours, "k.sock")
+    too_long = bytes(wire.MAX_PAYLOAD + 1)
+    with pytest.raises(OSError, match="over the 64 MiB limit") as e:
+        line.call(too_long)
+    assert e.value.errno == errno.EMSGSIZE
+
+    async def call() -> None:
+        with pytest.raises(OSError, match="over the 64 MiB limit") as e:
+            await AsyncLifeline(ours, "k.sock").call(too_long)
+        assert e.value.errno == errno.EMSGSIZE
+
+    asyncio.run(call())
+    ours.close()
+    assert sent_frames(peer) == []
 
 
 # -- against a real kernel ----------------------------------------------------------------

@@ -109,6 +109,41 @@ def test_an_async_call_to_a_kernel_that_is_gone_raises_broken_pipe(tmp_path):
     asyncio.run(calls())
 
 
+def test_calls_on_a_closed_session_raise_ebadf_without_a_kernel(tmp_path):
+    """Not a gRPC ValueError ("closed channel") nor "kernel unreachable": a pred still
+    waiting when the session closes, and every later call, raise EBADF naming the socket."""
+    sock = tmp_path / "k.sock"
+    closed = f"{sock}: the session is closed"
+
+    def check(call) -> None:
+        with pytest.raises(OSError, match=closed) as e:
+            call()
+        assert e.value.errno == errno.EBADF
+
+    lifeline, _ = socket.socketpair()
+    k = Kernel(sock, lifeline, "token", grpc.insecure_channel(session.grpc_target(sock)))
+    k.close()
+    for call in (lambda: k.stat("/tmp"), lambda: k.pred(3, [1]), lambda: k.close(3),
+                 lambda: k.export("/tmp/a"), lambda: k.acting_as(0, 0).getpid()):
+        check(call)
+    k.close()  # again: nothing left to do
+
+    async def calls() -> None:
+        lifeline, _ = socket.socketpair()
+        channel = grpc.aio.insecure_channel(session.grpc_target(sock))
+        k = AsyncKernel(sock, lifeline, "token", channel)
+        waiting = asyncio.create_task(k.pred(3, [1]))  # sent; no kernel answers it
+        await asyncio.sleep(0.05)
+        await k.close()
+        for call in (waiting, k.stat("/tmp"), k.pred(3, [1]), k.export("/tmp/a")):
+            with pytest.raises(OSError, match=closed) as e:
+                await call
+            assert e.value.errno == errno.EBADF
+        await k.close()
+
+    asyncio.run(calls())
+
+
 # -- requests -----------------------------------------------------------------------------
 
 
@@ -126,6 +161,16 @@ def test_pred_request_from_keywords():
 def test_pred_defaults_to_greedy_without_a_seed():
     req = convert.pred(3, [1], None, None, convert.sampler(None, {}), True).request
     assert req.sampler.temperature == 0 and not req.sampler.HasField("seed") and req.no_outputs
+
+
+@pytest.mark.parametrize("field, value", [
+    ("seed", 1 << 64), ("seed", -(1 << 63) - 1), ("top_k", 1 << 40), ("top_logprobs", 1 << 31),
+])
+def test_a_sampler_integer_the_proto_cannot_hold_is_einval_naming_it(field, value):
+    with pytest.raises(OSError, match=f"sampler: {field} must be a signed") as e:
+        convert.pred(3, [1], None, None, convert.sampler(None, {field: value}), False)
+    assert e.value.errno == errno.EINVAL
+    convert.Sampling(seed=(1 << 63) - 1, top_k=(1 << 31) - 1)  # the largest it can
 
 
 def test_pred_takes_a_sampler_or_keywords_not_both():

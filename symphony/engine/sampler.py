@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+SEED_BOUND = 1 << 63  # seeds are the proto's int64 (torch would take [-2**63, 2**64))
 
 
 @dataclass(frozen=True)
@@ -22,8 +25,8 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the bad field."""
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 <= self.top_k <= vocab_size:
             raise ValueError(f"top_k must be in [0, {vocab_size}], got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -32,6 +35,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.top_logprobs <= vocab_size:
             raise ValueError(f"top_logprobs must be in [0, {vocab_size}], got {self.top_logprobs}")
+        if self.seed is not None and not -SEED_BOUND <= self.seed < SEED_BOUND:
+            raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}")
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """The request's own random stream: the same seed gives the same tokens."""

@@ -1,0 +1,210 @@
+"""A client's mistakes against a real kernel: each gets a documented errno naming what was
+wrong, never EIO, a bare gRPC error or a dead session. And `symphony start` after a crash."""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from daemon import ROOT, prompt
+
+from symphony.server import as_cred
+from symphony.syscall_table import pred_reply_bytes
+from syscalls import symphony_pb2 as pb
+from syscalls import wire
+from syscalls.client import Kernel
+
+pytestmark = pytest.mark.slow
+
+# Room for the many files of the concurrency test.
+DAEMON_FLAGS = ("--kv-pages", "4096")
+
+
+def raises(errno_: int, match: str, call, *args, **kwargs) -> OSError:
+    with pytest.raises(OSError, match=match) as e:
+        call(*args, **kwargs)
+    assert e.value.errno == errno_, e.value
+    return e.value
+
+
+# -- symphony-as --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, says", [
+    ("0:99999999999", "gid 99999999999 is not in"),
+    ("-1:-1", "uid -1 is not in"),
+    ("4294967295:0", "uid 4294967295 is not in"),  # (uid_t) -1
+    ("1:2:3", "'1:2:3' is not uid:gid"),
+    ("9" * 5000 + ":0", "is not uid:gid"),  # past int()'s digit limit
+])
+def test_symphony_as_takes_two_ids_of_uid_t(value, says):
+    raises(errno.EINVAL, says, as_cred, value)
+
+
+def test_a_root_session_acting_as_no_id_gets_einval(daemon):
+    if os.geteuid() != 0:
+        pytest.skip("only a root session may act as another user")
+    with daemon.connect() as k:
+        for uid, gid in ((0, 99999999999), (-1, -1)):
+            raises(errno.EINVAL, f"symphony-as: '{uid}:{gid}'", k.acting_as(uid, gid).stat,
+                   "/tmp")
+        assert k.acting_as(4294967294, 4294967294).stat("/tmp").is_dir
+
+
+# -- pred ---------------------------------------------------------------------------------
+
+
+def test_the_reply_bound_holds_for_the_longest_values():
+    most = (1 << 31) - 1
+    for rows, top in ((1, 0), (3, 7), (40, 320)):
+        reply = pb.PredReply(outputs=[
+            pb.PredOutput(row=most, token=most, logprob=-1.0,
+                          top=[pb.TopLogprob(id=most, logprob=-1.0)] * top)] * rows)
+        assert reply.ByteSize() <= pred_reply_bytes(rows, top)
+
+
+@pytest.mark.parametrize("lifeline", [True, False])
+def test_a_pred_whose_reply_cannot_be_sent_is_refused_up_front(daemon, lifeline):
+    """24000 rows of all 320 logprobs would be a 74 MB reply, over wire.MAX_PAYLOAD: the
+    kernel computed it all, then a lifeline client died of the frame (UnboundLocalError)."""
+    with Kernel.connect(daemon.socket, lifeline_pred=lifeline) as k, k.open() as f:
+        n = 24000
+        raises(errno.EMSGSIZE, "over the 64 MiB limit of a reply", f.pred, prompt(n),
+               positions=[i % 4000 for i in range(n)], outputs=range(n), top_logprobs=320)
+        assert f.stat().tokens == 0
+        assert len(f.pred(prompt(8), outputs=range(8), top_logprobs=320)[7].top) == 320
+
+
+@pytest.mark.parametrize("sampling, says", [
+    ({"temperature": math.inf}, "temperature must be finite"),
+    ({"temperature": 1e300}, "temperature must be finite"),  # inf as the proto's float
+    ({"temperature": math.nan}, "temperature must be finite"),
+    ({"temperature": 1.0, "top_p": math.nan}, "top_p must be in"),
+    ({"top_k": 1 << 40}, "top_k must be a signed 32-bit integer"),
+    ({"top_logprobs": 321}, r"top_logprobs must be in \[0, 320\]"),
+    ({"temperature": 1.0, "seed": 1 << 64}, "seed must be a signed 64-bit integer"),
+])
+def test_a_bad_sampler_is_einval_naming_the_field(daemon, sampling, says):
+    with daemon.connect() as k, k.open() as f:
+        raises(errno.EINVAL, says, f.pred, [5], **sampling)
+        assert len(f.pred([5], temperature=1.0, seed=-(1 << 63))) == 1  # any int64 seeds
+
+
+def test_requests_up_to_the_message_limit_pass_and_longer_get_emsgsize(daemon):
+    with daemon.connect() as k:
+        assert len(k.tokenize("ab " * (2 << 20))) > 0  # 6 MiB: over gRPC's own 4 MiB
+        raises(errno.EMSGSIZE, str(wire.MAX_PAYLOAD), k.tokenize, "a" * (65 << 20))
+        assert k.getpid() == k.pid  # the session goes on
+
+
+# -- the session's end --------------------------------------------------------------------
+
+
+def test_calls_after_exit_get_eperm_and_after_close_ebadf(daemon):
+    for lifeline in (True, False):
+        k = Kernel.connect(daemon.socket, lifeline_pred=lifeline)
+        f = k.open()
+        k.exit(3)
+        for call, *args in ((k.getpid,), (f.pred, [5]), (k.stat, "/tmp"), (k.exit,)):
+            raises(errno.EPERM, f"{daemon.socket}: no session: process {k.pid} has exited",
+                   call, *args)
+        k.close()
+        k = Kernel.connect(daemon.socket, lifeline_pred=lifeline)
+        f = k.open()
+        k.close()
+        for call, *args in ((k.getpid,), (f.pred, [5]), (f.close,), (k.exit,)):
+            raises(errno.EBADF, f"{daemon.socket}: the session is closed", call, *args)
+
+
+def run_python(code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_thousands_of_calls_in_flight_on_one_asyncio_session_all_complete(daemon):
+    """3000 tasks, each open, pred and close: gRPC's server once shed about a sixth of
+    such calls with CANCELLED. Leaving asyncio.run afterwards prints nothing."""
+    done = run_python("""
+        import asyncio, sys
+        from syscalls.aio import AsyncKernel
+
+        async def main(n):
+            async with await AsyncKernel.connect(sys.argv[1]) as k:
+                async def one(i):
+                    async with await k.open() as f:
+                        return await f.pred([6 + i % 290])
+                got = await asyncio.gather(*(one(i) for i in range(n)))
+            print(sum(len(outs) for outs in got))
+
+        asyncio.run(main(3000))
+        """, str(daemon.socket))
+    assert (done.returncode, done.stdout, done.stderr) == (0, "3000\n", "")
+
+
+def test_async_calls_after_exit_get_eperm(daemon):
+    done = run_python("""
+        import asyncio, errno, sys
+        from syscalls.aio import AsyncKernel
+
+        async def main():
+            k = await AsyncKernel.connect(sys.argv[1])
+            f = await k.open()
+            await k.exit(0)
+            for call in (k.getpid(), f.pred([5]), k.stat("/tmp")):
+                try:
+                    await call
+                except PermissionError as e:
+                    print(e.errno == errno.EPERM, "has exited" in str(e))
+
+        asyncio.run(main())
+        """, str(daemon.socket))
+    assert (done.returncode, done.stdout, done.stderr) == (0, "True True\n" * 3, "")
+
+
+# -- symphony start after a crash ---------------------------------------------------------
+
+
+def symphony(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "symphony.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def zombie() -> int:
+    """A child of ours that has exited and that nobody has waited for."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    while open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z":
+        time.sleep(0.01)
+    return pid
+
+
+@pytest.mark.parametrize("stale", ["a live process", "a zombie"])
+def test_start_after_a_crash_whose_pid_file_names_another_process(model, tmp_path, stale):
+    sock = tmp_path / "kernel.sock"
+    other = subprocess.Popen(["sleep", "300"]) if stale == "a live process" else None
+    pid = other.pid if other else zombie()
+    try:
+        sock.with_name("kernel.sock.pid").write_text(f"{pid}\n")  # as a crash leaves it
+        started = symphony("start", "--socket", str(sock), "--model", str(model),
+                           "--state-dir", str(tmp_path / "state"), "--kv-pages", "64")
+        assert started.returncode == 0, started.stderr
+        status = symphony("status", "--socket", str(sock))
+        assert status.returncode == 0 and f"on {sock}" in status.stdout
+        stopped = symphony("stop", "--socket", str(sock))
+        assert stopped.returncode == 0, stopped.stderr
+        assert symphony("stop", "--socket", str(sock)).returncode == 1  # none runs now
+        assert other is None or other.poll() is None  # not signalled
+    finally:
+        symphony("stop", "--socket", str(sock))  # when the test failed with it running
+        if other:
+            other.kill()
+            other.wait()
+        else:
+            os.waitpid(pid, 0)
