@@ -57,20 +57,30 @@ class Kernel:
         self.sched = Scheduler(engine, engine_thread, self.fs, lambda: self.procs,
                                opts.token_budget, opts.max_seqs, opts.decode_ahead)
         self.procfs = ProcFS(self)
-        self._reaping: set[asyncio.Task] = set()
+        self._reaping: dict[Process, asyncio.Task] = {}
 
     # -- processes --------------------------------------------------------------------
 
-    def spawn_reap(self, proc: Process) -> None:
-        task = asyncio.get_running_loop().create_task(self.reap(proc))
-        self._reaping.add(task)
-        task.add_done_callback(self._reaping.discard)
+    def spawn_reap(self, proc: Process) -> asyncio.Task:
+        """Reap proc in a task of its own (once, however many ask)."""
+        task = self._reaping.get(proc)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._reap(proc))
+            self._reaping[proc] = task
+            task.add_done_callback(lambda _: self._reaping.pop(proc, None))
+        return task
 
     async def reap(self, proc: Process) -> None:
+        """Reap proc and wait for it. The reaping is shielded: the call waiting here may be
+        cancelled (a process that kills itself loses the connection its kill came on), and
+        a reaping cut short would leave its files and pages held for ever."""
+        await asyncio.shield(self.spawn_reap(proc))
+
+    async def _reap(self, proc: Process) -> None:
         """A process is gone: cancel its calls, close its fds (anonymous files and private
         pages go with them), forget it."""
         if not proc.alive:
-            return
+            return  # reaped already
         proc.alive = False
         self.procs.remove(proc)
         self.sched.cancel_process(proc)

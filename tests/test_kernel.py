@@ -79,6 +79,7 @@ def test_sixteen_concurrent_lips_get_what_they_get_alone(daemon, alone):
     with daemon.connect() as k:
         stats = sched(k)
     assert int(stats["batch_seqs_max"]) > 1, "the LIPs never shared a forward pass"
+    assert float(stats["loop_cpu_us_per_pred"]) > 0  # the loop thread's CPU, per pred
     # fp32 on the CPU runs the C kernels (this machine has a C compiler).
     assert stats["engine"] == "cpu float32, attention c"
     for ids, (out, _) in zip(prompts, outs, strict=True):
@@ -99,22 +100,44 @@ for _ in range(1000):
 """
 
 
-@pytest.mark.parametrize("how", ["sigkill", "symphony kill"])
+# Kills itself while three threads keep preds in flight: the kill's own call loses its
+# connection as the process dies, which must not cut its reaping short.
+SUICIDE = """
+import os, threading, time
+from syscalls.client import Kernel
+k = Kernel.connect(name="hog")
+ids = [(5 * i) % 290 + 6 for i in range(200)]
+def loop(f):
+    while True:
+        f.pred(ids, no_outputs=True)
+        f.truncate(20)
+for _ in range(3):
+    f = k.open("", os.O_RDWR)
+    f.pred(ids[:20], no_outputs=True)
+    threading.Thread(target=loop, args=(f,), daemon=True).start()
+print(k.pid, flush=True)
+time.sleep(0.5)
+k.kill(k.pid)
+"""
+
+
+@pytest.mark.parametrize("how", ["sigkill", "symphony kill", "itself"])
 def test_killed_lip_leaks_nothing(daemon, how):
     with daemon.connect() as k:
         baseline = device_used(k)
-        lip = subprocess.Popen([sys.executable, "-c", HOG], env=daemon.env(), cwd=ROOT,
-                               stdout=subprocess.PIPE, text=True)
+        lip = subprocess.Popen([sys.executable, "-c", SUICIDE if how == "itself" else HOG],
+                               env=daemon.env(), cwd=ROOT, stdout=subprocess.PIPE, text=True)
         pid = int(lip.stdout.readline())
 
         def running():
             return any(p.pid == pid and p.state == "running" for p in k.ps())
 
-        wait_for(running, what="the LIP to be inside pred")
-        assert device_used(k) > baseline
+        if how != "itself":
+            wait_for(running, what="the LIP to be inside pred")
+            assert device_used(k) > baseline
         if how == "sigkill":
             lip.send_signal(signal.SIGKILL)
-        else:
+        elif how == "symphony kill":
             subprocess.run([*SYMPHONY, "kill", str(pid)], env=daemon.env(), check=True)
         assert lip.wait(30) == -signal.SIGKILL
         wait_for(lambda: all(p.pid != pid for p in k.ps()), what="the process to be reaped")
