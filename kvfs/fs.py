@@ -422,7 +422,7 @@ class FileSystem:
         """Free a file's pages once it has neither a name nor an open handle."""
         if inode.nlink == 0 and inode.opens == 0 and not inode.is_dir:
             self.store.unref(inode.pages)
-            inode.pages = []
+            inode.pages, inode.table = [], None
 
     def fsync(self, handle: Handle) -> None:
         inode = self._live(handle)
@@ -459,7 +459,7 @@ class FileSystem:
         if n % size:
             pool.write_rows(pages[-1].slot, 0, imported.k[:, full * size:],
                             imported.v[:, full * size:])
-        old, inode.pages = inode.pages, pages
+        old, inode.pages, inode.table = inode.pages, pages, None
         inode.tokens, inode.positions = list(imported.tokens), list(imported.positions)
         inode.excluded = excluded
         inode.fingerprint = self.fingerprint  # parse checked it: even over another model's file
@@ -552,6 +552,7 @@ class FileSystem:
         tail = inode.pages[i]
         inode.pages[i] = (self.store.copy(tail, inode.uid) if tail is not None
                           else self.store.new(1, inode.uid)[0])
+        inode.table = None
         self.store.unref([tail])
 
     def _room(self, inode: Inode, extra_device: int, new: int) -> None:
@@ -569,17 +570,28 @@ class FileSystem:
         inode = self._writable(handle, "append")
         if count <= 0:
             raise FSError(errno.EINVAL, f"append: {count} entries")
-        length = inode.length
+        length, store = inode.length, self.store
         tail = self._needs_private_tail(inode, length)
         new = self._pages_for(length + count) - len(inode.pages)
-        down = sum(p is not None and p.tier != "device" for p in inode.pages)
-        self._room(inode, down + new + tail, new + tail)
-        self.store.bring_up(inode.pages)
+        # The table kept from the last reserve, while no page has moved since: then every
+        # page is still on the device where it says.
+        table = inode.table if inode.table_moves == store.moves else None
+        down = 0 if table is not None else sum(p is not None and p.tier != "device"
+                                               for p in inode.pages)
+        if down + new + tail:  # else nothing to charge or to find room for
+            self._room(inode, down + new + tail, new + tail)
+        if table is None:
+            store.bring_up(inode.pages)
         if tail:
             self._private_tail(inode, length)
-        res = Reservation(handle, length, count, self.store.new(new, inode.uid))
+        res = Reservation(handle, length, count, store.new(new, inode.uid))
         inode.pages.extend(res.new_pages)
-        res.page_table = self.store.device_ids(inode.pages)
+        if table is None or tail:
+            table = store.device_ids(inode.pages)
+        elif res.new_pages:
+            table.extend(p.slot for p in res.new_pages)
+        inode.table, inode.table_moves = table, store.moves
+        res.page_table = list(table)  # the file's own goes on changing
         inode.busy = True
         return res
 
@@ -595,6 +607,8 @@ class FileSystem:
     def rollback(self, res: Reservation) -> None:
         inode = res.handle.inode
         del inode.pages[len(inode.pages) - len(res.new_pages):]
+        if inode.table is not None:
+            del inode.table[len(inode.pages):]
         self.store.unref(res.new_pages)
         inode.busy = False
 
@@ -611,6 +625,7 @@ class FileSystem:
             self._room(inode, 1, 1)
         self.store.unref(inode.pages[keep:])
         del inode.pages[keep:]
+        inode.table = None
         if shared_tail:
             self._private_tail(inode, length)
         del inode.tokens[length:], inode.positions[length:]
@@ -630,7 +645,7 @@ class FileSystem:
         for i in range(start // size, min(self._pages_for(end), inode.length // size)):
             if inode.pages[i] is not None and covered(inode.excluded, i * size, (i + 1) * size):
                 self.store.unref([inode.pages[i]])
-                inode.pages[i] = None
+                inode.pages[i] = inode.table = None
         inode.touch()
 
     def fork(self, handle: Handle, cred: Cred) -> Handle:
@@ -683,6 +698,7 @@ class FileSystem:
         self.store.ref(taken)
         d.pages.extend(taken)
         d.pages.extend(self.store.new(new, d.uid))
+        d.table = None
         self._copy_rows(src_pages, start + shared * size, end, d, base + shared * size)
         d.tokens.extend(tokens)
         d.positions.extend(positions)

@@ -34,6 +34,12 @@ class Inode:
     positions: list[int] = field(default_factory=list)
     excluded: list[tuple[int, int]] = field(default_factory=list)
     pages: list[Page | None] = field(default_factory=list)
+    # The page table reserve last gave out (each page's device slot), kept so a pred costs
+    # O(new pages), not O(pages): good while the store's `moves` is still `table_moves`
+    # (no page moved tier since), None once the page list changed other than by reserve or
+    # rollback.
+    table: list[int] | None = None
+    table_moves: int = -1
     opens: int = 0  # open handles: an unlinked file lives until the last close
     busy: bool = False  # a forward pass is writing into the file's pages
     dirty: bool = False  # changed since it was last saved

@@ -78,6 +78,9 @@ class PageStore:
         self.quota, self.default_quota = dict(quota or {}), default_quota
         self.used: dict[int, int] = {}  # uid -> live pages it allocated
         self.live: set[Page] = set()
+        # Bumped whenever a page changes tier (and so slot): a page table kept since the last
+        # bump still names every page where it is (FileSystem.reserve keeps one per file).
+        self.moves = 0
 
     # -- accounting ---------------------------------------------------------------------
 
@@ -178,6 +181,7 @@ class PageStore:
                 self.swap.free(p.slot)
                 p.slot = slot
             p.tier = DEVICE
+            self.moves += 1
 
     def move_down(self, pages: Iterable[Page | None]) -> int:
         """Move device pages to the host tier, then to disk when the host is full.
@@ -196,6 +200,7 @@ class PageStore:
             else:
                 break
             moved += 1
+            self.moves += 1
         return moved
 
     @staticmethod

@@ -57,6 +57,7 @@ class PredJob:
     outputs: list[Output] = field(default_factory=list)
     follows: bool = False  # its tokens are the sample of its file's last pred, next in line
     seconds: float = 0.0  # accelerator time of work done ahead, charged when a pred takes it
+    error: Exception | None = None  # what a CANCELLED job fails with when its step ends
 
     @property
     def remaining(self) -> int:

@@ -96,6 +96,8 @@ class ProcFS:
         window = (recent[-1].end - recent[0].end + recent[0].seconds) if recent else 0.0
         tokens = [r.prefill + r.decode for r in recent]
         prefill = sum(r.prefill for r in recent)
+        preds = recent[-1].preds - recent[0].preds if recent else 0
+        loop_cpu = recent[-1].loop_cpu - recent[0].loop_cpu if recent else 0.0
         delays = list(st.delays)
         engine = self.k.engine
         pairs: list[tuple[str, object]] = [
@@ -115,6 +117,10 @@ class ProcFS:
             ("budget_use", f"{sum(tokens) / len(recent) / s.token_budget:.2f}"
              if recent else "0.00"),
             ("prefill_share", f"{prefill / sum(tokens):.2f}" if sum(tokens) else "0.00"),
+            # The event loop thread's CPU time per pred answered, between the window's first
+            # and last step: the kernel's own work (transport, checks, scheduling, kvfs,
+            # replies), not the engine thread's forward passes and sampling.
+            ("loop_cpu_us_per_pred", f"{loop_cpu / preds * 1e6:.1f}" if preds else "0.0"),
             ("queue_delay_p50_ms", f"{percentile(delays, 0.5) * 1e3:.2f}"),
             ("queue_delay_p90_ms", f"{percentile(delays, 0.9) * 1e3:.2f}"),
             ("queue_delay_p99_ms", f"{percentile(delays, 0.99) * 1e3:.2f}"),

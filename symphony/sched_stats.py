@@ -15,6 +15,8 @@ class StepRecord:
     seqs: int
     prefill: int
     decode: int
+    loop_cpu: float  # the event loop thread's CPU seconds so far (time.thread_time)
+    preds: int  # preds answered so far
 
 
 @dataclass
@@ -27,6 +29,7 @@ class SchedStats:
     ahead: int = 0  # preds guessed (decoding ahead), one token each
     ahead_used: int = 0  # guesses a pred took
     max_seqs: int = 0  # the most sequences one step has packed
+    preds: int = 0  # preds answered
     recent: deque = field(default_factory=deque)  # StepRecords of the last STATS_WINDOW s
     delays: deque = field(default_factory=lambda: deque(maxlen=1024))  # queue delays, s
 

@@ -47,8 +47,12 @@ HOLD_MAX, HOLD_SHARE = 0.010, 1.0  # the longest wait for just-served processes,
 SLEEP_GRACE = 0.1  # seconds between two preds that still count as running, not asleep
 
 
-def cancelled() -> FSError:
+def exiting() -> FSError:
     return FSError(errno.EINTR, "pred: cancelled, the process is exiting")
+
+
+def taken_back() -> FSError:
+    return FSError(errno.ECANCELED, "pred: cancelled by its caller")
 
 
 class Scheduler:
@@ -66,6 +70,7 @@ class Scheduler:
         self.token_budget, self.max_seqs = token_budget, max_seqs
         self.context = engine.config.max_position_embeddings
         self.queue: list[PredJob] = []  # the run queue, in arrival order
+        self._queued_on: dict[Inode, int] = {}  # jobs in the queue per file (no scan a pred)
         self.running: StepPlan | None = None  # the step being computed, schedule to finish
         self.min_vruntime = 0.0
         self.stats = SchedStats()
@@ -97,7 +102,7 @@ class Scheduler:
                       params.generator(self.engine.device),
                       asyncio.get_running_loop().create_future(), next(self._seqs),
                       follows=self.ahead.follows(handle, tokens, positions, rows, params))
-        self.queue.append(job)
+        self._enqueue(job)
         self._wake.set()
         return job.future
 
@@ -122,7 +127,7 @@ class Scheduler:
         """The pred computed ahead arrived: it owns the work from now on."""
         self.ahead.take(guess)
         self._arrive(guess.proc)
-        self.queue.append(guess)
+        self._enqueue(guess)
         if guess.done:  # already computed: answer now
             self._charge(guess, guess.done, guess.seconds)
             self._complete(guess)
@@ -131,8 +136,12 @@ class Scheduler:
         return guess.future
 
     async def settle(self, inode: Inode) -> None:
-        """Before a call changes inode other than by pred: no work ahead is left on it."""
-        if self.ahead.drop(inode, self.running) is not None:
+        """Before a call changes inode other than by pred: no work ahead is left on it, nor
+        a pred its caller took back that the running step still writes (a gRPC client
+        cancels without waiting for the rollback)."""
+        dropped = self.ahead.drop(inode, self.running) is not None
+        if dropped or any(j.state is JobState.CANCELLED and j.handle.inode is inode
+                          for j in self.queue):
             await self.quiesce()
 
     async def give_way(self) -> bool:
@@ -143,28 +152,42 @@ class Scheduler:
             await self.quiesce()
         return dropped
 
-    def cancel(self, future: asyncio.Future) -> None:
-        """The caller gave up: the pred is dropped and its file left as it was."""
+    async def cancel(self, future: asyncio.Future) -> None:
+        """The caller took the pred back: it fails with ECANCELED, and its file is as it was
+        when this returns (a pred the running step computes is rolled back when it ends)."""
         for job in [j for j in self.queue if j.future is future]:
-            self._cancel(job)
+            self._cancel(job, taken_back())
+            if job.state is JobState.CANCELLED:
+                await self.quiesce()
 
     def cancel_process(self, proc: Process) -> None:
         """Its preds fail with EINTR; a pred in the running step is rolled back after it."""
         for job in [j for j in self.queue if j.proc is proc]:
-            self._cancel(job)
+            self._cancel(job, exiting())
         self.ahead.drop_process(proc, self.running)
 
-    def _cancel(self, job: PredJob) -> None:
+    def _cancel(self, job: PredJob, err: FSError) -> None:
         if self.running is not None and self.running.computes(job):
-            job.state = JobState.CANCELLED  # finish rolls it back when the step is done
+            job.state, job.error = JobState.CANCELLED, err  # finish rolls it back
         else:
-            self._fail(job, cancelled())
+            self._fail(job, err)
+
+    def _enqueue(self, job: PredJob) -> None:
+        self.queue.append(job)
+        inode = job.handle.inode
+        self._queued_on[inode] = self._queued_on.get(inode, 0) + 1
 
     def _leave(self, job: PredJob) -> None:
         """Out of the run queue."""
         self.queue.remove(job)
+        inode = job.handle.inode
+        if self._queued_on[inode] == 1:
+            del self._queued_on[inode]
+        else:
+            self._queued_on[inode] -= 1
         job.proc.pending -= 1
-        if not any(j.proc is job.proc and j.state is JobState.QUEUED for j in self.queue):
+        if job.proc.waiting and not any(j.proc is job.proc and j.state is JobState.QUEUED
+                                        for j in self.queue):
             job.proc.waiting = False
 
     def _fail(self, job: PredJob, err: Exception) -> None:
@@ -351,14 +374,16 @@ class Scheduler:
                 self.ahead.computed(job, c.end, seconds)  # charged when a pred takes it
                 continue
             self._charge(job, c.size, seconds)
+            if job.future.cancelled():  # taken back, before its canceller ran cancel()
+                job.state, job.error = JobState.CANCELLED, taken_back()
             if job.state is JobState.CANCELLED:
-                self._fail(job, cancelled())
+                self._fail(job, job.error)
                 continue
             job.done = c.end
             if job.remaining == 0:
                 self._complete(job)
         self.stats.record(StepRecord(time.monotonic(), result.seconds, len(plan.chunks),
-                                     prefill, decode))
+                                     prefill, decode, time.thread_time(), self.stats.preds))
         # As CFS's: the least of the queued and of those that just ran ("current"), never
         # going back. Counting the queue alone would let a process that is only between
         # two preds be clamped to the other's vruntime on its next pred, losing its lead.
@@ -388,12 +413,11 @@ class Scheduler:
         """Its last chunk is done: the entries join the file and the pred is answered."""
         self.fs.commit(job.res, job.tokens, job.positions)
         job.res, job.state = None, JobState.ANSWERED
+        self.stats.preds += 1
         self._leave(job)
         job.proc.last_active = job.proc.answered = time.monotonic()
         self.ahead.answered(job)
         if not job.future.done():
             job.future.set_result(job.outputs)
-        inode = job.handle.inode
-        if self.ahead.go_ahead(job, file_queued=any(j.handle.inode is inode
-                                                    for j in self.queue)):
+        if self.ahead.go_ahead(job, file_queued=job.handle.inode in self._queued_on):
             self._wake.set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import inspect
 import logging
 import os
@@ -27,7 +28,8 @@ from google.protobuf.message import DecodeError
 from kvfs.errors import FSError
 from kvfs.perm import Cred
 from symphony.process import Process
-from symphony.syscall_table import TABLE
+from symphony.scheduler import taken_back
+from symphony.syscall_table import TABLE, pred_reply, submit_pred
 from symphony.users import user_name
 from syscalls import symphony_pb2 as pb
 from syscalls import wire
@@ -138,6 +140,31 @@ class Front:
             return error_reply(reply_type, e)
         finally:
             self._account(proc, name, start)
+
+    def lifeline_pred(self, request, who: Callable[[], tuple[Process, Cred]],
+                      answer: Callable[[pb.PredReply], None]) -> asyncio.Future | None:
+        """A pred from the lifeline, as call() would do it but with no task: checked and
+        queued at once, then answer(reply) from its future's callback (a task, its steps
+        and its coroutines cost the loop 3 to 4 us a pred). Returns the future, for a
+        CANCEL frame to take back; None when it failed at once (answered already)."""
+        start, proc = time.perf_counter(), None
+        try:
+            proc, cred = self.admit("Pred", request, who)
+            future = submit_pred(self.kernel, proc, cred, request)
+        except Exception as e:
+            answer(error_reply(pb.PredReply, e))
+            self._account(proc, "Pred", start)
+            return None
+        future.add_done_callback(functools.partial(self._answer, proc, start, answer))
+        return future
+
+    def _answer(self, proc: Process, start: float, answer: Callable[[pb.PredReply], None],
+                future: asyncio.Future) -> None:
+        if not future.cancelled():  # else whoever cancelled it answers
+            error = future.exception()
+            answer(pred_reply(future.result()) if error is None
+                   else error_reply(pb.PredReply, error))
+        self._account(proc, "Pred", start)
 
     def unary(self, name: str, fn, reply_type):
         async def handle(request, context):
@@ -257,7 +284,8 @@ class Hello(asyncio.Protocol):
     def __init__(self, kernel: Kernel, front: Front):
         self.kernel, self.front, self.proc = kernel, front, None
         self.frames = wire.Frames()
-        self.calls: set[asyncio.Task] = set()
+        self.calls: dict[int, asyncio.Future] = {}  # preds in flight, by call id
+        self.taking_back: set[asyncio.Task] = set()
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -281,15 +309,35 @@ class Hello(asyncio.Protocol):
             self.transport.close()  # the process is reaped, as if it had died
             return
         for kind, call, payload in frames:
-            task = asyncio.get_running_loop().create_task(self.pred(kind, call, payload))
-            self.calls.add(task)
-            task.add_done_callback(self.calls.discard)
+            if kind == wire.CANCEL:
+                self.cancel(call)
+            else:
+                self.pred(kind, call, payload)
 
-    async def pred(self, kind: int, call: int, payload: bytes) -> None:
+    def pred(self, kind: int, call: int, payload: bytes) -> None:
         request = (pred_request(payload) if kind == wire.PRED
                    else Malformed(ValueError(f"frame kind {kind} is not a pred")))
-        fn = TABLE["Pred"][0]
-        reply = await self.front.call("Pred", fn, pb.PredReply, request, self.caller)
+        future = self.front.lifeline_pred(request, self.caller,
+                                          functools.partial(self.reply, call))
+        if future is not None:
+            self.calls[call] = future
+
+    def cancel(self, call: int) -> None:
+        """A CANCEL frame: take back the pred of that call id. None in flight (answered
+        already: the frames crossed; or no such call) is nothing to do."""
+        future = self.calls.pop(call, None)
+        if future is not None and future.cancel():
+            task = asyncio.get_running_loop().create_task(self.take_back(call, future))
+            self.taking_back.add(task)
+            task.add_done_callback(self.taking_back.discard)
+
+    async def take_back(self, call: int, future: asyncio.Future) -> None:
+        """Its one reply, ECANCELED, once its file is as before."""
+        await self.kernel.sched.cancel(future)
+        self.reply(call, error_reply(pb.PredReply, taken_back()))
+
+    def reply(self, call: int, reply: pb.PredReply) -> None:
+        self.calls.pop(call, None)  # answered: the client may use the call id again
         if not self.transport.is_closing():
             self.transport.write(wire.frame(wire.REPLY, call, reply.SerializeToString()))
 

@@ -37,17 +37,17 @@ class StepPlan:
         ids, pos, q_lens, kv_lens, tables, rows, excluded = [], [], [], [], [], [], []
         samples = []
         for c in chunks:
-            job = c.job
+            job, start, end = c.job, c.start, c.start + c.size
             base = len(ids)
-            ids += job.tokens[c.start:c.end]
-            pos += job.positions[c.start:c.end]
+            ids += job.tokens[start:end]
+            pos += job.positions[start:end]
             q_lens.append(c.size)
-            kv_lens.append(job.res.start + c.end)
+            kv_lens.append(job.res.start + end)
             tables.append(job.res.page_table)
             excluded.append(job.handle.inode.excluded)
             for r in job.rows:
-                if c.start <= r < c.end:
-                    rows.append(base + r - c.start)
+                if start <= r < end:
+                    rows.append(base + r - start)
                     samples.append((job, r))
         return cls(chunks, Batch(ids, pos, q_lens, kv_lens, tables, rows, excluded), samples)
 

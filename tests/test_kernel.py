@@ -508,7 +508,7 @@ def test_only_a_real_sleep_costs_a_process_its_lead(model, tmp_path):
                                      pb.OpenRequest(path="", flags=os.O_RDWR))).fd
         p.answered = 0.0 if away is None else time.monotonic() - away
         future = s.submit(p, p.handle(fd), [5], None, [0], GREEDY)
-        s.cancel(future)
+        await s.cancel(future)
         return s.min_vruntime - p.vruntime
 
     assert asyncio.run(lead_after(SLEEP_GRACE / 10)) == 100_000.0

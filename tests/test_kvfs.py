@@ -386,6 +386,27 @@ def test_tiers_down_and_back_are_bit_exact(tmp_path):
     assert_kv(fs, h)
 
 
+def test_the_page_table_a_file_keeps_follows_pages_moved_through_another_file():
+    """reserve keeps each file's page table from pred to pred; a shared page that moved
+    down meanwhile, through the other file that holds it, must not leave it stale."""
+    fs = make_fs(pages=16, host=8)
+    a = fs.open(ROOT, "", RW_CREAT)
+    append(fs, a, list(range(9)))
+    b = fs.fork(a, ROOT)  # shares a's two full pages
+    append(fs, a, [20])
+    append(fs, a, [21])  # through the table kept from the last append
+    fs.store.move_down(b.inode.pages[:2])  # a's pages as well: they are the same pages
+    c = fs.open(ROOT, "", RW_CREAT)
+    append(fs, c, list(range(8)))  # takes the device slots they left
+    res = fs.reserve(a, 1)  # brings them back, into other slots
+    assert all(p.tier == "device" for p in a.inode.pages)
+    assert res.page_table == fs.store.device_ids(a.inode.pages)
+    fs.rollback(res)
+    append(fs, a, [22])
+    for h in (a, b, c):
+        assert_kv(fs, h)
+
+
 def test_bring_up_without_room_is_enospc_and_changes_nothing(tmp_path):
     fs = make_fs(pages=4, host=4, tmp_path=tmp_path)
     a = fs.open(ROOT, "", RW_CREAT)

@@ -43,7 +43,7 @@ class KVFSMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.fs = make_fs(pages=48, host=0, disk=0)
+        self.fs = make_fs(pages=48, host=16, disk=0)
         self.fs.mkdir(ROOT, "/home/u")
         self.start_free = self.fs.store.pool.free_in("device")
         self.names: dict[str, Model] = {}  # path -> model (hard links share the object)
@@ -89,6 +89,26 @@ class KVFSMachine(RuleBasedStateMachine):
         if self.attempt(append, self.fs, h, tokens, positions):
             m.tokens += tokens
             m.positions += positions
+
+    @rule(h=handles, count=st.integers(1, 11))
+    def cancelled_pred(self, h, count):
+        """Room reserved, then given back: what a pred cancelled or failed mid-step does."""
+        if id(h) not in self.open:
+            return
+        try:
+            res = self.fs.reserve(h, count)
+        except FSError as e:
+            assert e.errno in (errno.ENOSPC, errno.EDQUOT), e
+            return
+        self.fs.rollback(res)
+
+    @rule(h=handles, data=st.data())
+    def swap_out(self, h, data):
+        """Pages of a file move to the host tier (memory relief); a shared page moves for
+        every file that holds it, and the next pred brings them back."""
+        pages = [p for p in h.inode.pages if p is not None]
+        if pages:
+            self.fs.store.move_down(data.draw(st.lists(st.sampled_from(pages), max_size=4)))
 
     @rule(target=handles, h=handles)
     def fork(self, h):
@@ -194,7 +214,17 @@ class KVFSMachine(RuleBasedStateMachine):
         assert set(held) == self.fs.store.live
         for page, n in held.items():
             assert page.refs == n, page
-        assert self.fs.store.pool.free_in("device") == self.start_free - len(held)
+        on_device = sum(p.tier == "device" for p in held)
+        assert self.fs.store.pool.free_in("device") == self.start_free - on_device
+
+    @invariant()
+    def page_tables_current(self):
+        """The table a file keeps for its next pred names each page's device slot."""
+        for h, _ in self.open.values():
+            inode = h.inode
+            if inode.table is not None and inode.table_moves == self.fs.store.moves:
+                assert inode.table == self.fs.store.device_ids(inode.pages)
+                assert all(p is None or p.tier == "device" for p in inode.pages)
 
     def teardown(self):
         for h, _ in list(self.open.values()):

@@ -282,8 +282,8 @@ async def test_a_queued_pred_cancelled_fails_and_changes_nothing():
     w = World()
     p, f = w.process()
     answer = w.pred(p, f, [1, 2, 3])
-    w.sched.cancel(answer)
-    assert answer.exception().errno == errno.EINTR
+    await w.sched.cancel(answer)
+    assert answer.exception().errno == errno.ECANCELED
     assert w.sched.queue == [] and p.pending == 0 and not w.sched.uses(f)
     assert w.sched.schedule() is None and f.inode.length == 0
 
@@ -298,14 +298,90 @@ async def test_a_pred_cancelled_in_the_running_step_is_rolled_back_after_it():
     answer = w.pred(p, f, [4, 5, 6])
     plan = w.sched.schedule()
     assert f.inode.busy and w.free == free - 1  # its reservation: a second page
-    w.sched.cancel(answer)
+    cancelling = asyncio.create_task(w.sched.cancel(answer))
+    await asyncio.sleep(0)
     (job,) = [c.job for c in plan.chunks]
     assert job.state is JobState.CANCELLED and not answer.done()
+    assert not cancelling.done()  # it returns once the file is as it was
     w.sched.finish(plan, result(plan))
-    assert answer.exception().errno == errno.EINTR and job.state is JobState.FAILED
+    await cancelling
+    assert answer.exception().errno == errno.ECANCELED and job.state is JobState.FAILED
     assert f.inode.tokens == [1, 2, 3] and f.inode.pages == pages and not f.inode.busy
     assert w.free == free and p.pending == 0 and w.sched.queue == []
     assert p.tokens == 6  # the step did compute it
+
+
+@in_loop
+async def test_a_pred_whose_call_was_cancelled_during_its_step_is_rolled_back_not_committed():
+    """Cancelling sys_pred's task cancels the future at once; the step may end before
+    sys_pred runs again to cancel the pred."""
+    w = World()
+    p, f = w.process()
+    free = w.free
+    answer = w.pred(p, f, [1, 2, 3])
+    plan = w.sched.schedule()
+    answer.cancel()
+    w.sched.finish(plan, result(plan))
+    assert f.inode.length == 0 and not f.inode.busy and w.free == free
+    assert w.sched.queue == [] and p.pending == 0 and not w.sched.ahead.guesses
+    await w.sched.cancel(answer)  # sys_pred's turn: nothing left to do
+
+
+@in_loop
+async def test_settle_waits_for_a_cancelled_pred_in_the_running_step():
+    """A truncate right after a gRPC client cancelled its pred: not EBUSY, after the step."""
+    w = World()
+    p, f = w.process()
+    w.pred(p, f, [1, 2, 3])
+    w.step()
+    answer = w.pred(p, f, [4, 5, 6])
+    plan = w.sched.schedule()
+    cancelling = asyncio.create_task(w.sched.cancel(answer))
+    await asyncio.sleep(0)
+    settling = asyncio.create_task(w.sched.settle(f.inode))
+    await asyncio.sleep(0)
+    assert not settling.done() and f.inode.busy
+    w.sched.finish(plan, result(plan))
+    await settling
+    w.fs.truncate(f, 1)
+    assert f.inode.tokens == [1]
+    await cancelling
+
+
+@in_loop
+async def test_a_pred_that_took_its_guess_and_is_cancelled_leaves_no_guess_behind():
+    w = World(ahead=True)
+    p, f = w.process()
+    free = w.free
+    guess = await decoding(w, p, f)
+    plan = w.sched.schedule()  # computes the guess
+    answer = w.pred(p, f, [9])  # takes it
+    cancelling = asyncio.create_task(w.sched.cancel(answer))
+    await asyncio.sleep(0)
+    assert guess.state is JobState.CANCELLED
+    w.sched.finish(plan, result(plan, [11]))
+    await cancelling
+    assert answer.exception().errno == errno.ECANCELED
+    assert not w.sched.ahead.guesses and not f.inode.busy and guess.res is None
+    assert f.inode.tokens == [1, 2, 3, SAMPLE] and w.free == free - 1
+    assert w.sched.schedule() is None
+
+
+@in_loop
+async def test_a_decoding_pred_cancelled_in_its_step_makes_no_guess():
+    """Answered, it would have guessed the next pred (decoding())."""
+    w = World(ahead=True)
+    p, f = w.process()
+    w.pred(p, f, [1, 2, 3])
+    w.step()
+    free = w.free
+    answer = w.pred(p, f, [SAMPLE])
+    plan = w.sched.schedule()
+    cancelling = asyncio.create_task(w.sched.cancel(answer))
+    await asyncio.sleep(0)
+    w.sched.finish(plan, result(plan, [9]))
+    await cancelling
+    assert not w.sched.ahead.guesses and w.free == free and f.inode.length == 3
 
 
 @in_loop
