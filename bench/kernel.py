@@ -12,12 +12,19 @@
 4. prompt cache: time to first token of a question after forking a saved document file,
    against prefilling the document and the question into a fresh file, on a random-weight
    checkpoint of the default model's shape with a longer context (made in a temp dir).
+5. the pred path, this system's getpid(): preds/s of one kernel with 1, 32 (also as one
+   asyncio process) and 128 decoding LIPs, against generate at the same batch, on a
+   random-weight model of one layer and hidden 64, where a forward pass costs next to
+   nothing; with the kernel's and the LIPs' CPU per pred.
+6. one long prefill: time to the first token of a 512-token prompt, generate against one
+   pred of a LIP, with the same token budget, on a random Llama of a matmul-heavy shape
+   (or Llama-3.2-1B's), with the kernel's steps and engine time for the pred.
 
 Each benchmark starts its own kernel (`symphony start`, stopped at the end). Runs of the
 two sides are interleaved and repeated; best and median are printed with their ratio.
 Figures go to bench/RESULTS.md by hand, with the machine.
 
-    python bench/kernel.py [--only tax,batch,fair,cache] [--model DIR] [--repeat 7] ...
+    python bench/kernel.py [--only tax,batch,fair,cache,path,prefill] [--model DIR] ...
 
 The LIPs are this file run again with --lip (they import only the syscalls package).
 """
@@ -45,7 +52,7 @@ from pathlib import Path
 # the kvfs package from anything imported here.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
 
-BENCHES = ("tax", "batch", "fair", "cache")
+BENCHES = ("tax", "batch", "fair", "cache", "path", "prefill")
 LIP_TIMEOUT = 300.0  # seconds a LIP may take to answer one command
 
 
@@ -91,14 +98,14 @@ def lip_main(args: argparse.Namespace) -> int:
             say("ready")
         elif cmd[0] == "go" and args.lip == "decode":
             f = files[0]
-            start = time.monotonic()
+            start, cpu = time.monotonic(), time.process_time()
             for _ in range(args.tokens - 1):
                 (out,) = f.pred([tok[-1]])
                 tok.append(out.token)
-            end = time.monotonic()
+            end, cpu = time.monotonic(), time.process_time() - cpu
             after = kernel_pred_ms()
             calls, ms = after[0] - before[0], after[1] - before[1]
-            say(f"done {start} {end} {args.tokens - 1} {ms / max(calls, 1)} "
+            say(f"done {start} {end} {args.tokens - 1} {ms / max(calls, 1)} {cpu} "
                 f"{','.join(map(str, tok))}")
         elif cmd[0] == "go":  # chunk or step: keep pred busy until the deadline
             deadline = time.monotonic() + float(cmd[1])
@@ -145,10 +152,11 @@ def alip_main(args: argparse.Namespace) -> int:
                 await asyncio.gather(*(prep(i) for i in range(len(ks))))
                 say("ready")
             else:
-                start = time.monotonic()
+                start, cpu = time.monotonic(), time.process_time()
                 ends = await asyncio.gather(*(decode(i) for i in range(len(ks))))
+                cpu = time.process_time() - cpu
                 ids = ";".join(",".join(map(str, t)) for t in toks)
-                say(f"done {start} {max(ends)} {len(ks) * (args.tokens - 1)} 0 {ids}")
+                say(f"done {start} {max(ends)} {len(ks) * (args.tokens - 1)} 0 {cpu} {ids}")
         for k in ks:
             await k.close()
 
@@ -192,7 +200,7 @@ def say(line: str) -> None:
 class Lip:
     """A LIP process; a reader thread queues its lines so every wait has a timeout."""
 
-    def __init__(self, sock: Path, mode: str, **opts):
+    def __init__(self, sock: Path, mode: str, attach: bool = True, **opts):
         argv = [sys.executable, __file__, "--lip", mode, "--socket", str(sock)]
         for key, value in opts.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
@@ -200,6 +208,11 @@ class Lip:
                                      text=True, bufsize=1)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
+        if attach:
+            self.attached()
+
+    def attached(self) -> None:
+        """Wait until the LIP has attached."""
         self.pid = int(self.expect("attached")[0])
 
     def _read(self) -> None:
@@ -233,13 +246,22 @@ class Lip:
                 self.proc.wait()
 
 
+def spawn(sock: Path, mode: str, n: int, **opts) -> list[Lip]:
+    """n LIPs of seeds 0 to n - 1, started together (one after another, 128 take minutes)."""
+    lips = [Lip(sock, mode, attach=False, seed=i, **opts) for i in range(n)]
+    for lip in lips:
+        lip.attached()
+    return lips
+
+
 class KernelDaemon:
     """`symphony start` in a temporary directory; `symphony stop` on leaving."""
 
-    def __init__(self, tmp: Path, name: str, flags: list[str]):
+    def __init__(self, tmp: Path, name: str, flags: list[str], env: dict[str, str] | None = None):
         self.dir = tmp / name
         self.socket = self.dir / "k.sock"
         self.flags = ["--state-dir", str(self.dir / "state"), *flags]
+        self.env = {**os.environ, **(env or {})}
 
     @property
     def pid(self) -> int:
@@ -254,7 +276,7 @@ class KernelDaemon:
         self.dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "symphony.cli"]
         r = subprocess.run([*cmd, "start", "--socket", str(self.socket), *self.flags],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, env=self.env)
         if r.returncode != 0:
             raise RuntimeError(f"symphony start failed: {r.stderr.strip()}")
         return self
@@ -307,36 +329,32 @@ def machine_line() -> str:
 # -- 1 and 2: decode through the kernel against generate --------------------------------
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User and system CPU time the processes have used so far."""
-    from symphony.process import os_cpu_seconds
-
-    return sum(os_cpu_seconds(pid) for pid in pids)
-
-
 def decode_round(lips: list[Lip], kernel_pid: int
                  ) -> tuple[float, int, list[float], list[list[int]], tuple[float, float]]:
     """Prefill every LIP, then time them all from one barrier: (seconds, tokens,
     kernel-side ms per pred of each, tokens of each, CPU seconds of the kernel and of the
-    LIPs meanwhile)."""
+    LIPs meanwhile). The LIPs time their own CPU: /proc counts in clock ticks, too coarse
+    for a LIP's few milliseconds a round."""
+    from symphony.process import os_cpu_seconds
+
     for lip in lips:
         lip.send("prep")
     for lip in lips:
         lip.expect("ready")
-    pids = [lip.proc.pid for lip in lips]
-    cpu = cpu_seconds([kernel_pid]), cpu_seconds(pids)
+    kernel_cpu = os_cpu_seconds(kernel_pid)
     start = time.monotonic()
     for lip in lips:
         lip.send("go")
-    ends, tokens, kernel_ms, outs = [], 0, [], []
+    ends, tokens, kernel_ms, outs, lip_cpu = [], 0, [], [], 0.0
     for lip in lips:
-        _, end, n, ms, ids = lip.expect("done")
+        _, end, n, ms, cpu, ids = lip.expect("done")
         ends.append(float(end))
         tokens += int(n)
         kernel_ms.append(float(ms))
+        lip_cpu += float(cpu)
         outs += [[int(x) for x in one.split(",")] for one in ids.split(";")]
     return (max(ends) - start, tokens, kernel_ms, outs,
-            (cpu_seconds([kernel_pid]) - cpu[0], cpu_seconds(pids) - cpu[1]))
+            (os_cpu_seconds(kernel_pid) - kernel_cpu, lip_cpu))
 
 
 def in_process(engine, prompts: list[list[int]], new: int
@@ -432,7 +450,7 @@ def bench_batch(args: argparse.Namespace, kernels: dict[str, KernelDaemon], engi
         if "procs" in modes:
             for suffix, kern in kernels.items():
                 groups[f"{n_lips} LIP processes{suffix}"] = (
-                    [Lip(kern.socket, "decode", seed=i, **opts) for i in range(n_lips)], kern)
+                    spawn(kern.socket, "decode", n_lips, **opts), kern)
         if "asyncio" in modes:
             groups[f"1 asyncio LIP, {n_lips} sessions"] = (
                 [Lip(first.socket, "adecode", seed=0, sessions=n_lips, **opts)], first)
@@ -558,22 +576,26 @@ def bench_fair(args: argparse.Namespace, tmp: Path) -> None:
 # -- 4: prompt cache ---------------------------------------------------------------------
 
 
-def long_context_model(tmp: Path, base: Path, context: int) -> Path:
-    """A random-weight checkpoint of `base`'s shape with a longer context, and its
-    tokenizer files."""
+def random_model(out: Path, cfg: dict, dtype: str = "bfloat16") -> Path:
+    """A random-weight Llama checkpoint of config `cfg` (LlamaConfig's keywords) in `out`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).to(getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    return out
 
+
+def long_context_model(tmp: Path, base: Path, context: int) -> Path:
+    """A random-weight checkpoint of `base`'s shape with a longer context, and its
+    tokenizer files."""
     cfg = json.loads((base / "config.json").read_text())
     cfg["max_position_embeddings"] = context
     cfg.pop("architectures", None)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16)
-    out = tmp / f"random-{context}"
-    model.save_pretrained(out, safe_serialization=True)
+    out = random_model(tmp / f"random-{context}", cfg)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (base / name).exists():
             shutil.copy(base / name, out / name)
@@ -626,6 +648,138 @@ def bench_cache(args: argparse.Namespace, tmp: Path) -> None:
     print(f"  same first token both ways: {firsts[0] == firsts[1]}")
 
 
+# -- 5: the pred path --------------------------------------------------------------------
+
+# tests/checkpoints.py's SMALL shape with one layer: the forward pass is next to nothing, so
+# what is measured is the path of a pred, this system's getpid().
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+            num_attention_heads=8, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
+
+
+def bench_path(args: argparse.Namespace, tmp: Path) -> None:
+    import torch
+
+    from symphony.engine.engine import Engine
+
+    context = args.prompt_len + args.path_preds + 1
+    model = random_model(tmp / "tiny", {**TINY, "max_position_embeddings": context}, "float32")
+    # The same torch threads on both sides, one by default: this model's forward pass gains
+    # nothing from more, and a busy machine stalls OpenMP's barriers for milliseconds.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.path_threads)
+    engine = Engine(model, kv_pages=args.kv_pages)
+    counts = [int(n) for n in args.path_lips.split(",") if n]
+    print(f"\n## 5. the pred path: preds/s of one kernel on a random model of one layer, "
+          f"hidden 64, with N LIPs decoding ({args.path_preds} 1-token greedy preds a round "
+          f"in all, after a {args.prompt_len}-token prompt each, timed from a barrier), "
+          f"against generate at batch N; {args.path_threads} torch thread(s) each side; "
+          f"best/median of {args.repeat}")
+    groups = [(f"{n} LIP process{'es' if n > 1 else ''}", n, "decode") for n in counts]
+    if 32 in counts:
+        groups.insert(counts.index(32) + 1, ("1 asyncio LIP, 32 sessions", 32, "adecode"))
+    results = []
+    flags = ["--model", str(model), "--kv-pages", str(args.kv_pages)]
+    with KernelDaemon(tmp, "path", flags, {"OMP_NUM_THREADS": str(args.path_threads)}) as kd:
+        for name, n, mode in groups:
+            started, tokens = time.monotonic(), args.path_preds // n + 1
+            opts = {"prompt_len": args.prompt_len, "tokens": tokens}
+            lips = (spawn(kd.socket, mode, n, **opts) if mode == "decode" else
+                    [Lip(kd.socket, mode, seed=0, sessions=n, **opts)])
+            try:
+                p = [prompt(i, args.prompt_len, engine.config.vocab_size) for i in range(n)]
+                in_process(engine, p, tokens)  # warm-up of both sides
+                decode_round(lips, kd.pid)
+                ours, peer, cpu, peer_cpu, same = [], [], [], [], 0
+                for _ in range(args.repeat):
+                    t, ref, c = in_process(engine, p, tokens)
+                    peer.append(n * (tokens - 1) / t)
+                    peer_cpu.append(c / (n * (tokens - 1)) * 1e6)
+                    secs, preds, _, outs, (kc, lc) = decode_round(lips, kd.pid)
+                    ours.append(preds / secs)
+                    cpu.append((kc / preds * 1e6, lc / preds * 1e6))
+                    same = sum(o == r for o, r in zip(outs, ref, strict=True))
+            finally:
+                for lip in lips:
+                    lip.close()
+            results.append((name, n, ours, peer, cpu, peer_cpu, same,
+                            time.monotonic() - started))
+    torch.set_num_threads(threads)
+    header("LIPs", "generate")
+    for name, _, ours, peer, *_ in results:
+        row(name, "preds/s", ours, peer, False, "none set")
+    for name, n, _, _, cpu, peer_cpu, same, secs in results:
+        kc, lc = (statistics.median(c) for c in zip(*cpu, strict=True))
+        print(f"  {name}: CPU per pred, median: kernel {kc:.0f} + LIP {lc:.0f} us "
+              f"(generate {statistics.median(peer_cpu):.0f} us); sequences with generate's "
+              f"tokens: {same} of {n}; {secs:.0f} s")
+
+
+# -- 6: one long prefill ----------------------------------------------------------------
+
+# Random Llamas for the prefill comparison: one still matmul-heavy that two cores prefill
+# in about a second, and Llama-3.2-1B's shape (10 GB a side in fp32, weights packed twice).
+PREFILL_SHAPES = {
+    "mid": dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096,
+                num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4),
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+               num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}),
+}
+
+
+def bench_prefill(args: argparse.Namespace, tmp: Path) -> None:
+    from symphony.engine.engine import Engine
+    from symphony.engine.generate import generate
+    from symphony.engine.sampler import GREEDY
+    from syscalls.client import Kernel
+
+    cfg = {**PREFILL_SHAPES[args.prefill_shape], "max_position_embeddings": 131072,
+           "tie_word_embeddings": True, "rope_theta": 500000.0, "bos_token_id": 1,
+           "eos_token_id": 2}
+    model = random_model(tmp / f"prefill-{args.prefill_shape}", cfg)
+    budget, n = args.prefill_budget, args.prefill_len
+    print(f"\n## 6. one long prefill: a {n}-token prompt and its first token, generate "
+          f"(prefill_budget {budget}) against one pred of a LIP (--token-budget {budget}), "
+          f"random Llama of shape {args.prefill_shape}; best/median of {args.repeat}")
+    engine = Engine(model, kv_pages=args.kv_pages)
+    p = prompt(0, n, cfg["vocab_size"])
+    flags = ["--model", str(model), "--kv-pages", str(args.kv_pages), "--token-budget",
+             str(budget)]
+    with KernelDaemon(tmp, "prefill", flags) as kd, Kernel.connect(kd.socket) as k:
+
+        def in_process() -> float:
+            t = time.perf_counter()
+            generate(engine, [p], GREEDY, 1, stop_ids=(), prefill_budget=budget)
+            return time.perf_counter() - t
+
+        def lip() -> tuple[float, float, float]:
+            """Seconds to the answer, seconds of engine steps charged, steps taken."""
+            before = sched(k)["steps"], next(q for q in k.ps() if q.pid == k.pid)
+            with k.open("", os.O_RDWR) as f:
+                t = time.perf_counter()
+                f.pred(p)
+                secs = time.perf_counter() - t
+            mine = next(q for q in k.ps() if q.pid == k.pid)
+            return (secs, mine.accel_seconds - before[1].accel_seconds,
+                    sched(k)["steps"] - before[0])
+
+        first = in_process(), lip()[0]  # warm-up: the first forward of each shape
+        ours, peer, engine_s, steps = [], [], [], []
+        for _ in range(args.repeat):
+            peer.append(in_process())
+            secs, accel, taken = lip()
+            ours.append(secs)
+            engine_s.append(accel)
+            steps.append(taken)
+    header("LIP", "generate")
+    row("time to first token", "s", ours, peer, True, "parity")
+    print(f"  first calls: generate {first[0]:.2f} s, LIP {first[1]:.2f} s; the kernel's steps "
+          f"a pred: {', '.join(f'{s:.0f}' for s in steps)}; of the LIP's median "
+          f"{statistics.median(ours):.2f} s, engine steps {statistics.median(engine_s):.2f} s")
+
+
 # -- main --------------------------------------------------------------------------------
 
 
@@ -648,6 +802,17 @@ def main() -> int:
                     help="fairness: tokens per pred and --token-budget")
     ap.add_argument("--doc-len", type=int, default=2048)
     ap.add_argument("--question-len", type=int, default=16)
+    ap.add_argument("--path-lips", default="1,32,128",
+                    help="the pred path: LIP counts (at 32, also one asyncio LIP)")
+    ap.add_argument("--path-preds", type=int, default=4096,
+                    help="the pred path: preds a round, shared by the LIPs")
+    ap.add_argument("--path-threads", type=int, default=1,
+                    help="the pred path: torch threads of the kernel and of generate")
+    ap.add_argument("--prefill-shape", choices=sorted(PREFILL_SHAPES), default="mid",
+                    help="the long prefill: the random model's shape (1b: 20 GB in all)")
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--prefill-budget", type=int, default=512,
+                    help="the long prefill: --token-budget, and generate's prefill_budget")
     # The LIP side (internal).
     ap.add_argument("--lip", choices=["decode", "adecode", "chunk", "step"], help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
@@ -682,6 +847,10 @@ def main() -> int:
             bench_fair(args, Path(tmp))
         if "cache" in which:
             bench_cache(args, Path(tmp))
+        if "path" in which:
+            bench_path(args, Path(tmp))
+        if "prefill" in which:
+            bench_prefill(args, Path(tmp))
     print(f"\n# {time.monotonic() - started:.0f} s in all; load average now "
           f"{os.getloadavg()[0]:.2f} (this run's own load counts in it)")
     return 0

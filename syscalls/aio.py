@@ -153,11 +153,10 @@ class AsyncKernel(Session):
         **sampling: Any,
     ) -> list[PredOutput]:
         s = convert.sampler(sampler, sampling)
-        call = convert.pred(fd, tokens, positions, outputs, s, no_outputs)
         if self._line is None:
-            return await self._do(call)
-        payload = await self._line.call(call.request.SerializeToString())
-        return call.result(errors.check(pb.PredReply.FromString(payload)))
+            return await self._do(convert.pred(fd, tokens, positions, outputs, s, no_outputs))
+        request = convert.pred_request(fd, tokens, positions, outputs, s, no_outputs)
+        return convert.pred_outputs(await self._line.call(request))
 
     # -- KV files ---------------------------------------------------------------------
 

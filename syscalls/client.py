@@ -23,7 +23,6 @@ from typing import Any, Self, TypeVar
 import grpc
 
 from syscalls import convert, errors, session
-from syscalls import symphony_pb2 as pb
 from syscalls import symphony_pb2_grpc as pb_grpc
 from syscalls.convert import (
     Fd,
@@ -228,11 +227,12 @@ class Kernel(Session):
         last). Sampling comes from `sampler` or from keywords naming Sampling's fields
         (temperature, top_k, top_p, min_p, seed, top_logprobs); the default is greedy."""
         s = convert.sampler(sampler, sampling)
-        call = convert.pred(fd, tokens, positions, outputs, s, no_outputs)
-        if self._line is None:
-            return self._do(call)
-        reply = pb.PredReply.FromString(self._line.call(call.request.SerializeToString()))
-        return call.result(errors.check(reply))
+        if self._line is not None:
+            request = convert.pred_request(fd, tokens, positions, outputs, s, no_outputs)
+            return convert.pred_outputs(self._line.call(request))
+        # grpc cancels a blocking call that an interruption (Ctrl-C, a signal handler's
+        # timeout) ends, and the kernel takes the pred back.
+        return self._do(convert.pred(fd, tokens, positions, outputs, s, no_outputs))
 
     # -- KV files ---------------------------------------------------------------------
 

@@ -4,6 +4,12 @@ Both take a serialized PredRequest and give back the serialized PredReply, so a 
 goes through the same conversions and checks whichever way it travels. Once no reply can
 come, every call raises why: EPIPE when the kernel hung up, EPROTO when its bytes were not
 frames (the client then hangs up too), or the reason the session gave to `end`.
+
+A call interrupted while it waits (Ctrl-C, a signal handler's timeout, its asyncio task
+cancelled) takes its pred back: it sends CANCEL and waits for the pred's one reply, so that
+when the interruption goes on the kernel has dropped the pred and its file is as before (or
+has answered it first: then its entries stand). A LIP that catches the interruption can
+truncate or close the file at once.
 """
 
 from __future__ import annotations
@@ -12,12 +18,17 @@ import asyncio
 import contextlib
 import errno
 import itertools
+import select
 import socket
 import threading
+import time
 
 from syscalls import errors, wire
 
 Why = tuple[int, str]  # errno and message of what calls get once no reply can come
+# How long an interrupted call waits for the kernel to take its pred back: a pred in the
+# running step is rolled back when the step ends. Interrupting it again ends the wait.
+CANCEL_WAIT = 10.0
 
 
 def _gone(where: str, why: str) -> Why:
@@ -29,6 +40,11 @@ def _broken(where: str, e: wire.FrameError) -> Why:
     return errno.EPROTO, f"{where}: the lifeline is broken: {e}"
 
 
+def _left(deadline: float | None) -> float | None:
+    """Seconds until a time.monotonic() deadline (None: no deadline), at least 0."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 class Lifeline:
     """For the synchronous client: calls may come from any number of threads. One thread
     sends at a time; one waiting thread at a time reads, and hands each reply it reads to
@@ -38,9 +54,15 @@ class Lifeline:
         self.sock, self.where = sock, where
         self._ids = itertools.count(1)
         self._sending = threading.Lock()
-        self._state = threading.Condition()
+        # Held as `with self._lock`, not `with self._state` (the same lock): a Condition's
+        # __enter__ is Python, and a pred takes the lock three times. Reentrant, as a
+        # Condition's own: a signal handler may end the session while its thread holds it.
+        self._lock = threading.RLock()
+        self._state = threading.Condition(self._lock)
         self._frames = wire.Frames()
-        self._replies: dict[int, bytes] = {}
+        # The calls in flight, each with its reply once read (None until then). A reply to
+        # a call not here (its caller gave up waiting) is dropped.
+        self._calls: dict[int, bytes | None] = {}
         self._reading = False
         self._closed: Why | None = None
 
@@ -49,40 +71,76 @@ class Lifeline:
             raise errors.error(*self._closed)
         call = next(self._ids)
         data = wire.frame(wire.PRED, call, payload)
+        self._calls[call] = None  # before sending: the reader drops replies to no call
+        try:
+            self._send(data)
+        except BaseException:  # not sent (or not whole): nothing to take back
+            del self._calls[call]
+            raise
+        try:
+            return self._wait(call, None)
+        except BaseException:
+            self._take_back(call)
+            raise
+
+    def _send(self, data: bytes) -> None:
         try:
             with self._sending:
                 self.sock.sendall(data)
         except OSError as e:
             raise errors.error(*_gone(self.where, e.strerror or str(e))) from e
+
+    def _wait(self, call: int, deadline: float | None) -> bytes | None:
+        """The reply to `call`, read by this thread or handed over by the one reading; None
+        when the deadline (time.monotonic) passes first."""
         while True:
-            with self._state:
-                while self._reading and call not in self._replies and not self._closed:
-                    self._state.wait()
-                if call in self._replies:
-                    return self._replies.pop(call)
+            with self._lock:
+                while self._reading and self._calls[call] is None and not self._closed:
+                    if not self._state.wait(_left(deadline)):
+                        return None
+                if self._calls[call] is not None:
+                    return self._calls.pop(call)
                 if self._closed:
                     raise errors.error(*self._closed)
+                if deadline is not None and _left(deadline) == 0:
+                    return None
                 self._reading = True
-            self._read()
+            self._read(deadline)
+
+    def _take_back(self, call: int) -> None:
+        """Its caller stopped waiting for `call`: unless it was answered, or no reply can
+        come, send CANCEL and wait for the reply (ECANCELED, or the answer if the frames
+        crossed), CANCEL_WAIT at most. The reply is dropped if it comes later."""
+        try:
+            with contextlib.suppress(OSError):  # the session ended: the kernel drops the pred
+                if self._calls.get(call, b"") is None and not self._closed:
+                    self._send(wire.frame(wire.CANCEL, call))
+                    self._wait(call, time.monotonic() + CANCEL_WAIT)
+        finally:
+            self._calls.pop(call, None)
 
     def end(self, code: int, message: str) -> None:
         """The session ends: calls waiting and later ones raise OSError(code, message). The
         owner closes the socket."""
-        with self._state:
+        with self._lock:
             self._closed = self._closed or (code, message)
             self._state.notify_all()
 
-    def _read(self) -> None:
+    def _read(self, deadline: float | None) -> None:
+        """Read what has come (waiting until the deadline at most) and hand out the
+        replies; then another waiter may read."""
+        data, why = None, None  # None: the deadline passed, nothing was read
         try:
-            data, why = self.sock.recv(1 << 16), _gone(self.where, "the lifeline closed")
+            if deadline is None or select.select([self.sock], [], [], _left(deadline))[0]:
+                data = self.sock.recv(1 << 16)
         except OSError as e:
             data, why = b"", _gone(self.where, e.strerror or str(e))
         except BaseException:  # KeyboardInterrupt: another waiter must take over reading
-            with self._state:
+            with self._lock:
                 self._reading = False
                 self._state.notify_all()
             raise
-        with self._state:
+        with self._lock:
             self._reading = False
             frames = []
             if data:
@@ -92,11 +150,11 @@ class Lifeline:
                     data, why = b"", _broken(self.where, e)
                     with contextlib.suppress(OSError):  # nothing more can be trusted: hang up
                         self.sock.shutdown(socket.SHUT_RDWR)
-            if not data:
-                self._closed = self._closed or why
+            if data == b"":  # end of file, a failed read, or bytes that are not frames
+                self._closed = self._closed or why or _gone(self.where, "the lifeline closed")
             for kind, call, payload in frames:
-                if kind == wire.REPLY:
-                    self._replies[call] = payload
+                if kind == wire.REPLY and call in self._calls:
+                    self._calls[call] = payload
                 # SHUTDOWN: the kernel is stopping; the replies of calls it cancels follow.
             self._state.notify_all()
 
@@ -128,8 +186,21 @@ class AsyncLifeline(asyncio.Protocol):
         try:
             self._transport.write(wire.frame(wire.PRED, call, payload))
             return await reply
+        except asyncio.CancelledError:
+            # Cancelling the task cancelled `reply`, unless the answer had come (it stands).
+            if reply.cancelled() and not self._closed:
+                await self._take_back(call)
+            raise
         finally:
             self._waiting.pop(call, None)
+
+    async def _take_back(self, call: int) -> None:
+        """As Lifeline's: CANCEL, then the pred's reply, CANCEL_WAIT at most; cancelling the
+        task again ends the wait."""
+        reply = self._waiting[call] = asyncio.get_running_loop().create_future()
+        self._transport.write(wire.frame(wire.CANCEL, call))
+        with contextlib.suppress(OSError):  # TimeoutError; or the session ended meanwhile
+            await asyncio.wait_for(reply, CANCEL_WAIT)
 
     def end(self, code: int, message: str) -> None:
         """The session ends: close the socket, or the transport that has taken it over;

@@ -5,8 +5,10 @@ call id, kind) and the payload. A process sends PRED frames holding a serialized
 PredRequest; the kernel answers each with a REPLY frame of the same call id holding the
 PredReply. These are the Pred rpc's own messages, and the kernel checks, schedules and
 accounts them as it does the rpc: only the transport differs. A process may have many
-preds in flight; replies come in the order they finish. The kernel sends SHUTDOWN when it
-stops cleanly, so that a client can tell a clean stop from a crash (end of file).
+preds in flight; replies come in the order they finish. A CANCEL frame takes back the pred
+of its call id: that pred's one reply is then ECANCELED, sent once its file is as before
+(or its answer, when the CANCEL came too late). The kernel sends SHUTDOWN when it stops
+cleanly, so that a client can tell a clean stop from a crash (end of file).
 
 Why a second transport for one call: a LIP makes one pred per token. A gRPC round trip
 costs about 1 ms of Python on each side on a small CPU, which is most of a decode step of
@@ -20,7 +22,7 @@ import errno
 import struct
 
 HEADER = struct.Struct("<IIB")  # payload bytes, call id, kind
-PRED, REPLY, SHUTDOWN = 1, 2, 3
+PRED, REPLY, SHUTDOWN, CANCEL = 1, 2, 3, 4
 # A longer frame means the stream is not frames: drop the connection. It is also the most a
 # gRPC message may carry either way (syscalls.client.CHANNEL_OPTIONS, the kernel's server), so
 # every message has the same limit whichever transport takes it.

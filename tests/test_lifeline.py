@@ -15,7 +15,7 @@ import grpc
 import pytest
 from daemon import meminfo, wait_for
 
-from syscalls import session, wire
+from syscalls import lifeline, session, wire
 from syscalls import symphony_pb2 as pb
 from syscalls.aio import AsyncKernel
 from syscalls.client import Kernel
@@ -256,6 +256,8 @@ def raw_call(life: socket.socket, frames: wire.Frames, kind: int, payload: bytes
 
 def test_bad_frames_get_einval_and_garbage_ends_the_process(daemon):
     with daemon.connect() as k:
+        # Sessions of earlier tests may still be reaped, freeing pages: count from after.
+        wait_for(lambda: [p.pid for p in k.ps()] == [k.pid], what="earlier sessions reaped")
         free = meminfo(k)["device_free"]
         life, token = session.hello(daemon.socket)
         channel = grpc.insecure_channel(session.grpc_target(daemon.socket))
@@ -292,7 +294,8 @@ def test_a_forked_child_closing_the_session_leaves_the_parent_attached(daemon):
             assert len(f.pred(PROMPT)) == 1
 
 
-def test_a_reader_interrupted_in_recv_hands_reading_to_another_waiter():
+def test_a_reader_interrupted_in_recv_hands_reading_to_another_waiter(monkeypatch):
+    monkeypatch.setattr(lifeline, "CANCEL_WAIT", 0.1)  # no kernel answers the CANCEL yet
     ours, peer = socket.socketpair()
     line = Lifeline(ours, "k.sock")
     real_recv, calls = ours.recv, []
@@ -313,8 +316,8 @@ def test_a_reader_interrupted_in_recv_hands_reading_to_another_waiter():
     line.sock = Sock()
     with pytest.raises(Interrupted):
         line.call(pb.PredRequest(fd=3).SerializeToString())
-    kernel = threading.Thread(target=reply_frames, args=(peer, 2, lambda got: got[1:]),
-                              daemon=True)
+    kernel = threading.Thread(target=reply_frames, args=(peer, 3, lambda got: got[2:]),
+                              daemon=True)  # PRED 1, CANCEL 1, then the PRED answered
     kernel.start()
     got: list[int] = []
     caller = threading.Thread(target=lambda: got.append(pb.PredReply.FromString(

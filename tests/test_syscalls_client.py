@@ -12,7 +12,9 @@ import socket
 
 import grpc
 import grpc.aio
+import hypothesis.strategies as st
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from syscalls import convert, errors, session
 from syscalls import symphony_pb2 as pb
@@ -171,6 +173,47 @@ def test_a_sampler_integer_the_proto_cannot_hold_is_einval_naming_it(field, valu
         convert.pred(3, [1], None, None, convert.sampler(None, {field: value}), False)
     assert e.value.errno == errno.EINVAL
     convert.Sampling(seed=(1 << 63) - 1, top_k=(1 << 31) - 1)  # the largest it can
+
+
+INT32 = st.integers(-(1 << 31), (1 << 31) - 1)
+FLOAT32 = st.floats(width=32)
+FEW = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FEW
+@given(fd=st.integers(0, (1 << 31) - 1), tokens=st.lists(INT32, max_size=40),
+       positions=st.none() | st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=40),
+       outputs=st.none() | st.lists(INT32, max_size=5), no_outputs=st.booleans(),
+       sampling=st.builds(convert.Sampling, temperature=FLOAT32, top_k=INT32, top_p=FLOAT32,
+                          min_p=FLOAT32, seed=st.none() | st.integers(-(1 << 63), (1 << 63) - 1),
+                          top_logprobs=INT32))
+def test_the_lifeline_request_is_protobufs_serialization(fd, tokens, positions, outputs,
+                                                         no_outputs, sampling):
+    want = convert.pred(fd, tokens, positions, outputs, sampling, no_outputs).request
+    got = convert.pred_request(fd, tokens, positions, outputs, sampling, no_outputs)
+    assert got == want.SerializeToString()
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # the same failure is the point
+        return type(e), getattr(e, "errno", None)
+
+
+@FEW
+@given(outputs=st.lists(st.builds(
+           pb.PredOutput, row=INT32, token=INT32, logprob=FLOAT32,
+           top=st.lists(st.builds(pb.TopLogprob, id=INT32, logprob=FLOAT32), max_size=3)),
+           max_size=4),
+       code=st.sampled_from([0, errno.EINVAL, errno.ENOSPC]), cut=st.integers(0, 200))
+def test_the_lifeline_reply_reads_as_protobufs(outputs, code, cut):
+    error = pb.Error(errno=code, message="no") if code else None
+    payload = pb.PredReply(error=error, outputs=outputs).SerializeToString()
+    for data in (payload, payload[:cut]):  # whole, and cut short (mostly no longer a reply)
+        want = _outcome(lambda d: convert.pred(3, [1], None, None, convert.GREEDY, False).result(
+            errors.check(pb.PredReply.FromString(d))), data)
+        assert repr(_outcome(convert.pred_outputs, data)) == repr(want)  # NaN too
 
 
 def test_pred_takes_a_sampler_or_keywords_not_both():
@@ -347,3 +390,16 @@ def test_lips_report_a_missing_kernel(lip, argv, tmp_path, monkeypatch, capsys):
     module = __import__(f"lips.{lip}", fromlist=["main"])
     assert module.main(argv) == 1
     assert capsys.readouterr().err.startswith(f"{lip}: no Symphony kernel at {tmp_path}")
+
+
+@pytest.mark.parametrize("build", [
+    lambda: convert.splice(3, 2**63 - 1, 2**63, 3),
+    lambda: convert.punch(3, -2**63, -2**63 - 1),
+    lambda: convert.truncate(2**31, 0),
+    lambda: convert.chown("/tmp/x", 2**40, 0),
+    lambda: convert.import_chunks("/tmp/x", 2**40, b""),
+])
+def test_an_argument_the_wire_cannot_carry_is_einval_naming_the_call(build):
+    with pytest.raises(OSError) as e:
+        build()
+    assert e.value.errno == errno.EINVAL and "does not fit" in str(e.value)
