@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from daemon import make_model, start_daemon  # noqa: E402  (after TRITON_INTERPRET is set)
+from daemon import make_model, mounted, start_daemon  # noqa: E402  (after TRITON_INTERPRET)
 
 DEFAULT_DAEMON_FLAGS = ("--kv-pages", "512")
 
@@ -36,3 +36,17 @@ def daemon(request, model):
     d = start_daemon(model, None, *getattr(request.module, "DAEMON_FLAGS", DEFAULT_DAEMON_FLAGS))
     yield d
     assert d.stop() == 0, d.log_text()
+
+
+@pytest.fixture(scope="module")
+def mnt(daemon):
+    """The module's daemon mounted (FUSE), unmounted at the module's end."""
+    with mounted(daemon) as (target, _):
+        yield target
+
+
+@pytest.fixture()
+def k(daemon):
+    """A session of root's on the module's daemon."""
+    with daemon.connect() as k:
+        yield k

@@ -165,6 +165,15 @@ def mounted(daemon: Daemon, foreground: bool = True):
                 process.wait()
 
 
+def run_script(daemon: Daemon, script: str, *args: str, timeout: float = 120) -> str:
+    """The output of `python -c script args...` run against the daemon; it must succeed.
+    A script that becomes another user does so itself, after its imports."""
+    out = subprocess.run([sys.executable, "-c", script, *args], env=daemon.env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def errno_of(fn, *args) -> int:
     """The errno fn(*args) fails with; 0 if it does not."""
     try:

@@ -6,12 +6,10 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from daemon import ROOT, prompt, sched
+from daemon import prompt, run_script, sched
 
 pytestmark = pytest.mark.slow
 
@@ -122,23 +120,16 @@ else:
 """
 
 
-def run_as(daemon, uid: int, role: str) -> str:
-    out = subprocess.run([sys.executable, "-c", AS_USER, role, str(uid)], env=daemon.env(),
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become two users")
 def test_import_over_another_user_s_file_keeps_its_owner_and_mode(daemon):
     """60002 may write 60001's files (0602 in 60001's home, 0666 in sticky /tmp), so it may
     import over them: the contents change in place; the inode, owner and mode do not, and
     60002 gains nothing else. Creating a file needs the directory's write permission, and
     is refused before the body is taken."""
-    run_as(daemon, 60001, "owner")
+    run_script(daemon, AS_USER, "owner", "60001")
     with daemon.connect() as k:
         before = {p: k.stat(p) for p in ("/home/uid60001/f", "/tmp/shared")}
-    assert json.loads(run_as(daemon, 60002, "other")) == {
+    assert json.loads(run_script(daemon, AS_USER, "other", "60002")) == {
         "import f": 0, "import shared": 0, "chmod f": errno.EPERM, "chmod shared": errno.EPERM,
         "export f": errno.EACCES, "import new": errno.EACCES, "junk taken": True,
     }

@@ -16,7 +16,7 @@ import time
 
 import grpc
 import pytest
-from daemon import ROOT, meminfo, prompt, sched, start_daemon, wait_for
+from daemon import ROOT, meminfo, prompt, run_script, sched, start_daemon, wait_for
 
 from syscalls import symphony_pb2 as pb
 from syscalls.convert import proc_fields
@@ -212,17 +212,10 @@ else:
 """
 
 
-def run_as(daemon, uid: int, role: str) -> str:
-    out = subprocess.run([sys.executable, "-c", AS_USER, role, str(uid)], env=daemon.env(),
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become two users")
 def test_two_users_cannot_touch_each_others_files(daemon):
-    assert run_as(daemon, 60001, "owner").split() == ["uid60001", "/home/uid60001"]
-    results = json.loads(run_as(daemon, 60002, "other"))
+    assert run_script(daemon, AS_USER, "owner", "60001").split() == ["uid60001", "/home/uid60001"]
+    results = json.loads(run_script(daemon, AS_USER, "other", "60002"))
     assert results == {
         "open": errno.EACCES, "open_rw": errno.EACCES, "unlink": errno.EACCES,
         "rename": errno.EACCES, "chmod": errno.EPERM, "export": errno.EACCES,

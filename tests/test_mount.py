@@ -33,18 +33,6 @@ OWNER, OTHER = 60001, 60002
 pytestmark = [pytest.mark.slow, NEEDS_MOUNT]
 
 
-@pytest.fixture(scope="module")
-def mnt(daemon):
-    with mounted(daemon) as (target, _):
-        yield target
-
-
-@pytest.fixture()
-def k(daemon):
-    with daemon.connect() as k:
-        yield k
-
-
 def test_ls_and_stat_show_the_kernels_files(k, mnt):
     make(k, "/tmp/ls.kv", 40, 0o640)
     st, ks = os.stat(mnt / "tmp/ls.kv"), k.stat("/tmp/ls.kv")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from daemon import NEEDS_MOUNT, as_user, errno_of, make, mounted, world_dir
+from daemon import NEEDS_MOUNT, as_user, errno_of, make, world_dir
 
 A, B = 60001, 60002
 
@@ -48,18 +48,6 @@ try:
 except OSError as e:
     print(e.errno)
 """
-
-
-@pytest.fixture(scope="module")
-def mnt(daemon):
-    with mounted(daemon) as (target, _):
-        yield target
-
-
-@pytest.fixture()
-def k(daemon):
-    with daemon.connect() as k:
-        yield k
 
 
 def source(k, n: int, salt: int) -> tuple[Path, bytes]:
