@@ -94,6 +94,14 @@ def cmd_start(args: argparse.Namespace) -> int:
     return control().cmd_start(args, flags)
 
 
+def positive(text: str) -> int:
+    """An argparse type: a count that must be at least 1."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive count")
+    return n
+
+
 def add_kernel_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument("--model", help="checkpoint directory (default: the shipped model)")
     k.add_argument("--socket", help="gRPC socket (default: $SYMPHONY_SOCKET or "
@@ -105,15 +113,15 @@ def add_kernel_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument("--kv-pages", type=int, help="device KV pages (default: 25%% of memory)")
     k.add_argument("--host-pages", type=int, help="host-tier pages (default: as --kv-pages)")
     k.add_argument("--disk-pages", type=int, default=Options.disk_pages, help="swap-file pages")
-    k.add_argument("--token-budget", type=int, default=Options.token_budget,
+    k.add_argument("--token-budget", type=positive, default=Options.token_budget,
                    help="tokens per forward pass")
-    k.add_argument("--max-seqs", type=int, default=Options.max_seqs,
+    k.add_argument("--max-seqs", type=positive, default=Options.max_seqs,
                    help="sequences per forward pass")
     k.add_argument("--quota", type=int, help="pages per user (root has no quota)")
     k.add_argument("--decode-ahead", choices=["on", "off"],
                    default="on" if Options.decode_ahead else "off",
                    help="compute a decoding LIP's next pred in spare room before it comes")
-    k.add_argument("--max-procs-per-user", type=int, default=Options.max_procs_per_user,
+    k.add_argument("--max-procs-per-user", type=positive, default=Options.max_procs_per_user,
                    help="processes a user may have at once; more get EAGAIN (root: no "
                    "limit; default %(default)s)")
 

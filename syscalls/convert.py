@@ -332,15 +332,16 @@ def pred(
     sampling: Sampling,
     no_outputs: bool,
 ) -> Call[list[PredOutput]]:
-    request = pb.PredRequest(
-        fd=int(fd),
-        tokens=tokens,
-        positions=positions,
-        outputs=outputs,
-        no_outputs=no_outputs,
-        sampler=sampling.proto(),
-    )
+    request = _pred_head(fd, tokens, positions, outputs, no_outputs)
+    request.sampler.CopyFrom(sampling.proto())
     return Call("Pred", request, lambda r: [_pred_output(o) for o in r.outputs])
+
+
+def _pred_head(fd: Fd, tokens: Iterable[int], positions: Iterable[int] | None,
+               outputs: Iterable[int] | None, no_outputs: bool) -> pb.PredRequest:
+    """A PredRequest without its sampler."""
+    return pb.PredRequest(fd=int(fd), tokens=tokens, positions=positions, outputs=outputs,
+                          no_outputs=no_outputs)
 
 
 @_wire_checked
@@ -355,8 +356,7 @@ def pred_request(
     """pred(...).request serialized, at a fraction of its cost (the lifeline's pred, one a
     token): protobuf writes fields in number order, so the request without its sampler
     (field 6, the last) followed by the sampler's kept bytes is the same message."""
-    head = pb.PredRequest(fd=int(fd), tokens=tokens, positions=positions, outputs=outputs,
-                          no_outputs=no_outputs)
+    head = _pred_head(fd, tokens, positions, outputs, no_outputs)
     return head.SerializeToString() + sampling.encoded
 
 

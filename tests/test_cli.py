@@ -1,0 +1,16 @@
+"""The `symphony` command's own checks of its flags (no kernel is started)."""
+
+import pytest
+
+from symphony.cli import build_parser
+
+
+@pytest.mark.parametrize("flag", ["--token-budget", "--max-seqs", "--max-procs-per-user"])
+@pytest.mark.parametrize("command", ["kernel", "start"])
+def test_the_kernels_counts_must_be_positive(capsys, command, flag):
+    parser = build_parser()
+    assert getattr(parser.parse_args([command, flag, "3"]), flag[2:].replace("-", "_")) == 3
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args([command, flag, bad])
+        assert e.value.code == 2 and flag in capsys.readouterr().err
