@@ -3,6 +3,10 @@
 Sequence ``b`` brings ``q_len_b`` new query tokens whose K/V are already stored; its cache holds
 ``kv_lens[b]`` rows in total, so query ``i`` sits at KV index ``kv_lens[b] - q_len_b + i`` and
 attends to every earlier-or-equal index that is not excluded.
+
+A tree (``tree_start``, ``tree_bits``) narrows that further: query ``t`` of the batch sees KV
+index ``j >= tree_start[b]`` only if bit ``j - tree_start[b]`` of row ``t`` of ``tree_bits`` is
+set (bit ``c % 32`` of int32 word ``c // 32``); indices before ``tree_start[b]`` stay visible.
 """
 
 import math
@@ -26,15 +30,16 @@ from kernels._paged import (
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, OUT, PT, QSTART, KVLENS, EX,
+    Q, K, V, OUT, PT, QSTART, KVLENS, EX, TREE_START, TREE_BITS,
     scale_log2,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cp, stride_cs, stride_ch, stride_cd,
     stride_ptb, stride_ptp,
     stride_exb, stride_exr, stride_exe,
+    stride_tbt, stride_tbw,
     num_ranges, page_size, head_dim,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr, HAS_TREE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -67,6 +72,9 @@ def _prefill_kernel(
 
     pt_row = PT + b.to(tl.int64) * stride_ptb
     ex_row = EX + b.to(tl.int64) * stride_exb
+    if HAS_TREE:
+        tree_start = tl.load(TREE_START + b)
+        bits_rows = TREE_BITS + q_rows[:, None] * stride_tbt
     # Causality: no query of this block sees past its last position.
     kv_end = tl.minimum(kv_len, prefix + tl.minimum(m_start + BLOCK_M, q_len))
     for start_n in range(0, kv_end, BLOCK_N):
@@ -84,6 +92,14 @@ def _prefill_kernel(
         if num_ranges > 0:
             keep = keep_mask(ex_row, stride_exr, stride_exe, num_ranges, kv_idx)
             allowed = allowed & keep[None, :]
+        if HAS_TREE:
+            c = kv_idx - tree_start  # the key's row in the tree; negative: before the tree
+            in_tree = (c >= 0) & n_mask
+            c = tl.maximum(c, 0)
+            word = tl.load(bits_rows + (c // 32)[None, :] * stride_tbw,
+                           mask=m_mask[:, None] & in_tree[None, :], other=0)
+            bit = (word >> (c % 32)[None, :]) & 1
+            allowed = allowed & ((bit != 0) | ~in_tree[None, :])
         s = tl.where(allowed, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -112,12 +128,16 @@ def prefill_attention(
     excluded: torch.Tensor | None,
     scale: float,
     max_q_len: int,
+    tree_start: torch.Tensor | None = None,
+    tree_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged causal attention; ``q`` is ``[T, Hq, D]``, the batch's queries back to back.
 
     ``q_start`` (int32 ``[B+1]``) delimits the sequences, ``kv_lens`` (int32 ``[B]``) counts
     each sequence's KV rows including the new ones, ``excluded`` (int32 ``[B, R, 2]`` or None)
     lists KV ranges to ignore. ``max_q_len`` sizes the grid without a device sync.
+    ``tree_start`` (int32 ``[B]``, 2**31 - 1 for no tree) and ``tree_bits`` (int32 ``[T, W]``)
+    restrict each query to its ancestors from ``tree_start`` on; None, None: plain causal.
     """
     check_pool(q, k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -127,6 +147,9 @@ def prefill_attention(
     if num_tokens == 0 or batch == 0 or max_q_len <= 0:
         return out.zero_()
     ex, num_ranges, *ex_strides = excluded_args(excluded, q.device)
+    has_tree = tree_bits is not None
+    if not has_tree:  # dummies the kernel never reads
+        tree_start = tree_bits = ex
 
     # tl.dot needs every dimension >= 16 on GPU.
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -134,11 +157,12 @@ def prefill_attention(
     block_n = kv_block_size(block_d * k_cache.element_size())
     grid = (triton.cdiv(max_q_len, block_m), num_q_heads, batch)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, page_table, q_start, kv_lens, ex,
+        q, k_cache, v_cache, out, page_table, q_start, kv_lens, ex, tree_start, tree_bits,
         scale * math.log2(math.e),
         *q.stride(), *out.stride(), *k_cache.stride(), *page_table.stride(), *ex_strides,
+        *(tree_bits.stride() if has_tree else (0, 0)),
         num_ranges, k_cache.shape[1], head_dim,
-        GROUP=num_q_heads // num_kv_heads,
+        GROUP=num_q_heads // num_kv_heads, HAS_TREE=has_tree,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4 if block_d <= 64 else 8,
         num_stages=2,
@@ -156,10 +180,14 @@ def prefill_attention_ref(
     excluded: torch.Tensor | None,
     scale: float,
     max_q_len: int,
+    tree_start: torch.Tensor | None = None,
+    tree_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch :func:`prefill_attention` (also the engine's CPU prefill path)."""
     out = torch.zeros_like(q)
     starts = q_start.tolist()
+    no_tree = 2**31 - 1
+    trees = [no_tree] * kv_lens.shape[0] if tree_start is None else tree_start.tolist()
     for b, kv_len in enumerate(kv_lens.tolist()):
         q_begin, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_begin
@@ -172,7 +200,7 @@ def prefill_attention_ref(
         qs = q[q_begin:q_end].float().transpose(0, 1)[None]  # [1, Hq, n, D]
         k, v = k[None], v[None]
         ex = None if excluded is None else excluded[b : b + 1]
-        if q_len == kv_len and (ex is None or not ex.any()):
+        if q_len == kv_len and (ex is None or not ex.any()) and trees[b] == no_tree:
             # The common fresh prefill: the causal flag lets SDPA skip the masked half.
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale,
                                                enable_gqa=True)
@@ -181,9 +209,18 @@ def prefill_attention_ref(
             pos = kv_len - q_len + torch.arange(q_len, device=q.device)
             key_ok = key_mask_ref(kv_lens[b : b + 1], ex, kv_len)[0]
             mask = (j[None, :] <= pos[:, None]) & key_ok[None, :]  # [n, L]
+            if trees[b] != no_tree:
+                mask[:, trees[b]:] &= tree_mask(tree_bits[q_begin:q_end], kv_len - trees[b])
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
             # A query left with nothing to attend to gets zeros, not SDPA's NaN.
             o = torch.where(mask.any(-1)[:, None], o, 0.0)
         out[q_begin:q_end] = o[0].transpose(0, 1).to(q.dtype)
     return out
+
+
+def tree_mask(bits: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``[n, num_rows]`` bool: the packed ``[n, W]`` int32 rows of bits, unpacked."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    unpacked = (bits[:, :, None] >> shifts) & 1  # [n, W, 32]; bit c % 32 of word c // 32
+    return unpacked.flatten(1)[:, :num_rows].bool()

@@ -16,6 +16,7 @@ from kernels import (
     store_kv,
     store_kv_ref,
 )
+from symphony.engine.tree import ancestor_bits
 
 pytestmark = pytest.mark.slow  # the Triton interpreter
 
@@ -274,3 +275,83 @@ def test_decode_attention_splits(num_splits):
     no_ex = (*args[:5], None, args[6])
     assert rel_err(decode_attention(*no_ex, num_splits=num_splits), decode_attention_ref(*no_ex)) \
         < 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# tree attention
+
+
+def ancestors_of(parents, i):
+    """Row i and its ancestors, walking the parents one by one."""
+    rows = set()
+    while i >= 0:
+        rows.add(i)
+        i = parents[i]
+    return rows
+
+
+def masked_oracle(q_rows, allowed, seq, k_cache, v_cache, page_table, scale):
+    """SDPA in float64 over a sequence's first allowed.shape[1] keys with a dense mask."""
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    j = torch.arange(allowed.shape[1])
+    pages = page_table[seq, j // page_size].long()
+    k = k_cache[pages, j % page_size].double().transpose(0, 1)  # [Hkv, L, D]
+    v = v_cache[pages, j % page_size].double().transpose(0, 1)
+    group = q_rows.shape[1] // num_kv_heads
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q_rows.double().transpose(0, 1), k, v, attn_mask=allowed, scale=scale
+    )
+    return torch.where(allowed.any(-1)[:, None, None], o.transpose(0, 1), 0.0)
+
+
+def tree_case(dtype):
+    gen = torch.Generator().manual_seed(7)
+    # Seq 0: a 21-row prefix, then a 40-row tree (two bit words) of which this chunk holds the
+    # last 25 rows. Seq 1: causal, beside it. Seq 2: a 12-row tree with no prefix, whole.
+    parents0 = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, 40)]
+    parents2 = [-1, 0, 0, 1, 1, 2, -1, 6, 7, 3, 9, 5]
+    seqs = [(25, 61, 21, parents0), (9, 30, None, None), (12, 12, 0, parents2)]
+    excluded = make_excluded([[(3, 7), (23, 25)], [(5, 8)], [(2, 3)]])
+    kv_lens = [kv for _, kv, _, _ in seqs]
+    k_cache, v_cache, table = make_pool(kv_lens, 16, 2, 16, dtype, gen)
+    q_lens = [q for q, _, _, _ in seqs]
+    q = torch.randn(sum(q_lens), 4, 16, generator=gen).to(dtype).to(DEVICE)
+    q_start = i32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    starts = [2**31 - 1 if s is None else s for _, _, s, _ in seqs]
+    bits = torch.zeros(sum(q_lens), 2, dtype=torch.int32)
+    row = 0
+    for q_len, kv, start, parents in seqs:
+        if parents is not None:
+            tree = torch.from_numpy(ancestor_bits(parents))
+            bits[row : row + q_len, : tree.shape[1]] = tree[kv - start - q_len :]
+        row += q_len
+    args = (q, k_cache, v_cache, table, q_start, i32(kv_lens), excluded, 0.25, max(q_lens),
+            i32(starts), bits.to(DEVICE))
+    # The dense masks, from the parents and the excluded ranges directly.
+    want = []
+    for b, (q_len, kv, start, parents) in enumerate(seqs):
+        allowed = torch.zeros(q_len, kv, dtype=torch.bool)
+        for i in range(q_len):
+            pos = kv - q_len + i
+            tree = ancestors_of(parents, pos - start) if parents else set()
+            for j in range(pos + 1):
+                hidden = any(s <= j < e for s, e in excluded[b].tolist())
+                allowed[i, j] = not hidden and (not parents or j < start or j - start in tree)
+        rows = q[q_start[b] : q_start[b + 1]].cpu()
+        want.append(masked_oracle(rows, allowed, b, k_cache.cpu(), v_cache.cpu(), table.cpu(),
+                                  0.25))
+    return args, torch.cat(want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_attention_tree(dtype):
+    args, want = tree_case(dtype)
+    ref = prefill_attention_ref(*args)
+    assert rel_err(ref, want) < TOL[dtype]
+    got = prefill_attention(*args)
+    assert got.dtype == dtype and rel_err(got, want) < TOL[dtype]
+    # The mask matters: plain causal attention differs on the tree sequences.
+    causal = prefill_attention_ref(*args[:9])
+    assert rel_err(causal[:25], want[:25]) > 0.1 and rel_err(causal[-12:], want[-12:]) > 0.1
+    assert rel_err(causal[25:34], want[25:34]) < TOL[dtype]  # and is the causal sequence's

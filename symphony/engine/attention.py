@@ -99,6 +99,8 @@ class PagedMetadata:
     q_start: torch.Tensor  # [B + 1] int32
     kv_lens: torch.Tensor  # [B] int32, including the new tokens
     excluded: torch.Tensor | None  # [B, R, 2] int32 half-open KV-index ranges, or None
+    tree_start: torch.Tensor | None  # [B] int32 KV index of each tree, 2**31 - 1 for none
+    tree_bits: torch.Tensor | None  # [T, W] int32 packed ancestor bits of every query
     max_q_len: int
     decode_only: bool
 
@@ -127,4 +129,6 @@ class PagedAttention:
             m.excluded,
             self.scale,
             m.max_q_len,
+            m.tree_start,
+            m.tree_bits,
         )

@@ -13,6 +13,7 @@ from symphony.engine.attention import PagedAttention, PagedMetadata, select_kern
 from symphony.engine.kv_pool import KVPool, pages_for_fraction
 from symphony.engine.loader import load_model
 from symphony.engine.ops import TORCH_OPS, CpuOps, matmul_weights
+from symphony.engine.rope import rotate_keys
 from symphony.engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
@@ -21,6 +22,19 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
 def default_model_dir() -> Path:
     """SYMPHONY_MODEL, or the model the project trains and ships."""
     return Path(os.environ.get("SYMPHONY_MODEL", DEFAULT_MODEL))
+
+
+@dataclass
+class TreeRows:
+    """One sequence's tree: its queries see KV index ``start + c`` only where bit c is set.
+
+    ``start`` is the KV index of the pred's first entry; ``bits`` (``[q_len, W]`` int32, as
+    :func:`symphony.engine.tree.ancestor_bits` packs them) has a row per query of this chunk,
+    row i for the query at KV index ``kv_len - q_len + i``.
+    """
+
+    start: int
+    bits: np.ndarray
 
 
 @dataclass
@@ -35,6 +49,21 @@ class Batch:
     page_tables: list[list[int]]
     logit_rows: list[int]  # indices into token_ids whose logits are wanted
     excluded: list[list[tuple[int, int]]] | None = None  # per sequence, KV-index ranges
+    trees: list[TreeRows | None] | None = None  # per sequence; None: causal
+
+
+def _check_tree(b: int, tree: TreeRows, q_len: int, kv_len: int) -> None:
+    """Raise ValueError for a tree the attention kernels would read out of bounds."""
+    if not 0 <= tree.start <= kv_len - q_len:
+        raise ValueError(f"batch: trees[{b}].start {tree.start} outside [0, {kv_len - q_len}]")
+    bits = tree.bits
+    words = -(-(kv_len - tree.start) // 32)  # the kernels read bits up to the last KV row
+    if not isinstance(bits, np.ndarray) or bits.dtype != np.int32 or bits.ndim != 2:
+        raise ValueError(f"batch: trees[{b}].bits must be a 2-d int32 array")
+    if bits.shape[0] != q_len or bits.shape[1] < words:
+        raise ValueError(
+            f"batch: trees[{b}].bits has shape {bits.shape}, want [{q_len}, >= {words}]"
+        )
 
 
 class Engine:
@@ -72,6 +101,14 @@ class Engine:
     def eos_ids(self) -> tuple[int, ...]:
         return self.tokenizer.eos_ids if self.tokenizer else self.config.eos_token_ids
 
+    @torch.inference_mode()
+    def rotate_keys(self, rows: torch.Tensor, delta: int) -> None:
+        """Move the keys at device pool rows `rows` (page * page_size + offset) by `delta`
+        positions, in every layer (kvfs's shift; docs/syscalls.md)."""
+        rows = rows.to(self.device)
+        for k_cache in self.pool.k:
+            rotate_keys(k_cache, rows, delta, self.model.rotary)
+
     def check(self, batch: Batch) -> None:
         """Raise ValueError, naming the field, for a batch the forward pass cannot take."""
         n, vocab, size = len(batch.token_ids), self.config.vocab_size, self.page_size
@@ -90,6 +127,12 @@ class Engine:
                 )
         if any(not 0 <= r < n for r in batch.logit_rows):
             raise ValueError("batch: logit row outside the batch")
+        if batch.trees is not None:
+            if len(batch.trees) != len(batch.q_lens):
+                raise ValueError("batch: trees and q_lens disagree in length")
+            for b, tree in enumerate(batch.trees):
+                if tree is not None:
+                    _check_tree(b, tree, batch.q_lens[b], batch.kv_lens[b])
 
     def metadata(self, batch: Batch) -> PagedMetadata:
         size, dev = self.page_size, self.device
@@ -112,14 +155,26 @@ class Engine:
                 if rs:
                     ranges[b, : len(rs)] = rs
             excluded = torch.from_numpy(ranges).to(dev)
+        tree_start = tree_bits = None
+        trees = [(b, t) for b, t in enumerate(batch.trees or ()) if t is not None]
+        if trees:
+            starts = np.full(len(q_lens), 2**31 - 1, dtype=np.int32)
+            bits = np.zeros((int(q_start[-1]), max(t.bits.shape[1] for _, t in trees)), np.int32)
+            for b, t in trees:
+                starts[b] = t.start
+                bits[q_start[b] : q_start[b + 1], : t.bits.shape[1]] = t.bits
+            tree_start, tree_bits = torch.from_numpy(starts).to(dev), torch.from_numpy(bits).to(dev)
         return PagedMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),
             page_table=torch.from_numpy(table.astype(np.int32)).to(dev),
             q_start=torch.from_numpy(q_start.astype(np.int32)).to(dev),
             kv_lens=torch.from_numpy(kv_lens.astype(np.int32)).to(dev),
             excluded=excluded,
+            tree_start=tree_start,
+            tree_bits=tree_bits,
             max_q_len=int(q_lens.max()),
-            decode_only=bool((q_lens == 1).all()),
+            # Decode kernels know no trees; a one-token tree query goes through prefill.
+            decode_only=bool((q_lens == 1).all()) and not trees,
         )
 
     @torch.inference_mode()

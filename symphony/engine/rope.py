@@ -54,3 +54,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return torch.addcmul(x * cos, swapped, sin)
+
+
+def rotate_keys(k_cache: torch.Tensor, rows: torch.Tensor, delta: int, rotary: Rotary) -> None:
+    """Move the keys at pool rows `rows` of one layer's cache [pages, page_size, heads, dim]
+    by `delta` positions, in place. A stored key is rotated by angle p * freq; rotating it by
+    delta * freq gives the key at p + delta (llama3 scaling only changes freq), exact up to
+    rounding: computed in fp32 with the frequencies of `cos_sin`, then cast back."""
+    flat = k_cache.view(-1, *k_cache.shape[2:])
+    rows = rows.to(flat.device)
+    cos, sin = rotary.cos_sin(torch.tensor([delta], device=flat.device), torch.float32)
+    flat[rows] = apply_rotary(flat[rows].float(), cos, sin).to(flat.dtype)

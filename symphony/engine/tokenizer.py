@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -23,6 +24,34 @@ def _read_json(path: Path) -> dict:
 def _token_text(entry) -> str | None:
     # tokenizer_config.json writes special tokens either as strings or as AddedToken dicts.
     return entry.get("content") if isinstance(entry, dict) else entry
+
+
+# Byte-level BPE (GPT-2) spells each byte as one character: printable Latin-1 bytes as
+# themselves, the other 68 as the characters from U+0100 on, in byte order.
+_PRINTABLE = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+_BYTE_OF_CHAR = {chr(b): b for b in _PRINTABLE} | {
+    chr(0x100 + i): b for i, b in enumerate(b for b in range(256) if b not in _PRINTABLE)
+}
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+def _decoder_types(decoder: dict | None) -> set[str]:
+    if not decoder:
+        return set()
+    return {decoder["type"]}.union(*map(_decoder_types, decoder.get("decoders", [])))
+
+
+def _byte_level_bytes(token: str) -> bytes:
+    # As the ByteLevel decoder: a token with a character outside the alphabet is its UTF-8.
+    if all(c in _BYTE_OF_CHAR for c in token):
+        return bytes(_BYTE_OF_CHAR[c] for c in token)
+    return token.encode()
+
+
+def _sentencepiece_bytes(token: str) -> bytes:
+    if m := _BYTE_TOKEN.fullmatch(token):
+        return bytes([int(m[1], 16)])
+    return token.replace("▁", " ").encode()
 
 
 class Tokenizer:
@@ -46,6 +75,7 @@ class Tokenizer:
             eos.append(eos_id)
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_id is not None
+        self._token_bytes: list[bytes] | None = None
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Tokenizer | None:
@@ -59,6 +89,24 @@ class Tokenizer:
     @property
     def special_tokens(self) -> dict[str, int]:
         return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    def special_ids(self) -> list[int]:
+        return sorted(self.special_tokens.values())
+
+    def token_bytes(self) -> list[bytes]:
+        """Per id below vocab_size, the bytes the token adds to decoded text in the middle of
+        a sequence (SentencePiece's `▁` is a space even where decode strips the first one);
+        added tokens are their content. Computed once; do not modify the list."""
+        if self._token_bytes is None:
+            decoder = json.loads(self._tok.to_str()).get("decoder")
+            byte_level = "ByteLevel" in _decoder_types(decoder)
+            spell = _byte_level_bytes if byte_level else _sentencepiece_bytes
+            added = self._tok.get_added_tokens_decoder()
+            self._token_bytes = [
+                added[i].content.encode() if i in added else spell(self._tok.id_to_token(i) or "")
+                for i in range(self.vocab_size)
+            ]
+        return self._token_bytes
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         # The post-processor is bypassed so that BOS follows tokenizer_config.json alone.
