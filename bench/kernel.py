@@ -19,12 +19,15 @@
 6. one long prefill: time to the first token of a 512-token prompt, generate against one
    pred of a LIP, with the same token budget, on a random Llama of a matmul-heavy shape
    (or Llama-3.2-1B's), with the kernel's steps and engine time for the pred.
+7. logit masks (issue 15): N decoding LIPs on one kernel whose preds carry a token
+   bitmask (a grammar engine's, as pred's LogitControl takes it), against the same LIPs
+   without, rounds interleaved; the mask allows every token, so the tokens must not change.
 
 Each benchmark starts its own kernel (`symphony start`, stopped at the end). Runs of the
 two sides are interleaved and repeated; best and median are printed with their ratio.
 Figures go to bench/RESULTS.md by hand, with the machine.
 
-    python bench/kernel.py [--only tax,batch,fair,cache,path,prefill] [--model DIR] ...
+    python bench/kernel.py [--only tax,batch,fair,cache,path,prefill,masked] [--model DIR] ...
 
 The LIPs are this file run again with --lip (they import only the syscalls package).
 """
@@ -52,7 +55,7 @@ from pathlib import Path
 # the kvfs package from anything imported here.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
 
-BENCHES = ("tax", "batch", "fair", "cache", "path", "prefill")
+BENCHES = ("tax", "batch", "fair", "cache", "path", "prefill", "masked")
 LIP_TIMEOUT = 300.0  # seconds a LIP may take to answer one command
 
 
@@ -69,12 +72,14 @@ def lip_main(args: argparse.Namespace) -> int:
     """A LIP driven over stdin/stdout: it answers 'prep' with 'ready' and 'go ...' with
     'done ...', so the parent can line many of them up behind one barrier."""
     from syscalls.client import Kernel
+    from syscalls.convert import LogitControl
 
     k = Kernel.connect(args.socket, name=f"bench-{args.lip}",
                        lifeline_pred=args.transport == "lifeline")
     if args.nice:
         k.nice(args.nice)
     vocab = k.model_info().vocab_size
+    every_token = LogitControl(allowed=b"\xff" * (4 * -(-vocab // 32)))
     files = [k.open("", os.O_RDWR) for _ in range(args.inflight)]
     say(f"attached {k.pid}")
     tok: list[int] = []
@@ -97,10 +102,10 @@ def lip_main(args: argparse.Namespace) -> int:
             before = kernel_pred_ms()
             say("ready")
         elif cmd[0] == "go" and args.lip == "decode":
-            f = files[0]
+            f, control = files[0], every_token if cmd[1:] == ["masked"] else None
             start, cpu = time.monotonic(), time.process_time()
             for _ in range(args.tokens - 1):
-                (out,) = f.pred([tok[-1]])
+                (out,) = f.pred([tok[-1]], control=control)
                 tok.append(out.token)
             end, cpu = time.monotonic(), time.process_time() - cpu
             after = kernel_pred_ms()
@@ -329,7 +334,7 @@ def machine_line() -> str:
 # -- 1 and 2: decode through the kernel against generate --------------------------------
 
 
-def decode_round(lips: list[Lip], kernel_pid: int
+def decode_round(lips: list[Lip], kernel_pid: int, go: str = "go"
                  ) -> tuple[float, int, list[float], list[list[int]], tuple[float, float]]:
     """Prefill every LIP, then time them all from one barrier: (seconds, tokens,
     kernel-side ms per pred of each, tokens of each, CPU seconds of the kernel and of the
@@ -344,7 +349,7 @@ def decode_round(lips: list[Lip], kernel_pid: int
     kernel_cpu = os_cpu_seconds(kernel_pid)
     start = time.monotonic()
     for lip in lips:
-        lip.send("go")
+        lip.send(go)
     ends, tokens, kernel_ms, outs, lip_cpu = [], 0, [], [], 0.0
     for lip in lips:
         _, end, n, ms, cpu, ids = lip.expect("done")
@@ -714,6 +719,32 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
               f"tokens: {same} of {n}; {secs:.0f} s")
 
 
+def bench_masked(args: argparse.Namespace, tmp: Path) -> None:
+    n = args.batch
+    print(f"\n## 7. logit masks: {n} LIPs x {args.tokens} tokens on one kernel, each pred with "
+          f"a token bitmask against the same LIPs without; best/median of {args.repeat}")
+    flags = ["--kv-pages", str(args.kv_pages), *(["--model", args.model] if args.model else [])]
+    with KernelDaemon(tmp, "masked", flags) as kd:
+        lips = spawn(kd.socket, "decode", n, prompt_len=args.prompt_len, tokens=args.tokens)
+        try:
+            decode_round(lips, kd.pid, "go masked")  # warm-up
+            plain, masked, cpu, same = [], [], [], True
+            for _ in range(args.repeat):
+                secs, preds, _, ref, _ = decode_round(lips, kd.pid)
+                plain.append(preds / secs)
+                secs, preds, _, outs, (kc, _) = decode_round(lips, kd.pid, "go masked")
+                masked.append(preds / secs)
+                cpu.append(kc / preds * 1e6)
+                same = same and outs == ref
+        finally:
+            for lip in lips:
+                lip.close()
+    header("masked", "plain")
+    row(f"{n} LIP processes", "tokens/s", masked, plain, False, ">= 0.9x")
+    print(f"  masked: kernel CPU per pred, median {statistics.median(cpu):.0f} us; the same "
+          f"tokens as without the mask: {same}")
+
+
 # -- 6: one long prefill ----------------------------------------------------------------
 
 # Random Llamas for the prefill comparison: one still matmul-heavy that two cores prefill
@@ -851,6 +882,8 @@ def main() -> int:
             bench_path(args, Path(tmp))
         if "prefill" in which:
             bench_prefill(args, Path(tmp))
+        if "masked" in which:
+            bench_masked(args, Path(tmp))
     print(f"\n# {time.monotonic() - started:.0f} s in all; load average now "
           f"{os.getloadavg()[0]:.2f} (this run's own load counts in it)")
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,10 +42,17 @@ class Reservation:
     """Room for `count` new entries made before a forward pass writes their K/V."""
 
     handle: Handle
-    start: int  # entries already in the file
+    start: int  # where the new entries go: the file's length, or the cut
     count: int
     new_pages: list[Page] = field(default_factory=list)
     page_table: list[int] = field(default_factory=list)  # device ids, covering start + count
+    # What the forward pass attends around: the file's excluded ranges before `start`.
+    excluded: list[tuple[int, int]] = field(default_factory=list)
+    # A cutting reservation: new_pages take the place of the file's pages from the one
+    # holding entry `start` on, at commit; page_table is good while the store's moves are
+    # still table_moves.
+    cutting: bool = False
+    table_moves: int = -1
 
 
 @dataclass
@@ -547,13 +554,14 @@ class FileSystem:
         tail = inode.pages[length // self.page_size]
         return tail is None or tail.refs > 1
 
-    def _private_tail(self, inode: Inode, length: int) -> None:
-        i = length // self.page_size
-        tail = inode.pages[i]
-        inode.pages[i] = (self.store.copy(tail, inode.uid) if tail is not None
+    def _private(self, inode: Inode, i: int) -> None:
+        """Page i becomes the file's own: a shared page is copied, a punched hole re-filled
+        fresh (room checked by the caller)."""
+        page = inode.pages[i]
+        inode.pages[i] = (self.store.copy(page, inode.uid) if page is not None
                           else self.store.new(1, inode.uid)[0])
         inode.table = None
-        self.store.unref([tail])
+        self.store.unref([page])
 
     def _room(self, inode: Inode, extra_device: int, new: int) -> None:
         """Fail (EDQUOT, ENOSPC) unless `new` pages may be charged to the file's owner and
@@ -564,12 +572,21 @@ class FileSystem:
             raise FSError(errno.ENOSPC, f"kv pool: {extra_device} device pages needed, "
                           f"{free} free")
 
-    def reserve(self, handle: Handle, count: int) -> Reservation:
+    def reserve(self, handle: Handle, count: int, cut: int | None = None) -> Reservation:
         """Room for `count` entries, every page of the file on the device, and the page
-        table the forward pass writes through. Commit or roll back when it is done."""
+        table the forward pass writes through. Commit or roll back when it is done.
+
+        With `cut`, the new entries go after the first `cut` entries (only the pages
+        before it brought up) and replace the rest at commit: until then those and their
+        K/V stay as they are."""
         inode = self._writable(handle, "append")
         if count <= 0:
             raise FSError(errno.EINVAL, f"append: {count} entries")
+        if cut is not None and not 0 <= cut <= inode.length:
+            raise FSError(errno.EINVAL, f"append: truncate {cut} is outside "
+                          f"[0, {inode.length}]")
+        if cut is not None and cut < inode.length:
+            return self._reserve_cut(handle, count, cut)
         length, store = inode.length, self.store
         tail = self._needs_private_tail(inode, length)
         new = self._pages_for(length + count) - len(inode.pages)
@@ -583,8 +600,9 @@ class FileSystem:
         if table is None:
             store.bring_up(inode.pages)
         if tail:
-            self._private_tail(inode, length)
-        res = Reservation(handle, length, count, store.new(new, inode.uid))
+            self._private(inode, length // self.page_size)
+        res = Reservation(handle, length, count, store.new(new, inode.uid),
+                          excluded=inode.excluded)
         inode.pages.extend(res.new_pages)
         if table is None or tail:
             table = store.device_ids(inode.pages)
@@ -595,10 +613,44 @@ class FileSystem:
         inode.busy = True
         return res
 
+    def _reserve_cut(self, handle: Handle, count: int, cut: int) -> Reservation:
+        """reserve after entry `cut` < length: the new entries go into fresh pages (the page
+        holding entry `cut` copied, its first rows kept), so the old ones stay intact for a
+        rollback; the file's page list changes at commit."""
+        inode, store, size = handle.inode, self.store, self.page_size
+        kept = inode.pages[: cut // size]
+        partial = inode.pages[cut // size] if cut % size else None
+        copies = int(cut % size != 0)
+        fresh = self._pages_for(cut + count) - len(kept) - copies
+        table = inode.table if inode.table_moves == store.moves else None
+        down = 0 if table is not None else sum(p is not None and p.tier != "device"
+                                               for p in kept)
+        self._room(inode, down + copies + fresh, copies + fresh)
+        if table is None:
+            store.bring_up(kept)
+        new_pages = []
+        if copies:  # a punched hole has no rows to keep: a fresh page will do
+            new_pages = ([store.copy(partial, inode.uid)] if partial is not None
+                         else store.new(1, inode.uid))
+        new_pages += store.new(fresh, inode.uid)
+        page_table = (table[: len(kept)] if table is not None else store.device_ids(kept))
+        page_table += [p.slot for p in new_pages]
+        excluded = [(s, min(e, cut)) for s, e in inode.excluded if s < cut]
+        inode.busy = True
+        return Reservation(handle, cut, count, new_pages, page_table, excluded, cutting=True,
+                           table_moves=store.moves)
+
     def commit(self, res: Reservation, tokens: list[int], positions: list[int]) -> None:
         inode = res.handle.inode
         if len(tokens) != res.count or len(positions) != res.count:
             raise FSError(errno.EINVAL, "commit: entries do not match the reservation")
+        if res.cutting:
+            first = res.start // self.page_size
+            old = inode.pages[first:]
+            inode.pages[first:] = res.new_pages
+            self.store.unref(old)
+            self._cut_entries(inode, res.start)
+            inode.table, inode.table_moves = list(res.page_table), res.table_moves
         inode.tokens.extend(tokens)
         inode.positions.extend(positions)
         inode.busy = False
@@ -606,11 +658,17 @@ class FileSystem:
 
     def rollback(self, res: Reservation) -> None:
         inode = res.handle.inode
-        del inode.pages[len(inode.pages) - len(res.new_pages):]
-        if inode.table is not None:
-            del inode.table[len(inode.pages):]
+        if not res.cutting:  # a cutting reservation's pages never joined the file
+            del inode.pages[len(inode.pages) - len(res.new_pages):]
+            if inode.table is not None:
+                del inode.table[len(inode.pages):]
         self.store.unref(res.new_pages)
         inode.busy = False
+
+    def _cut_entries(self, inode: Inode, length: int) -> None:
+        """Drop the entries from `length` on (tokens, positions, excluded ranges)."""
+        del inode.tokens[length:], inode.positions[length:]
+        inode.excluded = [(s, min(e, length)) for s, e in inode.excluded if s < length]
 
     def truncate(self, handle: Handle, length: int) -> None:
         inode = self._writable(handle, "truncate")
@@ -627,9 +685,8 @@ class FileSystem:
         del inode.pages[keep:]
         inode.table = None
         if shared_tail:
-            self._private_tail(inode, length)
-        del inode.tokens[length:], inode.positions[length:]
-        inode.excluded = [(s, min(e, length)) for s, e in inode.excluded if s < length]
+            self._private(inode, length // self.page_size)
+        self._cut_entries(inode, length)
         inode.touch()
 
     def punch(self, handle: Handle, start: int, end: int) -> None:
@@ -647,6 +704,105 @@ class FileSystem:
                 self.store.unref([inode.pages[i]])
                 inode.pages[i] = inode.table = None
         inode.touch()
+
+    def keep(self, handle: Handle, start: int, entries: Sequence[int]) -> None:
+        """The file becomes entries [0, start) followed by `entries` (strictly increasing,
+        each in [start, length)): what a tree pred's accepted branch keeps. Their K/V rows
+        move down within the file, never recomputed; excluded ranges come with them."""
+        inode = self._writable(handle, "keep")
+        length, size, pages = inode.length, self.page_size, inode.pages
+        if not 0 <= start <= length:
+            raise FSError(errno.EINVAL, f"keep: start {start} is outside [0, {length}]")
+        prev = start - 1
+        for i, e in enumerate(entries):
+            if not prev < e < length:
+                raise FSError(errno.EINVAL, f"keep: entries[{i}] = {e} is not in "
+                              f"({prev}, {length}): entries are strictly increasing, "
+                              f"from start {start}")
+            prev = e
+        n = start + len(entries)
+        if n == length:  # every entry kept where it is
+            return
+        out = [covered(inode.excluded, e, e + 1) for e in entries]
+        excluded = merge_ranges([(s, min(e, start)) for s, e in inode.excluded if s < start]
+                                + [(d, d + 1) for d, o in enumerate(out, start) if o])
+        # Rows out of attention are never read again: only attended ones move.
+        moves = [(e, d) for d, (e, o) in enumerate(zip(entries, out, strict=True), start)
+                 if e != d and not o]
+        written = {d // size for _, d in moves}
+        if n % size and pages[n // size] is not None:
+            written.add(n // size)  # the last page is private, as truncate leaves it
+        read = {e // size for e, _ in moves} - written
+        self._room_for(inode, written, read)
+        self._own(inode, written)
+        self.store.bring_up(pages[i] for i in read)
+        if moves:  # one gather, then one scatter: in place is safe
+            dev = self.store.pool.k.device
+            src, dst = (torch.tensor([pages[i // size].slot * size + i % size for i in side],
+                                     device=dev) for side in zip(*moves, strict=True))
+            for cache in (self.store.pool.k, self.store.pool.v):
+                rows = cache.view(cache.shape[0], -1, *cache.shape[3:])
+                rows[:, dst] = rows[:, src]
+        freed = pages[self._pages_for(n):]
+        del pages[self._pages_for(n):]
+        for i in range(start // size, n // size):  # full pages now wholly out of attention
+            if pages[i] is not None and covered(excluded, i * size, (i + 1) * size):
+                freed.append(pages[i])
+                pages[i] = None
+        self.store.unref(freed)
+        inode.table = None
+        inode.tokens[start:] = [inode.tokens[e] for e in entries]
+        inode.positions[start:] = [inode.positions[e] for e in entries]
+        inode.excluded = excluded
+        inode.touch()
+
+    def shift(self, handle: Handle, start: int, end: int, delta: int, limit: int,
+              rotate: Callable[[torch.Tensor, int], None]) -> None:
+        """Entries [start, end) move by `delta` positions, each kept in [0, limit). Their
+        keys, rotated by position, are re-rotated by one call of rotate(rows, delta): rows
+        the int64 device pool rows (slot * page_size + offset) of the range's attended
+        entries (none: no call), in pages made the file's own and on the device first."""
+        inode = self._writable(handle, "shift")
+        if not 0 <= start <= end <= inode.length:
+            raise FSError(errno.EINVAL, f"shift: [{start}, {end}) is outside "
+                          f"[0, {inode.length}]")
+        moved = [p + delta for p in inode.positions[start:end]]
+        for i, p in enumerate(moved, start):
+            if not 0 <= p < limit:
+                raise FSError(errno.EOVERFLOW, f"shift: entry {i} would move to position "
+                              f"{p}, outside [0, {limit})")
+        if start == end or delta == 0:
+            return
+        size = self.page_size
+        live = [i for i in range(start, end) if not covered(inode.excluded, i, i + 1)]
+        own = {i // size for i in live}
+        self._room_for(inode, own)
+        self._own(inode, own)
+        if live:
+            rows = torch.tensor([inode.pages[i // size].slot * size + i % size for i in live],
+                                dtype=torch.int64, device=self.store.pool.k.device)
+            rotate(rows, delta)
+        inode.positions[start:end] = moved
+        inode.touch()
+
+    def _room_for(self, inode: Inode, own: set[int], read: Iterable[int] = ()) -> None:
+        """Room (EDQUOT, ENOSPC) for _own(inode, own) and for bringing up the pages at
+        `read`."""
+        pages = inode.pages
+        new = sum(pages[i] is None or pages[i].refs > 1 for i in own)
+        up = [pages[i] for i in own if pages[i] is not None and pages[i].refs == 1]
+        up += [pages[i] for i in read if pages[i] is not None]
+        down = len({id(p) for p in up if p.tier != "device"})
+        if down + new:  # else nothing to charge or to find room for
+            self._room(inode, down + new, new)
+
+    def _own(self, inode: Inode, own: set[int]) -> None:
+        """The pages at indices `own` become the file's own, on the device."""
+        for i in sorted(own):
+            page = inode.pages[i]
+            if page is None or page.refs > 1:
+                self._private(inode, i)
+        self.store.bring_up(inode.pages[i] for i in own)
 
     def fork(self, handle: Handle, cred: Cred) -> Handle:
         """A copy-on-write clone, as a new anonymous file of the caller's: full pages are
@@ -693,7 +849,7 @@ class FileSystem:
         if base % size:
             self.store.bring_up([d.pages[base // size]])
             if tail:
-                self._private_tail(d, base)
+                self._private(d, base // size)
         taken = src_pages[start // size: start // size + shared]
         self.store.ref(taken)
         d.pages.extend(taken)

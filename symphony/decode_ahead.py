@@ -11,6 +11,10 @@ it is not in the file, and nobody sees it. A seeded sampler draws from a fresh g
 per pred, so the guess samples exactly what the pred would; the process is charged for the
 work only when a pred uses it.
 
+Only a plain pred takes a guess or makes one: one with logit controls, scores, a tree or
+a truncation is not what a guess computed without them would answer, and the pred after
+it will carry its own (the scheduler's submit decides).
+
 The guess table holds at most one guess per file. The scheduler asks it what to compute
 in spare room, which guess a pred is, and to drop guesses; a guess in the running step
 is rolled back when the step ends.

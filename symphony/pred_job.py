@@ -7,10 +7,11 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
 import torch
 
 from kvfs.fs import Handle, Reservation
-from symphony.engine.sampler import SamplingParams
+from symphony.engine.sampler import RowControl, SamplingParams
 from symphony.process import Process
 
 
@@ -37,6 +38,10 @@ class Output:
     token: int
     logprob: float
     top: list[tuple[int, float]]
+    model_logprob: float | None = None  # of token, the model's own: set for a row with a
+    # mask or a bias (without, it is logprob)
+    scores: list[float] = field(default_factory=list)  # at the row's score_ids, in order
+    next_logprob: float | None = None  # score_next: of the pred's next token, tokens[row + 1]
 
 
 @dataclass(eq=False)
@@ -58,6 +63,13 @@ class PredJob:
     follows: bool = False  # its tokens are the sample of its file's last pred, next in line
     seconds: float = 0.0  # accelerator time of work done ahead, charged when a pred takes it
     error: Exception | None = None  # what a CANCELLED job fails with when its step ends
+    # Per entry of rows (None: no control). With score_next, a row's last score id is its
+    # next token, split out as the Output's next_logprob.
+    controls: list[RowControl | None] | None = None
+    score_next: bool = False
+    tree: np.ndarray | None = None  # ancestor bits [len(tokens), W]; None: causal
+    depths: list[int] | None = None  # of a tree's tokens: default positions are last + 1 + depth
+    cut: int | None = None  # truncate the file to this many entries first (None: append)
 
     @property
     def remaining(self) -> int:

@@ -26,22 +26,23 @@ class Relief:
                  stats: SchedStats):
         self.fs, self.procs, self.stats = fs, procs, stats
 
-    def reserve(self, handle: Handle, count: int, *, give_way: Callable[[], bool],
-                others: bool) -> Reservation | None:
-        """Room for `count` entries, made if need be. `give_way` drops every guess and
-        says whether there were any; `others`: whether other work is admitted or
-        running. None: it must wait for them. Raises the FSError that fails the pred."""
+    def reserve(self, handle: Handle, count: int, *, cut: int | None = None,
+                give_way: Callable[[], bool], others: bool) -> Reservation | None:
+        """Room for `count` entries (after the first `cut`: fs.reserve), made if need be.
+        `give_way` drops every guess and says whether there were any; `others`: whether
+        other work is admitted or running. None: it must wait for them. Raises the FSError
+        that fails the pred."""
         fs = self.fs
         try:
-            return fs.reserve(handle, count)
+            return fs.reserve(handle, count, cut=cut)
         except FSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT) and give_way():
-                return self.reserve(handle, count, give_way=give_way, others=others)
+                return self.reserve(handle, count, cut=cut, give_way=give_way, others=others)
             if e.errno != errno.ENOSPC:
                 raise
         self.relieve(self.device_need(handle.inode, count))
         try:
-            return fs.reserve(handle, count)
+            return fs.reserve(handle, count, cut=cut)
         except FSError as e:
             if e.errno != errno.ENOSPC or not others:
                 raise

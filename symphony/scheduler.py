@@ -27,12 +27,14 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+import numpy as np
+
 from kvfs.errors import FSError
 from kvfs.fs import FileSystem, Handle
 from kvfs.inode import Inode
 from symphony.decode_ahead import DecodeAhead
 from symphony.engine.engine import Engine
-from symphony.engine.sampler import SamplingParams
+from symphony.engine.sampler import RowControl, SamplingParams
 from symphony.engine_thread import EngineThread
 from symphony.pred_job import JobState, Output, PredJob
 from symphony.process import Process
@@ -53,6 +55,20 @@ def exiting() -> FSError:
 
 def taken_back() -> FSError:
     return FSError(errno.ECANCELED, "pred: cancelled by its caller")
+
+
+def controlled(output: Output, job: PredJob, control: RowControl, result: StepResult,
+               i: int) -> None:
+    """What a controlled row adds to its Output (logit row i of the step): the model's own
+    logprob when a mask or a bias changed the distribution, its scores, and with
+    score_next the next token's logprob, which is the row's last score."""
+    if control.allowed is not None or control.bias_ids:
+        output.model_logprob = result.model_logprobs[i]
+    if control.score_ids:
+        scores = result.scores[i][:len(control.score_ids)]
+        if job.score_next and output.row < len(job.tokens) - 1:
+            output.next_logprob = scores.pop()
+        output.scores = scores
 
 
 class Scheduler:
@@ -90,10 +106,17 @@ class Scheduler:
     # -- level 1: submission, fair share, cancellation -----------------------------------
 
     def submit(self, proc: Process, handle: Handle, tokens: list[int],
-               positions: list[int] | None, rows: list[int],
-               params: SamplingParams) -> asyncio.Future:
-        """Queue a checked pred; the future gets its Outputs, or the error that failed it."""
-        guess = self.ahead.match(handle, tokens, positions, rows, params)
+               positions: list[int] | None, rows: list[int], params: SamplingParams, *,
+               controls: list[RowControl | None] | None = None, score_next: bool = False,
+               tree: np.ndarray | None = None, depths: list[int] | None = None,
+               cut: int | None = None) -> asyncio.Future:
+        """Queue a checked pred; the future gets its Outputs, or the error that failed it.
+        The keywords are PredJob's (controls per entry of rows)."""
+        # Decoding ahead guesses plain preds only: a guess computed without this pred's
+        # controls, tree or cut is not its answer, and after it the next pred will carry
+        # its own.
+        plain = controls is None and not score_next and tree is None and cut is None
+        guess = self.ahead.match(handle, tokens, positions, rows, params) if plain else None
         if guess is not None:
             return self._take(guess)
         self.ahead.drop(handle.inode, self.running)  # any other pred on the file drops it
@@ -101,7 +124,10 @@ class Scheduler:
         job = PredJob(proc, handle, tokens, positions, rows, params,
                       params.generator(self.engine.device),
                       asyncio.get_running_loop().create_future(), next(self._seqs),
-                      follows=self.ahead.follows(handle, tokens, positions, rows, params))
+                      follows=plain and self.ahead.follows(handle, tokens, positions, rows,
+                                                           params),
+                      controls=controls, score_next=score_next, tree=tree, depths=depths,
+                      cut=cut)
         self._enqueue(job)
         self._wake.set()
         return job.future
@@ -328,15 +354,21 @@ class Scheduler:
         try:
             if handle.closed:
                 raise FSError(errno.EBADF, "pred: the file was closed")
+            inode, cut = handle.inode, job.cut
+            if cut is not None and cut > inode.length:
+                raise FSError(errno.EINVAL, f"pred: truncate {cut} is past the file's "
+                              f"length ({inode.length})")
             positions = job.positions
             if positions is None:  # read now: earlier preds on the file have committed
-                last = handle.inode.positions[-1] if handle.inode.length else -1
-                positions = list(range(last + 1, last + 1 + len(job.tokens)))
+                kept = inode.length if cut is None else cut
+                last = inode.positions[kept - 1] if kept else -1
+                positions = ([last + 1 + d for d in job.depths] if job.depths is not None
+                             else list(range(last + 1, last + 1 + len(job.tokens))))
             if max(positions) >= self.context:
                 raise FSError(errno.EOVERFLOW, f"pred: position {max(positions)} is past "
                               f"the model's context ({self.context})")
             # Guesses give way to preds: a guess never costs a pred its pages.
-            res = self.relief.reserve(handle, len(job.tokens), others=others,
+            res = self.relief.reserve(handle, len(job.tokens), cut=cut, others=others,
                                       give_way=lambda: self.ahead.drop_all(self.running))
         except FSError as e:
             self._fail(job, e)
@@ -356,12 +388,14 @@ class Scheduler:
         commits and is answered, work given up meanwhile is rolled back, and each process
         is charged its tokens and its share of the step's time."""
         self.running = None
-        for (job, row), token, logprob, top_ids, top_lps in zip(
+        for i, ((job, row), token, logprob, top_ids, top_lps) in enumerate(zip(
                 plan.samples, result.tokens, result.logprobs, result.top_ids,
-                result.top_logprobs, strict=True):
+                result.top_logprobs, strict=True)):
             n = job.params.top_logprobs
-            job.outputs.append(Output(row, token, logprob,
-                                      list(zip(top_ids[:n], top_lps[:n], strict=True))))
+            output = Output(row, token, logprob, list(zip(top_ids[:n], top_lps[:n], strict=True)))
+            if plan.controls is not None and plan.controls[i] is not None:
+                controlled(output, job, plan.controls[i], result, i)
+            job.outputs.append(output)
         total = plan.tokens
         prefill = decode = 0
         for c in plan.chunks:

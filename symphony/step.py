@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from symphony.engine.engine import Batch, Engine
-from symphony.engine.sampler import SamplingParams, sample
+from symphony.engine.engine import Batch, Engine, TreeRows
+from symphony.engine.sampler import RowControl, SamplingParams, sample
 from symphony.pred_job import PredJob
 
 
@@ -31,6 +31,7 @@ class StepPlan:
     chunks: list[Chunk]
     batch: Batch
     samples: list[tuple[PredJob, int]]  # per logit row of the batch: its job, and its row
+    controls: list[RowControl | None] | None = None  # per logit row; None: no control at all
 
     @classmethod
     def build(cls, chunks: list[Chunk]) -> StepPlan:
@@ -44,12 +45,22 @@ class StepPlan:
             q_lens.append(c.size)
             kv_lens.append(job.res.start + end)
             tables.append(job.res.page_table)
-            excluded.append(job.handle.inode.excluded)
+            excluded.append(job.res.excluded)
             for r in job.rows:
                 if start <= r < end:
                     rows.append(base + r - start)
                     samples.append((job, r))
-        return cls(chunks, Batch(ids, pos, q_lens, kv_lens, tables, rows, excluded), samples)
+        # Only a step with a tree or a control pays for them.
+        trees = controls = None
+        if any(c.job.tree is not None for c in chunks):
+            trees = [None if c.job.tree is None
+                     else TreeRows(c.job.res.start, c.job.tree[c.start:c.end]) for c in chunks]
+        if any(c.job.controls is not None for c in chunks):
+            controls = [None if c.job.controls is None else c.job.controls[i]
+                        for c in chunks for i, r in enumerate(c.job.rows)
+                        if c.start <= r < c.end]
+        return cls(chunks, Batch(ids, pos, q_lens, kv_lens, tables, rows, excluded, trees=trees),
+                   samples, controls)
 
     @property
     def params(self) -> list[SamplingParams]:
@@ -70,13 +81,17 @@ class StepPlan:
 @dataclass
 class StepResult:
     """Per logit row of the plan's batch, in order: the sampled token, its logprob, and the
-    top ids and logprobs (as many as the batch's largest top_logprobs)."""
+    top ids and logprobs (as many as the batch's largest top_logprobs). With controls: the
+    model's own logprobs of the tokens (set when some row has a mask or a bias), and the
+    scores at each row's score_ids (padded to the longest)."""
 
     tokens: list[int]
     logprobs: list[float]
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
     seconds: float = 0.0  # the step's time, shared out by tokens computed
+    model_logprobs: list[float] | None = None
+    scores: list[list[float]] | None = None
 
 
 def forward(engine: Engine, plan: StepPlan) -> StepResult:
@@ -84,6 +99,9 @@ def forward(engine: Engine, plan: StepPlan) -> StepResult:
     logits = engine.forward(plan.batch)
     if not plan.samples:
         return StepResult([], [], [], [])
-    s = sample(logits, plan.params, plan.generators)
+    s = sample(logits, plan.params, plan.generators, plan.controls)
     return StepResult(s.tokens.tolist(), s.logprobs.tolist(), s.top_ids.tolist(),
-                      s.top_logprobs.tolist())
+                      s.top_logprobs.tolist(),
+                      model_logprobs=None if s.model_logprobs is None
+                      else s.model_logprobs.tolist(),
+                      scores=None if s.scores is None else s.scores.tolist())

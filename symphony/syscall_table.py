@@ -15,11 +15,16 @@ import os
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, TypeVar
 
+import numpy as np
+import torch
+
 from kvfs.errors import FSError
 from kvfs.format import exported_size
 from kvfs.fs import Handle
 from kvfs.perm import Cred
-from symphony.engine.sampler import SamplingParams
+from symphony.engine.sampler import RowControl, SamplingParams
+from symphony.engine.tokenizer import Tokenizer
+from symphony.engine.tree import ancestor_bits, depths
 from symphony.pred_job import Output
 from symphony.process import NICE_MAX, NICE_MIN, Process
 from syscalls import symphony_pb2 as pb
@@ -141,6 +146,19 @@ def sys_detokenize(k: Kernel, proc: Process, cred: Cred,
     return pb.DetokenizeReply(text=tok.decode(ids, skip_special=not req.keep_special))
 
 
+@functools.lru_cache(maxsize=1)
+def _vocab(tok: Tokenizer, vocab: int) -> pb.VocabReply:
+    """Built once: a 128k vocabulary takes a while. Per id of the model's: ids past the
+    tokenizer's (a model's vocabulary is often padded) are empty, as no token's."""
+    tokens = tok.token_bytes()[:vocab]
+    return pb.VocabReply(tokens=tokens + [b""] * (vocab - len(tokens)),
+                         special_ids=[i for i in tok.special_ids() if i < vocab])
+
+
+def sys_vocab(k: Kernel, proc: Process, cred: Cred, req: pb.Void) -> pb.VocabReply:
+    return _vocab(_tokenizer(k, "vocab"), k.engine.config.vocab_size)
+
+
 @functools.lru_cache(maxsize=1024)
 def _checked_sampler(temperature: float, top_k: int, top_p: float, min_p: float,
                      seed: int | None, top_logprobs: int, vocab: int) -> SamplingParams:
@@ -162,12 +180,71 @@ def _sampling(req: pb.PredRequest, vocab: int) -> SamplingParams:
         raise einval(f"pred: sampler: {e}") from e
 
 
-def pred_reply_bytes(rows: int, top_logprobs: int) -> int:
+def pred_reply_bytes(rows: int, top_logprobs: int,
+                     controls: list[RowControl | None] | None = None,
+                     score_next: bool = False) -> int:
     """The most bytes a PredReply of `rows` outputs with `top_logprobs` entries each can
     take: each integer as its longest varint, with its field's tag and length prefix. A
     PredOutput: 1 + 5 (tag, length) + 6 (row) + 6 (token) + 5 (logprob); a TopLogprob: 1 + 1
-    + 6 (id) + 5 (logprob)."""
-    return rows * (23 + 13 * top_logprobs)
+    + 6 (id) + 5 (logprob). A controlled row (`controls` per row) adds 5 (model_logprob) and
+    1 + 5 + 4 a score (packed floats); score_next 5 a row (next_logprob)."""
+    size = rows * (23 + 13 * top_logprobs + 5 * score_next)
+    for control in controls or ():
+        if control is not None:
+            size += 11 + 4 * len(control.score_ids)
+    return size
+
+
+def _tree(req: pb.PredRequest, tokens: list[int], positions: list[int] | None
+          ) -> tuple[np.ndarray | None, list[int] | None]:
+    """The pred's ancestor bits, and the depths its default positions add to the file's next
+    position (None when positions are given); (None, None) for a chain: causal attention."""
+    parents = req.parents[:]
+    if len(parents) != len(tokens):
+        raise einval(f"pred: {len(parents)} parents for {len(tokens)} tokens")
+    bad = next((i for i, p in enumerate(parents) if not -1 <= p < i), None)
+    if bad is not None:
+        raise einval(f"pred: parents[{bad}] is {parents[bad]}, not -1 (a root) or an earlier "
+                     f"row in [0, {bad})")
+    if parents == list(range(-1, len(parents) - 1)):
+        return None, None
+    return ancestor_bits(parents), depths(parents) if positions is None else None
+
+
+def _row_control(c: pb.LogitControl, i: int, vocab: int) -> RowControl | None:
+    """controls[i] as the sampler takes it, checked; None when it asks for nothing."""
+    if not (c.allowed or c.bias_ids or c.bias_values or c.score_ids):
+        return None
+    if len(c.allowed) % 4:
+        raise einval(f"pred: controls[{i}].allowed is {len(c.allowed)} bytes, not whole "
+                     "32-bit words")
+    allowed = (torch.from_numpy(np.frombuffer(c.allowed, "<i4").astype(np.int32))
+               if c.allowed else None)
+    control = RowControl(allowed, tuple(c.bias_ids), tuple(c.bias_values), tuple(c.score_ids))
+    try:
+        control.validate(vocab)
+    except ValueError as e:
+        raise einval(f"pred: controls[{i}]: {e}") from e
+    return control
+
+
+def _controls(req: pb.PredRequest, rows: list[int], tokens: list[int],
+              vocab: int) -> list[RowControl | None] | None:
+    """Per output row (in the order of `rows`): its control, with score_next the row's next
+    token added as its last score id. None when no row has one."""
+    n = len(req.controls)
+    if n not in (0, 1, len(rows)):
+        raise einval(f"pred: {n} controls for {len(rows)} output rows (0, 1 for every row, "
+                     "or one per row)")
+    parsed = [_row_control(c, i, vocab) for i, c in enumerate(req.controls)]
+    controls = parsed * len(rows) if n == 1 else parsed or [None] * len(rows)
+    if req.score_next:
+        controls = [c if r + 1 == len(tokens)
+                    else RowControl(None, score_ids=(tokens[r + 1],)) if c is None
+                    else RowControl(c.allowed, c.bias_ids, c.bias_values,
+                                    (*c.score_ids, tokens[r + 1]))
+                    for c, r in zip(controls, rows, strict=True)]
+    return None if all(c is None for c in controls) else controls
 
 
 def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> asyncio.Future:
@@ -189,9 +266,15 @@ def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> as
         if max(positions) >= context:
             raise FSError(errno.EOVERFLOW, f"pred: position {max(positions)} is past the "
                           f"model's context ({context})")
+    tree, tree_depths = _tree(req, tokens, positions) if req.parents else (None, None)
+    cut = req.truncate if req.HasField("truncate") else None
+    if cut is not None and cut < 0:
+        raise einval(f"pred: truncate {cut} is negative")
     if req.no_outputs:
-        if req.outputs:
-            raise einval("pred: outputs given with no_outputs")
+        for given, what in ((req.outputs, "outputs"), (req.controls, "controls"),
+                            (req.score_next, "score_next")):
+            if given:
+                raise einval(f"pred: {what} given with no_outputs")
         rows = []
     elif req.outputs:
         rows = req.outputs[:]
@@ -200,13 +283,22 @@ def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> as
                          "tokens")
     else:
         rows = [len(tokens) - 1]
-    params = _sampling(req, k.engine.config.vocab_size)
-    size = pred_reply_bytes(len(rows), params.top_logprobs)
+    vocab = k.engine.config.vocab_size
+    params = _sampling(req, vocab)
+    controls = _controls(req, rows, tokens, vocab) if req.controls or req.score_next else None
+    size = pred_reply_bytes(len(rows), params.top_logprobs, controls, req.score_next)
     if size > wire.MAX_PAYLOAD:
         raise FSError(errno.EMSGSIZE, f"pred: {len(rows)} output rows with {params.top_logprobs}"
-                      f" top logprobs each may take {size >> 20} MiB, over the "
-                      f"{wire.MAX_PAYLOAD >> 20} MiB limit of a reply")
-    return k.sched.submit(proc, handle, tokens, positions, sorted(rows), params)
+                      f" top logprobs each{' and their scores' if controls else ''} may take "
+                      f"{size >> 20} MiB, over the {wire.MAX_PAYLOAD >> 20} MiB limit of a "
+                      "reply")
+    if controls is not None:  # kept with their rows, which the scheduler takes sorted
+        order = sorted(range(len(rows)), key=rows.__getitem__)
+        rows, controls = [rows[i] for i in order], [controls[i] for i in order]
+    else:
+        rows = sorted(rows)
+    return k.sched.submit(proc, handle, tokens, positions, rows, params, controls=controls,
+                          score_next=req.score_next, tree=tree, depths=tree_depths, cut=cut)
 
 
 def pred_reply(outputs: list[Output]) -> pb.PredReply:
@@ -215,6 +307,12 @@ def pred_reply(outputs: list[Output]) -> pb.PredReply:
         out = reply.outputs.add(row=o.row, token=o.token, logprob=o.logprob)
         for i, lp in o.top:
             out.top.add(id=i, logprob=lp)
+        if o.model_logprob is not None:  # only a controlled row has these
+            out.model_logprob = o.model_logprob
+        if o.scores:
+            out.scores.extend(o.scores)
+        if o.next_logprob is not None:
+            out.next_logprob = o.next_logprob
     return reply
 
 
@@ -303,6 +401,28 @@ async def sys_truncate(k: Kernel, proc: Process, cred: Cred,
     await k.sched.settle(handle.inode)
     await _room_made(k, lambda: k.fs.truncate(handle, req.length))
     k.sched.poke()
+    return pb.Empty()
+
+
+async def sys_keep(k: Kernel, proc: Process, cred: Cred, req: pb.KeepRequest) -> pb.Empty:
+    handle = proc.handle(req.fd)
+    await k.sched.settle(handle.inode)
+    await _room_made(k, lambda: k.fs.keep(handle, req.start, req.entries[:]))
+    k.sched.poke()  # pages past the new end were freed
+    return pb.Empty()
+
+
+async def sys_shift(k: Kernel, proc: Process, cred: Cred, req: pb.ShiftRequest) -> pb.Empty:
+    handle = proc.handle(req.fd)
+    await k.sched.settle(handle.inode)
+    # The keys are rotated here, on the loop's thread, as splice copies K/V rows: the pool
+    # rows a shift writes are no running step's (a file with a pred in flight is busy, and
+    # shared pages are made private first), and kvfs's state and every other change of the
+    # pool are the loop's alone, in order. On the engine thread the rotation would wait
+    # for the step, with fs.shift half done.
+    await _room_made(k, lambda: k.fs.shift(handle, req.start, req.end, req.delta,
+                                           k.engine.config.max_position_embeddings,
+                                           k.engine.rotate_keys))
     return pb.Empty()
 
 
@@ -445,6 +565,7 @@ TABLE = {
     "ModelInfo": (sys_model_info, pb.Void, pb.ModelInfoReply, False),
     "Tokenize": (sys_tokenize, pb.TokenizeRequest, pb.TokenizeReply, False),
     "Detokenize": (sys_detokenize, pb.DetokenizeRequest, pb.DetokenizeReply, False),
+    "Vocab": (sys_vocab, pb.Void, pb.VocabReply, False),
     "Pred": (sys_pred, pb.PredRequest, pb.PredReply, False),
     "Open": (sys_open, pb.OpenRequest, pb.FdReply, False),
     "Close": (sys_close, pb.FdRequest, pb.Empty, False),
@@ -454,6 +575,8 @@ TABLE = {
     "Splice": (sys_splice, pb.SpliceRequest, pb.Empty, False),
     "Truncate": (sys_truncate, pb.TruncateRequest, pb.Empty, False),
     "Punch": (sys_punch, pb.PunchRequest, pb.Empty, False),
+    "Keep": (sys_keep, pb.KeepRequest, pb.Empty, False),
+    "Shift": (sys_shift, pb.ShiftRequest, pb.Empty, False),
     "Stat": (sys_stat, pb.StatRequest, pb.StatReply, False),
     "Readdir": (sys_readdir, pb.PathRequest, pb.ReaddirReply, False),
     "Mkdir": (sys_mkdir, pb.ModeRequest, pb.Empty, False),

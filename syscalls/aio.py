@@ -24,12 +24,14 @@ from syscalls.client import CHANNEL_OPTIONS, OpenFile, Session
 from syscalls.convert import (
     Fd,
     KvPath,
+    LogitControl,
     ModelInfo,
     PredOutput,
     ProcInfo,
     Sampling,
     Stat,
     Target,
+    Vocabulary,
 )
 from syscalls.lifeline import AsyncLifeline
 
@@ -150,13 +152,22 @@ class AsyncKernel(Session):
         sampler: Sampling | None = None,
         *,
         no_outputs: bool = False,
+        control: LogitControl | Sequence[LogitControl] | None = None,
+        score_next: bool = False,
+        parents: Sequence[int] | None = None,
+        truncate: int | None = None,
         **sampling: Any,
     ) -> list[PredOutput]:
         s = convert.sampler(sampler, sampling)
+        extras = convert.pred_extras(control, score_next, parents, truncate)
         if self._line is None:
-            return await self._do(convert.pred(fd, tokens, positions, outputs, s, no_outputs))
-        request = convert.pred_request(fd, tokens, positions, outputs, s, no_outputs)
+            return await self._do(convert.pred(fd, tokens, positions, outputs, s, no_outputs,
+                                               extras))
+        request = convert.pred_request(fd, tokens, positions, outputs, s, no_outputs, extras)
         return convert.pred_outputs(await self._line.call(request))
+
+    async def vocab(self) -> Vocabulary:
+        return await self._do(convert.vocab())
 
     # -- KV files ---------------------------------------------------------------------
 
@@ -184,6 +195,12 @@ class AsyncKernel(Session):
 
     async def punch(self, fd: Fd, start: int, end: int) -> None:
         await self._do(convert.punch(fd, start, end))
+
+    async def keep(self, fd: Fd, start: int, entries: Iterable[int]) -> None:
+        await self._do(convert.keep(fd, start, entries))
+
+    async def shift(self, fd: Fd, start: int, end: int, delta: int) -> None:
+        await self._do(convert.shift(fd, start, end, delta))
 
     async def stat(self, target: Target) -> Stat:
         return await self._do(convert.stat(target))
@@ -269,13 +286,9 @@ class AsyncFile(OpenFile):
         positions: Iterable[int] | None = None,
         outputs: Iterable[int] | None = None,
         sampler: Sampling | None = None,
-        *,
-        no_outputs: bool = False,
-        **sampling: Any,
+        **options: Any,
     ) -> list[PredOutput]:
-        return await self.kernel.pred(
-            self, tokens, positions, outputs, sampler, no_outputs=no_outputs, **sampling
-        )
+        return await self.kernel.pred(self, tokens, positions, outputs, sampler, **options)
 
     async def read(self, start: int = 0, count: int | None = None) -> tuple[list[int], list[int]]:
         return await self.kernel.read(self, start, count)
@@ -291,6 +304,12 @@ class AsyncFile(OpenFile):
 
     async def punch(self, start: int, end: int) -> None:
         await self.kernel.punch(self, start, end)
+
+    async def keep(self, start: int, entries: Iterable[int]) -> None:
+        await self.kernel.keep(self, start, entries)
+
+    async def shift(self, start: int, end: int, delta: int) -> None:
+        await self.kernel.shift(self, start, end, delta)
 
     async def splice_from(self, src: Fd, start: int, end: int) -> None:
         await self.kernel.splice(src, start, end, self)

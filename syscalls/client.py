@@ -28,12 +28,14 @@ from syscalls.convert import (
     Fd,
     Identity,
     KvPath,
+    LogitControl,
     ModelInfo,
     PredOutput,
     ProcInfo,
     Sampling,
     Stat,
     Target,
+    Vocabulary,
 )
 from syscalls.lifeline import Lifeline
 from syscalls.wire import MAX_PAYLOAD
@@ -221,18 +223,33 @@ class Kernel(Session):
         sampler: Sampling | None = None,
         *,
         no_outputs: bool = False,
+        control: LogitControl | Sequence[LogitControl] | None = None,
+        score_next: bool = False,
+        parents: Sequence[int] | None = None,
+        truncate: int | None = None,
         **sampling: Any,
     ) -> list[PredOutput]:
         """Append `tokens` to the KV file and sample at the `outputs` rows (default: the
         last). Sampling comes from `sampler` or from keywords naming Sampling's fields
-        (temperature, top_k, top_p, min_p, seed, top_logprobs); the default is greedy."""
+        (temperature, top_k, top_p, min_p, seed, top_logprobs); the default is greedy.
+        `control`: a LogitControl for every output row, or one per row (masks, biases,
+        scores); `score_next`: each row also scores the next token; `parents`: tree
+        attention, a parent row per token (-1: a root); `truncate`: cut the file to this
+        length first, atomically with the append (docs/syscalls.md, pred)."""
         s = convert.sampler(sampler, sampling)
+        extras = convert.pred_extras(control, score_next, parents, truncate)
         if self._line is not None:
-            request = convert.pred_request(fd, tokens, positions, outputs, s, no_outputs)
+            request = convert.pred_request(fd, tokens, positions, outputs, s, no_outputs,
+                                           extras)
             return convert.pred_outputs(self._line.call(request))
         # grpc cancels a blocking call that an interruption (Ctrl-C, a signal handler's
         # timeout) ends, and the kernel takes the pred back.
-        return self._do(convert.pred(fd, tokens, positions, outputs, s, no_outputs))
+        return self._do(convert.pred(fd, tokens, positions, outputs, s, no_outputs, extras))
+
+    def vocab(self) -> Vocabulary:
+        """Every token's bytes and which ids are special: what a grammar engine or a prefix
+        trie is built from. It never changes while the kernel runs: call it once."""
+        return self._do(convert.vocab())
 
     # -- KV files ---------------------------------------------------------------------
 
@@ -261,6 +278,15 @@ class Kernel(Session):
     def punch(self, fd: Fd, start: int, end: int) -> None:
         """Drop entries [start, end) from attention, freeing their whole pages."""
         self._do(convert.punch(fd, start, end))
+
+    def keep(self, fd: Fd, start: int, entries: Iterable[int]) -> None:
+        """The file keeps entries [0, start) and then `entries` (increasing indices past
+        start), their K/V moved, not recomputed: a tree pred's accepted branch."""
+        self._do(convert.keep(fd, start, entries))
+
+    def shift(self, fd: Fd, start: int, end: int, delta: int) -> None:
+        """Move entries [start, end) by `delta` positions, their keys rotated to match."""
+        self._do(convert.shift(fd, start, end, delta))
 
     def stat(self, target: Target) -> Stat:
         """Stat a path, or an open file (int or File)."""
@@ -358,13 +384,10 @@ class File(OpenFile):
         positions: Iterable[int] | None = None,
         outputs: Iterable[int] | None = None,
         sampler: Sampling | None = None,
-        *,
-        no_outputs: bool = False,
-        **sampling: Any,
+        **options: Any,
     ) -> list[PredOutput]:
-        return self.kernel.pred(
-            self, tokens, positions, outputs, sampler, no_outputs=no_outputs, **sampling
-        )
+        """Kernel.pred on this file; `options` are its keyword arguments."""
+        return self.kernel.pred(self, tokens, positions, outputs, sampler, **options)
 
     def read(self, start: int = 0, count: int | None = None) -> tuple[list[int], list[int]]:
         return self.kernel.read(self, start, count)
@@ -380,6 +403,12 @@ class File(OpenFile):
 
     def punch(self, start: int, end: int) -> None:
         self.kernel.punch(self, start, end)
+
+    def keep(self, start: int, entries: Iterable[int]) -> None:
+        self.kernel.keep(self, start, entries)
+
+    def shift(self, start: int, end: int, delta: int) -> None:
+        self.kernel.shift(self, start, end, delta)
 
     def splice_from(self, src: Fd, start: int, end: int) -> None:
         """Append entries [start, end) of `src` to this file."""

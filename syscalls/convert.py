@@ -85,6 +85,44 @@ GREEDY = Sampling()  # pred's sampler when none is given
 
 
 @dataclass(frozen=True)
+class LogitControl:
+    """What pred does with an output row's logits beyond sampling (docs/syscalls.md, pred):
+    `allowed`, a packed bitmask (bit t % 32 of little-endian 32-bit word t // 32 allows
+    token t, ceil(vocab_size / 32) words: the layout of xgrammar's and llguidance's token
+    bitmasks, as bytes, a numpy int32 array or a CPU tensor); `bias`, added to the logits
+    (OpenAI's logit_bias); `score`, ids whose logprobs (the model's own) the row returns."""
+
+    allowed: Any = None
+    bias: Mapping[int, float] | None = None
+    score: Sequence[int] = ()
+
+    @classmethod
+    def allowing(cls, ids: Iterable[int], vocab_size: int, **rest: Any) -> LogitControl:
+        """A control whose mask allows exactly `ids`."""
+        words = [0] * (-(-vocab_size // 32))
+        for t in ids:
+            words[t // 32] |= 1 << (t % 32)
+        return cls(allowed=struct.pack(f"<{len(words)}I", *words), **rest)
+
+    def proto(self) -> pb.LogitControl:
+        bias = self.bias or {}
+        return pb.LogitControl(allowed=_mask_bytes(self.allowed), bias_ids=list(bias),
+                               bias_values=list(bias.values()), score_ids=self.score)
+
+
+def _mask_bytes(allowed: Any) -> bytes:
+    """A mask as the wire carries it: bytes as given; an array's (or tensor's) int32 words
+    in little-endian order."""
+    if allowed is None:
+        return b""
+    if isinstance(allowed, bytes | bytearray | memoryview):
+        return bytes(allowed)
+    if hasattr(allowed, "numpy"):  # a torch tensor (on the CPU)
+        allowed = allowed.numpy()
+    return allowed.astype("<i4", copy=False).tobytes()
+
+
+@dataclass(frozen=True)
 class Identity:
     pid: int
     uid: int
@@ -97,8 +135,17 @@ class Identity:
 class PredOutput:
     row: int  # index into the tokens of the pred call
     token: int
-    logprob: float  # of `token` under the model's unmodified distribution
-    top: list[tuple[int, float]]  # (id, logprob), most likely first, when top_logprobs > 0
+    logprob: float  # of `token` under the model's distribution with the row's mask and bias
+    top: list[tuple[int, float]]  # (id, logprob) of the same, most likely first
+    model_logprob: float  # of `token` under the model's own distribution
+    scores: list[float]  # the LogitControl's `score` ids, in order, the model's own
+    next_logprob: float | None  # score_next: of tokens[row + 1], the model's own
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    tokens: list[bytes]  # per id: the bytes the token stands for (empty: no token)
+    special_ids: frozenset[int]  # control tokens (BOS, EOS, chat markers)
 
 
 @dataclass(frozen=True)
@@ -175,7 +222,10 @@ def _record(cls: type[T], msg: Any) -> T:
 
 
 def _pred_output(o: pb.PredOutput) -> PredOutput:
-    return PredOutput(o.row, o.token, o.logprob, [(t.id, t.logprob) for t in o.top])
+    return PredOutput(o.row, o.token, o.logprob, [(t.id, t.logprob) for t in o.top],
+                      o.model_logprob if o.HasField("model_logprob") else o.logprob,
+                      list(o.scores),
+                      o.next_logprob if o.HasField("next_logprob") else None)
 
 
 _FLOAT = struct.Struct("<f").unpack_from
@@ -219,7 +269,7 @@ def _plain_outputs(data: bytes) -> list[PredOutput]:
                     raise ValueError("not a plain output")
             if at != end:
                 raise ValueError("an output overruns its length")
-            outputs.append(PredOutput(row, token, logprob, []))
+            outputs.append(PredOutput(row, token, logprob, [], logprob, [], None))
     except (IndexError, struct.error) as e:
         raise ValueError("a truncated reply") from e
     return outputs
@@ -323,6 +373,36 @@ def sampler(given: Sampling | None, sampling: Mapping[str, Any]) -> Sampling:
     return given or (Sampling(**sampling) if sampling else GREEDY)
 
 
+@dataclass(frozen=True)
+class PredExtras:
+    """pred's arguments past the sampler (PredRequest fields 7 on): logit control, teacher
+    forcing, tree attention, truncating first."""
+
+    control: LogitControl | Sequence[LogitControl] | None = None
+    score_next: bool = False
+    parents: Sequence[int] | None = None
+    truncate: int | None = None
+
+    def proto(self) -> pb.PredRequest:
+        """A PredRequest holding only these fields."""
+        control = self.control
+        controls = ([] if control is None else [control.proto()]
+                    if isinstance(control, LogitControl) else [c.proto() for c in control])
+        return pb.PredRequest(controls=controls, score_next=self.score_next,
+                              parents=self.parents, truncate=self.truncate)
+
+
+NO_EXTRAS = PredExtras()
+
+
+def pred_extras(control: LogitControl | Sequence[LogitControl] | None, score_next: bool,
+                parents: Sequence[int] | None, truncate: int | None) -> PredExtras:
+    """pred's extras; the shared NO_EXTRAS when there are none (the plain pred's path)."""
+    if control is None and not score_next and parents is None and truncate is None:
+        return NO_EXTRAS
+    return PredExtras(control, score_next, parents, truncate)
+
+
 @_wire_checked
 def pred(
     fd: Fd,
@@ -331,9 +411,12 @@ def pred(
     outputs: Iterable[int] | None,
     sampling: Sampling,
     no_outputs: bool,
+    extras: PredExtras = NO_EXTRAS,
 ) -> Call[list[PredOutput]]:
     request = _pred_head(fd, tokens, positions, outputs, no_outputs)
     request.sampler.CopyFrom(sampling.proto())
+    if extras is not NO_EXTRAS:
+        request.MergeFrom(extras.proto())
     return Call("Pred", request, lambda r: [_pred_output(o) for o in r.outputs])
 
 
@@ -352,12 +435,15 @@ def pred_request(
     outputs: Iterable[int] | None,
     sampling: Sampling,
     no_outputs: bool,
+    extras: PredExtras = NO_EXTRAS,
 ) -> bytes:
     """pred(...).request serialized, at a fraction of its cost (the lifeline's pred, one a
-    token): protobuf writes fields in number order, so the request without its sampler
-    (field 6, the last) followed by the sampler's kept bytes is the same message."""
+    token): protobuf writes fields in number order, so the request's fields before its
+    sampler (field 6), the sampler's kept bytes, then the fields after it are the same
+    message."""
     head = _pred_head(fd, tokens, positions, outputs, no_outputs)
-    return head.SerializeToString() + sampling.encoded
+    tail = b"" if extras is NO_EXTRAS else extras.proto().SerializeToString()
+    return head.SerializeToString() + sampling.encoded + tail
 
 
 def pred_outputs(payload: bytes) -> list[PredOutput]:
@@ -369,6 +455,11 @@ def pred_outputs(payload: bytes) -> list[PredOutput]:
     except ValueError:
         reply = errors.check(pb.PredReply.FromString(payload))
         return [_pred_output(o) for o in reply.outputs]
+
+
+def vocab() -> Call[Vocabulary]:
+    return Call("Vocab", pb.Void(),
+                lambda r: Vocabulary(list(r.tokens), frozenset(r.special_ids)))
 
 
 @_wire_checked
@@ -411,6 +502,16 @@ def truncate(fd: Fd, length: int) -> Call[None]:
 @_wire_checked
 def punch(fd: Fd, start: int, end: int) -> Call[None]:
     return Call("Punch", pb.PunchRequest(fd=int(fd), start=start, end=end), _none)
+
+
+@_wire_checked
+def keep(fd: Fd, start: int, entries: Iterable[int]) -> Call[None]:
+    return Call("Keep", pb.KeepRequest(fd=int(fd), start=start, entries=entries), _none)
+
+
+@_wire_checked
+def shift(fd: Fd, start: int, end: int, delta: int) -> Call[None]:
+    return Call("Shift", pb.ShiftRequest(fd=int(fd), start=start, end=end, delta=delta), _none)
 
 
 def _target(target: Target) -> dict[str, Any]:

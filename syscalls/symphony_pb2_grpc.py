@@ -84,6 +84,11 @@ class KernelStub:
                 request_serializer=syscalls_dot_symphony__pb2.PredRequest.SerializeToString,
                 response_deserializer=syscalls_dot_symphony__pb2.PredReply.FromString,
                 _registered_method=True)
+        self.Vocab = channel.unary_unary(
+                '/symphony.Kernel/Vocab',
+                request_serializer=syscalls_dot_symphony__pb2.Void.SerializeToString,
+                response_deserializer=syscalls_dot_symphony__pb2.VocabReply.FromString,
+                _registered_method=True)
         self.Open = channel.unary_unary(
                 '/symphony.Kernel/Open',
                 request_serializer=syscalls_dot_symphony__pb2.OpenRequest.SerializeToString,
@@ -122,6 +127,16 @@ class KernelStub:
         self.Punch = channel.unary_unary(
                 '/symphony.Kernel/Punch',
                 request_serializer=syscalls_dot_symphony__pb2.PunchRequest.SerializeToString,
+                response_deserializer=syscalls_dot_symphony__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Keep = channel.unary_unary(
+                '/symphony.Kernel/Keep',
+                request_serializer=syscalls_dot_symphony__pb2.KeepRequest.SerializeToString,
+                response_deserializer=syscalls_dot_symphony__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Shift = channel.unary_unary(
+                '/symphony.Kernel/Shift',
+                request_serializer=syscalls_dot_symphony__pb2.ShiftRequest.SerializeToString,
                 response_deserializer=syscalls_dot_symphony__pb2.Empty.FromString,
                 _registered_method=True)
         self.Stat = channel.unary_unary(
@@ -256,6 +271,12 @@ class KernelServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Vocab(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Open(self, request, context):
         """KV files
         """
@@ -300,6 +321,18 @@ class KernelServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Punch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Keep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Shift(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -437,6 +470,11 @@ def add_KernelServicer_to_server(servicer, server):
                     request_deserializer=syscalls_dot_symphony__pb2.PredRequest.FromString,
                     response_serializer=syscalls_dot_symphony__pb2.PredReply.SerializeToString,
             ),
+            'Vocab': grpc.unary_unary_rpc_method_handler(
+                    servicer.Vocab,
+                    request_deserializer=syscalls_dot_symphony__pb2.Void.FromString,
+                    response_serializer=syscalls_dot_symphony__pb2.VocabReply.SerializeToString,
+            ),
             'Open': grpc.unary_unary_rpc_method_handler(
                     servicer.Open,
                     request_deserializer=syscalls_dot_symphony__pb2.OpenRequest.FromString,
@@ -475,6 +513,16 @@ def add_KernelServicer_to_server(servicer, server):
             'Punch': grpc.unary_unary_rpc_method_handler(
                     servicer.Punch,
                     request_deserializer=syscalls_dot_symphony__pb2.PunchRequest.FromString,
+                    response_serializer=syscalls_dot_symphony__pb2.Empty.SerializeToString,
+            ),
+            'Keep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Keep,
+                    request_deserializer=syscalls_dot_symphony__pb2.KeepRequest.FromString,
+                    response_serializer=syscalls_dot_symphony__pb2.Empty.SerializeToString,
+            ),
+            'Shift': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shift,
+                    request_deserializer=syscalls_dot_symphony__pb2.ShiftRequest.FromString,
                     response_serializer=syscalls_dot_symphony__pb2.Empty.SerializeToString,
             ),
             'Stat': grpc.unary_unary_rpc_method_handler(
@@ -824,6 +872,33 @@ class Kernel:
             _registered_method=True)
 
     @staticmethod
+    def Vocab(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/symphony.Kernel/Vocab',
+            syscalls_dot_symphony__pb2.Void.SerializeToString,
+            syscalls_dot_symphony__pb2.VocabReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Open(request,
             target,
             options=(),
@@ -1028,6 +1103,60 @@ class Kernel:
             target,
             '/symphony.Kernel/Punch',
             syscalls_dot_symphony__pb2.PunchRequest.SerializeToString,
+            syscalls_dot_symphony__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Keep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/symphony.Kernel/Keep',
+            syscalls_dot_symphony__pb2.KeepRequest.SerializeToString,
+            syscalls_dot_symphony__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shift(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/symphony.Kernel/Shift',
+            syscalls_dot_symphony__pb2.ShiftRequest.SerializeToString,
             syscalls_dot_symphony__pb2.Empty.FromString,
             options,
             channel_credentials,

@@ -7,9 +7,11 @@ import os
 
 import pytest
 import torch
-from kvfs_helpers import append, assert_kv, make_fs
+from kvfs_helpers import PAGE, append, assert_kv, kv_for, make_fs
 
+from kernels import store_kv_ref
 from kvfs.errors import FSError
+from kvfs.fs import Reservation
 from kvfs.perm import ROOT, Cred
 
 ALICE, BOB = Cred(1000, 1000), Cred(1001, 1001)
@@ -523,3 +525,298 @@ def test_an_import_stream_is_bounded_by_what_its_owner_could_hold():
     fs.close(fs.open(ROOT, "/tmp/root", RW_CREAT, 0o666))
     fs.receive(ALICE, "/tmp/root").feed(header(29))  # charged to root, the file's owner
     raises(errno.EFBIG, fs.receive(ROOT, "/tmp/f").feed, header(37))  # 10 pages
+
+
+# -- cutting reservations, keep and shift ---------------------------------------------------
+
+
+def written(fs, h, tokens: list[int], positions: list[int], cut=None) -> Reservation:
+    """A pred's reservation after the first `cut` entries (None: all), its K/V written
+    through the page table as a forward pass writes it; not committed yet."""
+    res = fs.reserve(h, len(tokens), cut)
+    idx = torch.arange(res.start, res.start + len(tokens))
+    slots = torch.tensor(res.page_table)[idx // PAGE] * PAGE + idx % PAGE
+    k, v = kv_for(tokens, positions)
+    pool = fs.store.pool
+    for layer in range(pool.k.shape[0]):
+        store_kv_ref(k[layer], v[layer], pool.k[layer], pool.v[layer], slots)
+    return res
+
+
+def rows_of(fs, h, entries) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of some entries of a file, [layers, entries, heads, dim], page by page."""
+    ks, vs = [], []
+    for i in entries:
+        k, v = fs.store.read(h.inode.pages[i // PAGE])
+        ks.append(k[:, i % PAGE])
+        vs.append(v[:, i % PAGE])
+    return torch.stack(ks, 1), torch.stack(vs, 1)
+
+
+def contents(fs) -> dict:
+    """Every live page's K and V."""
+    return {p: fs.store.read(p) for p in fs.store.live}
+
+
+def same_contents(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[p][0], b[p][0]) and torch.equal(a[p][1], b[p][1]) for p in a)
+
+
+def adder(fs, calls: list):
+    """A rotate that records its calls and adds delta to the keys at the rows, every layer."""
+    def rotate(rows: torch.Tensor, delta: int) -> None:
+        calls.append((rows.clone(), delta))
+        k = fs.store.pool.k
+        k.view(k.shape[0], -1, *k.shape[3:])[:, rows] += delta
+    return rotate
+
+
+def excluded_runs(flags: list[bool]) -> list[tuple[int, int]]:
+    """The ranges of entries whose flag (out of attention) is set."""
+    runs: list[tuple[int, int]] = []
+    for i, out in enumerate(flags):
+        if out and runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        elif out:
+            runs.append((i, i + 1))
+    return runs
+
+
+def test_a_cutting_reservation_rolled_back_leaves_everything_as_it_was(fs):
+    h = fs.open(ALICE, "/home/alice/f", RW_CREAT)
+    append(fs, h, list(range(10)))  # pages 4 + 4 + 2
+    fs.punch(h, 1, 2)
+    fs.punch(h, 7, 8)
+    child = fs.fork(h, ALICE)  # shares the two full pages
+    before, kv = snapshot(fs), contents(fs)
+    slots = {p.slot for p in fs.store.live}
+    res = written(fs, h, [50] * 7, list(range(100, 107)), cut=6)
+    assert (res.start, res.excluded, res.cutting) == (6, [(1, 2)], True)
+    assert res.page_table[0] == h.inode.pages[0].slot  # kept whole: read in place
+    assert not slots & set(res.page_table[1:])  # the kept part of page 1 was copied
+    for call in ((fs.reserve, h, 1, 2), (fs.truncate, h, 1), (fs.keep, h, 0, []),
+                 (fs.shift, h, 0, 1, 1, 99, adder(fs, []))):
+        raises(errno.EBUSY, *call)
+    fs.rollback(res)
+    assert snapshot(fs) == before and same_contents(contents(fs), kv)
+    assert fs.read(h, 0, 99) == (list(range(10)), list(range(10)))
+    append(fs, h, [7])
+    assert_kv(fs, h)
+    assert_kv(fs, child)
+
+
+def test_a_cutting_reservation_committed_replaces_the_tail(fs):
+    h = fs.open(ALICE, "/home/alice/f", RW_CREAT)
+    append(fs, h, list(range(10)))
+    fs.punch(h, 1, 2)
+    fs.punch(h, 7, 9)
+    child = fs.fork(h, ALICE)
+    free, used = fs.store.pool.free_in("device"), fs.store.used[1000]
+    tokens, positions = [50, 51, 52, 53, 54], [6, 7, 8, 9, 10]
+    res = written(fs, h, tokens, positions, cut=6)
+    assert fs.store.pool.free_in("device") == free - 2  # page 1 copied, one fresh
+    assert fs.store.used[1000] == used + 2
+    h.inode.dirty = False
+    fs.commit(res, tokens, positions)
+    assert h.inode.dirty
+    assert fs.read(h, 0, 99) == (list(range(6)) + tokens, list(range(11)))
+    assert h.inode.excluded == [(1, 2)]
+    # Page 1 stays the child's, the old private tail is freed.
+    assert fs.store.pool.free_in("device") == free - 1 and fs.store.used[1000] == used + 1
+    assert h.inode.pages[0] is child.inode.pages[0]
+    assert fs.read(child, 0, 99)[0] == list(range(10))
+    assert_kv(fs, h)
+    assert_kv(fs, child)
+    # The same as truncating, then appending.
+    ref = fs.open(ALICE, "", RW_CREAT)
+    append(fs, ref, list(range(10)))
+    fs.punch(ref, 1, 2)
+    fs.punch(ref, 7, 9)
+    fs.truncate(ref, 6)
+    append(fs, ref, tokens, positions)
+    assert fs.export(h) == fs.export(ref)
+    # The page table kept for the next pred is the reservation's.
+    assert h.inode.table == fs.store.device_ids(h.inode.pages)
+    assert h.inode.table_moves == fs.store.moves
+    append(fs, h, [60])
+    assert_kv(fs, h)
+
+
+def test_a_cutting_reservation_is_checked_first(fs):
+    h = fs.open(ALICE, "", RW_CREAT)
+    append(fs, h, list(range(6)))
+    before = snapshot(fs)
+    assert "7" in raises(errno.EINVAL, fs.reserve, h, 1, 7).message
+    raises(errno.EINVAL, fs.reserve, h, 1, -1)
+    assert snapshot(fs) == before
+    res = fs.reserve(h, 2, 6)  # at the end: a plain append
+    assert (res.start, res.cutting, len(res.new_pages)) == (6, False, 0)
+    fs.rollback(res)
+    small = make_fs(pages=8, host=0, default_quota=3)
+    small.home(ALICE, "alice")
+    full = small.open(ALICE, "/home/alice/f", RW_CREAT)
+    append(small, full, list(range(10)))  # alice's three pages
+    big = small.open(ROOT, "", RW_CREAT)
+    append(small, big, list(range(16)))  # the rest of the pool but one page
+    before = snapshot(small)
+    raises(errno.EDQUOT, small.reserve, full, 1, 9)  # a copy of page 2
+    raises(errno.EDQUOT, small.reserve, full, 1, 8)  # a fresh page 2
+    raises(errno.ENOSPC, small.reserve, big, 5, 4)  # two fresh pages
+    assert snapshot(small) == before and before[1] == 1
+    assert small.read(big, 0, 99)[0] == list(range(16))
+
+
+def test_a_cutting_reservation_brings_the_kept_pages_up():
+    fs = make_fs(pages=8, host=8)
+    h = fs.open(ROOT, "", RW_CREAT)
+    append(fs, h, list(range(14)))
+    fs.store.move_down(h.inode.pages)
+    res = written(fs, h, [9, 9], [5, 6], cut=5)
+    assert [p.tier for p in h.inode.pages] == ["device", "host", "host", "host"]
+    assert res.page_table[0] == h.inode.pages[0].slot
+    fs.commit(res, [9, 9], [5, 6])
+    assert [p.tier for p in h.inode.pages] == ["device", "device"]
+    assert fs.store.pool.free_in("host") == 8
+    assert_kv(fs, h)
+
+
+def test_keep_moves_the_kept_rows_and_frees_the_rest(fs):
+    h = fs.open(ALICE, "/home/alice/f", RW_CREAT)
+    append(fs, h, list(range(14)), list(range(100, 114)))  # four pages
+    child = fs.fork(h, ALICE)  # shares the three full ones
+    k0, v0 = rows_of(fs, h, range(14))
+    free, used = fs.store.pool.free_in("device"), fs.store.used[1000]
+    h.inode.dirty = False
+    fs.keep(h, 5, [6, 9, 13])
+    kept = [0, 1, 2, 3, 4, 6, 9, 13]
+    assert fs.read(h, 0, 99) == (kept, [100 + i for i in kept])
+    k, v = rows_of(fs, h, range(8))
+    assert torch.equal(k, k0[:, kept]) and torch.equal(v, v0[:, kept])
+    assert h.inode.pages[0] is child.inode.pages[0]  # not written: still shared
+    assert h.inode.pages[1] is not child.inode.pages[1]  # written: copied first
+    assert len(h.inode.pages) == 2 and fs.fstat(h).pages == 2 and h.inode.dirty
+    # One page copied, the old private tail freed.
+    assert fs.store.pool.free_in("device") == free and fs.store.used[1000] == used
+    assert all(torch.equal(a, b) for a, b in zip(rows_of(fs, child, range(14)), (k0, v0),
+                                                 strict=True))
+    assert_kv(fs, h)
+    assert_kv(fs, child)
+    append(fs, h, [70])
+    assert_kv(fs, h)
+
+
+def test_keep_carries_exclusions_and_holes_with_their_entries(fs):
+    h = fs.open(ALICE, "", RW_CREAT)
+    append(fs, h, list(range(16)))
+    fs.punch(h, 1, 8)  # page 1 a hole
+    fs.punch(h, 13, 14)
+    out = [any(s <= i < e for s, e in h.inode.excluded) for i in range(16)]
+    k0, _ = rows_of(fs, h, [0, 8, 9, 15])
+    kept = [0, 1, 2, 3, 8, 9, 13, 15]
+    fs.keep(h, 0, kept)
+    assert h.inode.excluded == excluded_runs([out[i] for i in kept]) == [(1, 4), (6, 7)]
+    assert h.inode.pages[1] is not None and len(h.inode.pages) == 2  # an attended row went in
+    assert torch.equal(rows_of(fs, h, [0, 4, 5, 7])[0], k0)
+    assert_kv(fs, h)
+    g = fs.open(ALICE, "", RW_CREAT)
+    append(fs, g, list(range(12)))
+    fs.punch(g, 1, 8)
+    free = fs.store.pool.free_in("device")
+    fs.keep(g, 0, [1, 2, 3, 5, 8, 9])  # page 0 ends up wholly out of attention
+    assert g.inode.excluded == [(0, 4)] and g.inode.pages[0] is None
+    assert fs.fstat(g).pages == 1 and fs.store.pool.free_in("device") == free + 1
+    assert_kv(fs, g)
+
+
+def test_keep_is_checked_first():
+    fs = make_fs(pages=16, default_quota=4)
+    fs.home(ALICE, "alice")
+    h = fs.open(ALICE, "/home/alice/f", RW_CREAT)
+    append(fs, h, list(range(12)))
+    child = fs.fork(h, ALICE)  # shares all three pages
+    before = snapshot(fs)
+    raises(errno.EINVAL, fs.keep, h, 13, [])
+    for entries, bad in (([3, 3], "entries[1] = 3"), ([1], "entries[0] = 1"),
+                         ([5, 12], "entries[1] = 12"), ([5, 4], "entries[1] = 4")):
+        assert bad in raises(errno.EINVAL, fs.keep, h, 2, entries).message
+    raises(errno.EDQUOT, fs.keep, h, 0, [1, 2, 3, 4, 5, 6, 7, 9])  # two copies: over quota
+    res = fs.reserve(h, 1)
+    raises(errno.EBUSY, fs.keep, h, 0, [1])
+    fs.rollback(res)
+    assert snapshot(fs) == before
+    fs.keep(h, 0, [1, 5, 9])  # one copy: within quota
+    assert_kv(fs, h)
+    assert_kv(fs, child)
+
+
+def test_keep_and_shift_bring_pages_up():
+    fs = make_fs(pages=8, host=8)
+    h = fs.open(ROOT, "", RW_CREAT)
+    append(fs, h, list(range(14)))
+    k0, _ = rows_of(fs, h, range(14))
+    fs.store.move_down(h.inode.pages)
+    fs.keep(h, 2, [5, 10, 13])
+    assert [p.tier for p in h.inode.pages] == ["device", "device"]
+    assert torch.equal(rows_of(fs, h, range(5))[0], k0[:, [0, 1, 5, 10, 13]])
+    fs.store.move_down(h.inode.pages)
+    calls = []
+    fs.shift(h, 4, 5, 3, 99, adder(fs, calls))
+    assert [p.tier for p in h.inode.pages] == ["host", "device"]
+    assert calls[0][0].tolist() == [h.inode.pages[1].slot * PAGE]
+
+
+def test_shift_rotates_the_keys_of_the_attended_entries_once(fs):
+    h = fs.open(ALICE, "/home/alice/f", RW_CREAT)
+    append(fs, h, list(range(12)))
+    fs.punch(h, 4, 8)  # page 1 a hole
+    fs.punch(h, 9, 10)
+    child = fs.fork(h, ALICE)  # shares pages 0 and 2
+    some = [0, 1, 2, 3, 8, 9, 10, 11]
+    k0, v0 = rows_of(fs, h, some)
+    kv = contents(fs)
+    calls = []
+    h.inode.dirty = False
+    fs.shift(h, 2, 11, 100, 1000, adder(fs, calls))
+    live = [2, 3, 8, 10]
+    assert len(calls) == 1
+    rows, delta = calls[0]
+    assert delta == 100 and rows.dtype == torch.int64
+    assert rows.tolist() == [h.inode.pages[i // PAGE].slot * PAGE + i % PAGE for i in live]
+    assert fs.read(h, 0, 99)[1] == [0, 1] + [i + 100 for i in range(2, 11)] + [11]
+    assert h.inode.dirty
+    want = k0.clone()
+    want[:, [some.index(i) for i in live]] += 100
+    k, v = rows_of(fs, h, some)
+    assert torch.equal(k, want) and torch.equal(v, v0)
+    # The keys of a file written at the new positions (to float rounding).
+    at = [h.inode.positions[i] for i in live]
+    assert torch.allclose(rows_of(fs, h, live)[0], kv_for(live, at)[0], rtol=0, atol=1e-3)
+    # Copy-on-write: the child's pages are as they were.
+    assert h.inode.pages[0] is not child.inode.pages[0]
+    assert h.inode.pages[2] is not child.inode.pages[2]
+    assert same_contents({p: kv[p] for p in child.inode.pages if p is not None},
+                         {p: fs.store.read(p) for p in child.inode.pages if p is not None})
+    assert fs.read(child, 0, 99)[1] == list(range(12))
+    assert_kv(fs, child)
+
+
+def test_shift_is_checked_first():
+    fs = make_fs(pages=16, default_quota=4)
+    fs.home(ALICE, "alice")
+    h = fs.open(ALICE, "/home/alice/f", RW_CREAT)
+    append(fs, h, list(range(12)))
+    fs.fork(h, ALICE)  # shares all three pages
+    before, calls = snapshot(fs), []
+    rotate = adder(fs, calls)
+    error = raises(errno.EOVERFLOW, fs.shift, h, 0, 6, 96, 100, rotate)
+    assert "entry 4" in error.message and "100" in error.message
+    assert "-1" in raises(errno.EOVERFLOW, fs.shift, h, 0, 3, -1, 100, rotate).message
+    raises(errno.EINVAL, fs.shift, h, 3, 2, 1, 100, rotate)
+    raises(errno.EINVAL, fs.shift, h, 0, 13, 1, 100, rotate)
+    raises(errno.EDQUOT, fs.shift, h, 0, 12, 5, 100, rotate)  # three copies: over quota
+    res = fs.reserve(h, 1)
+    raises(errno.EBUSY, fs.shift, h, 0, 1, 1, 100, rotate)
+    fs.rollback(res)
+    assert snapshot(fs) == before and not calls
+    assert fs.read(h, 0, 99)[1] == list(range(12))

@@ -12,6 +12,7 @@ import os
 from collections import Counter
 
 import hypothesis.strategies as st
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     Bundle,
@@ -21,12 +22,14 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from kvfs_helpers import append, assert_kv, make_fs
+from kvfs_helpers import append, assert_kv, kv_for, make_fs
+from test_kvfs import excluded_runs, written
 
 from kvfs.errors import FSError
 from kvfs.perm import ROOT
 from kvfs.ranges import merge_ranges
 
+LIMIT = 1000  # the context shift keeps positions under
 NAMES = st.sampled_from([f"/tmp/f{i}" for i in range(4)] + ["/home/u/a", "/home/u/b"])
 
 
@@ -101,6 +104,77 @@ class KVFSMachine(RuleBasedStateMachine):
             assert e.errno in (errno.ENOSPC, errno.EDQUOT), e
             return
         self.fs.rollback(res)
+
+    @rule(h=handles, data=st.data(), tokens=st.lists(st.integers(0, 99), min_size=1,
+                                                     max_size=11),
+          gap=st.integers(0, 50), commit=st.booleans())
+    def cutting_pred(self, h, data, tokens, gap, commit):
+        """A pred that first truncates the file to `cut` entries, done or given back."""
+        if id(h) not in self.open:
+            return
+        m = self.model_of(h)
+        cut = data.draw(st.integers(0, len(m.tokens)))
+        first = (m.positions[cut - 1] + 1 if cut else 0) + gap
+        positions = list(range(first, first + len(tokens)))
+        try:
+            res = written(self.fs, h, tokens, positions, cut)
+        except FSError as e:
+            assert e.errno in (errno.ENOSPC, errno.EDQUOT), e
+            return
+        if not commit:
+            self.fs.rollback(res)
+            return
+        self.fs.commit(res, tokens, positions)
+        del m.tokens[cut:], m.positions[cut:]
+        m.tokens += tokens
+        m.positions += positions
+        m.excluded = [(s, min(e, cut)) for s, e in m.excluded if s < cut]
+
+    @rule(h=handles, data=st.data(), punched=st.booleans())
+    def keep(self, h, data, punched):
+        if id(h) not in self.open:
+            return
+        if punched:  # excluded ranges are rare otherwise: truncates and creates clear them
+            self.punch(h, data)
+        m = self.model_of(h)
+        n = len(m.tokens)
+        start = data.draw(st.integers(0, n))
+        entries = sorted(data.draw(st.sets(st.integers(start, n - 1))) if start < n else [])
+        out = [any(s <= i < e for s, e in m.excluded) for i in range(n)]
+        if self.attempt(self.fs.keep, h, start, entries):
+            kept = [*range(start), *entries]
+            m.tokens[:] = [m.tokens[i] for i in kept]
+            m.positions[:] = [m.positions[i] for i in kept]
+            m.excluded = excluded_runs([out[i] for i in kept])
+
+    @rule(h=handles, data=st.data(), delta=st.integers(-30, 30), punched=st.booleans())
+    def shift(self, h, data, delta, punched):
+        """Entries move by delta positions; the rotate given writes the K rows it is handed
+        with what an entry at its new position holds, so contents_match checks the rows."""
+        if id(h) not in self.open:
+            return
+        if punched:
+            self.punch(h, data)
+        m = self.model_of(h)
+        start = data.draw(st.integers(0, len(m.tokens)))
+        end = data.draw(st.integers(start, len(m.tokens)))
+        live = [i for i in range(start, end) if not any(s <= i < e for s, e in m.excluded)]
+        k = self.fs.store.pool.k
+
+        def rotate(rows, d):
+            assert rows.dtype == torch.int64 and len(rows) == len(live) and d == delta
+            new, _ = kv_for([m.tokens[i] for i in live], [m.positions[i] + d for i in live])
+            k.view(k.shape[0], -1, *k.shape[3:])[:, rows] = new
+
+        if any(not 0 <= p + delta < LIMIT for p in m.positions[start:end]):
+            try:
+                self.fs.shift(h, start, end, delta, LIMIT, rotate)
+            except FSError as e:
+                assert e.errno == errno.EOVERFLOW, e
+            else:
+                raise AssertionError("shift past the limit was not refused")
+        elif self.attempt(self.fs.shift, h, start, end, delta, LIMIT, rotate):
+            m.positions[start:end] = [p + delta for p in m.positions[start:end]]
 
     @rule(h=handles, data=st.data())
     def swap_out(self, h, data):

@@ -13,6 +13,7 @@ import os
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from kvfs_helpers import make_fs
@@ -21,29 +22,35 @@ from kvfs.fs import Handle
 from kvfs.pages import DEVICE, HOST
 from kvfs.perm import Cred
 from symphony.engine.sampler import GREEDY, SamplingParams
+from symphony.engine.tree import ancestor_bits
 from symphony.pred_job import JobState, Output
 from symphony.process import Process
 from symphony.scheduler import SLEEP_GRACE, Scheduler
 from symphony.step import Chunk, StepPlan, StepResult
+from symphony.syscall_table import submit_pred
+from syscalls import symphony_pb2 as pb
 
-CONTEXT, EOS, SAMPLE = 1024, 99, 7
-ENGINE = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT),
+CONTEXT, EOS, SAMPLE, VOCAB = 1024, 99, 7, 320
+ENGINE = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT,
+                                                vocab_size=VOCAB),
                          device=torch.device("cpu"), eos_ids=lambda: (EOS,))
 
 
 def in_loop(test):
     """Run an async test body in a fresh event loop (futures need a running one)."""
     @functools.wraps(test)
-    def run() -> None:
-        asyncio.run(test())
+    def run(*args, **kwargs) -> None:
+        asyncio.run(test(*args, **kwargs))
     return run
 
 
-def result(plan: StepPlan, tokens: list[int] | None = None, seconds: float = 0.01) -> StepResult:
+def result(plan: StepPlan, tokens: list[int] | None = None, seconds: float = 0.01,
+           **controlled) -> StepResult:
     """What the forward pass and the sampler would give back: `tokens`, else SAMPLE for
-    every logit row."""
+    every logit row; `controlled`: model_logprobs, scores."""
     n = len(plan.samples)
-    return StepResult(tokens or [SAMPLE] * n, [-1.0] * n, [[]] * n, [[]] * n, seconds)
+    return StepResult(tokens or [SAMPLE] * n, [-1.0] * n, [[]] * n, [[]] * n, seconds,
+                      **controlled)
 
 
 class World:
@@ -67,10 +74,16 @@ class World:
              params: SamplingParams = GREEDY) -> asyncio.Future:
         return self.sched.submit(p, f, tokens, None, [len(tokens) - 1], params)
 
-    def step(self, tokens: list[int] | None = None) -> StepPlan:
+    def submit(self, p: Process, f: Handle, tokens: list[int], **fields) -> asyncio.Future:
+        """A pred through the syscall's checks (submit_pred): `fields` of PredRequest."""
+        fd = next(fd for fd, h in p.fds.items() if h is f)
+        kernel = SimpleNamespace(engine=ENGINE, sched=self.sched)
+        return submit_pred(kernel, p, p.cred, pb.PredRequest(fd=fd, tokens=tokens, **fields))
+
+    def step(self, tokens: list[int] | None = None, **controlled) -> StepPlan:
         plan = self.sched.schedule()
         assert plan is not None, "nothing was planned"
-        self.sched.finish(plan, result(plan, tokens))
+        self.sched.finish(plan, result(plan, tokens, **controlled))
         return plan
 
     @property
@@ -586,3 +599,186 @@ async def test_a_seeded_guess_draws_from_a_fresh_generator_as_its_pred_would():
     guess = w.sched.ahead.guesses[f.inode]
     fresh = seeded.generator(torch.device("cpu"))
     assert torch.equal(torch.rand(4, generator=guess.generator), torch.rand(4, generator=fresh))
+
+
+# -- issue 15: truncating preds, logit controls, scores, trees -----------------------------
+
+
+@in_loop
+async def test_a_truncating_pred_attends_to_the_kept_entries_and_commits_in_their_place():
+    w = World(budget=16)
+    p, f = w.process()
+    w.sched.submit(p, f, list(range(1, 11)), list(range(100, 110)), [9], GREEDY)
+    w.step()
+    w.fs.punch(f, 6, 10)
+    answer = w.submit(p, f, [20, 21], truncate=7)
+    plan = w.step()
+    # Positions follow the entry before the cut; the punch counts only up to it.
+    assert plan.batch.positions == [107, 108] and plan.batch.kv_lens == [9]
+    assert plan.batch.excluded == [[(6, 7)]]
+    assert answer.result()[0].row == 1
+    assert f.inode.tokens == [*range(1, 8), 20, 21]
+    assert f.inode.positions == [*range(100, 107), 107, 108]
+    assert f.inode.excluded == [(6, 7)]
+
+
+@in_loop
+async def test_a_truncating_pred_cancelled_in_its_step_leaves_the_file_as_it_was():
+    w = World(budget=32)
+    p, f = w.process()
+    w.pred(p, f, list(range(1, 21)))
+    w.step()
+    tokens, positions, pages, free = (list(f.inode.tokens), list(f.inode.positions),
+                                      list(f.inode.pages), w.free)
+    answer = w.submit(p, f, [30, 31, 32], truncate=3)
+    plan = w.sched.schedule()
+    assert plan.batch.positions == [3, 4, 5] and f.inode.length == 20  # not cut yet
+    cancelling = asyncio.create_task(w.sched.cancel(answer))
+    await asyncio.sleep(0)
+    w.sched.finish(plan, result(plan))
+    await cancelling
+    assert answer.exception().errno == errno.ECANCELED
+    assert (f.inode.tokens, f.inode.positions, f.inode.pages) == (tokens, positions, pages)
+    assert w.free == free and not f.inode.busy and all(pg.refs == 1 for pg in pages)
+
+
+@in_loop
+async def test_a_truncate_past_the_file_at_admission_fails_with_einval_and_changes_nothing():
+    w = World()
+    p, f = w.process()
+    w.pred(p, f, [1, 2, 3])
+    failed = w.submit(p, f, [4], truncate=4)  # checked against the length at admission:
+    w.step()  # the prompt is admitted first, and commits
+    assert not failed.done()
+    assert w.sched.schedule() is None
+    assert failed.exception().errno == errno.EINVAL and "truncate 4" in str(failed.exception())
+    assert f.inode.tokens == [1, 2, 3] and not f.inode.busy and p.pending == 0
+
+
+@in_loop
+async def test_score_next_scores_each_row_s_next_token_and_splits_it_out():
+    w = World()
+    p, f = w.process()
+    answer = w.submit(p, f, [1, 2, 3, 4], outputs=[2, 0, 3], score_next=True,
+                      controls=[pb.LogitControl(score_ids=[7]), pb.LogitControl(),
+                                pb.LogitControl(score_ids=[8, 9])])
+    plan = w.sched.schedule()
+    assert [r for _, r in plan.samples] == [0, 2, 3]
+    # the next token is the last score id of a row; the last token's row has none
+    assert [c.score_ids for c in plan.controls] == [(2,), (7, 4), (8, 9)]
+    nan = float("nan")
+    w.sched.finish(plan, result(plan, scores=[[-0.5, nan], [-0.7, -0.4], [-0.8, -0.9]]))
+    outputs = {o.row: o for o in answer.result()}
+    assert (outputs[0].scores, outputs[0].next_logprob) == ([], -0.5)
+    assert (outputs[2].scores, outputs[2].next_logprob) == ([-0.7], -0.4)
+    assert (outputs[3].scores, outputs[3].next_logprob) == ([-0.8, -0.9], None)
+    assert all(o.model_logprob is None for o in outputs.values())  # no mask, no bias
+
+
+@in_loop
+async def test_controls_stay_with_their_rows_when_the_rows_are_sorted():
+    w = World()
+    p, f = w.process()
+    mask = np.zeros(VOCAB // 32, "<i4")
+    mask[0] = 1 << 5  # token 5 only
+    answer = w.submit(p, f, [1, 2, 3, 4], outputs=[3, 1],
+                      controls=[pb.LogitControl(bias_ids=[4], bias_values=[2.0], score_ids=[11]),
+                                pb.LogitControl(allowed=mask.tobytes(), score_ids=[22])])
+    plan = w.sched.schedule()
+    assert [r for _, r in plan.samples] == [1, 3]
+    assert [c.score_ids for c in plan.controls] == [(22,), (11,)]
+    assert plan.controls[0].allowed.tolist() == mask.tolist()
+    assert plan.controls[1].bias_ids == (4,) and plan.controls[1].bias_values == (2.0,)
+    w.sched.finish(plan, result(plan, model_logprobs=[-3.0, -4.0], scores=[[-1.0], [-2.0]]))
+    assert [(o.row, o.model_logprob, o.scores) for o in answer.result()] == [
+        (1, -3.0, [-1.0]), (3, -4.0, [-2.0])]
+
+
+@in_loop
+async def test_one_control_is_every_row_s_and_a_plain_step_builds_no_controls():
+    w = World()
+    p, f = w.process()
+    q, g = w.process()
+    w.submit(p, f, [1, 2, 3], outputs=[2, 0, 1], controls=[pb.LogitControl(score_ids=[9])])
+    w.pred(q, g, [4, 5])
+    plan = w.sched.schedule()
+    assert [c and c.score_ids for c in plan.controls] == [(9,)] * 3 + [None]
+    w.sched.finish(plan, result(plan, scores=[[-1.0]] * 3 + [[float("nan")]]))
+    w.pred(q, g, [6])
+    plan = w.step()
+    assert plan.controls is None and plan.batch.trees is None
+
+
+@in_loop
+async def test_a_tree_pred_chunked_over_two_steps_gives_each_chunk_its_rows_of_bits():
+    w = World(budget=4)
+    p, f = w.process()
+    q, g = w.process()
+    w.pred(p, f, [1, 2, 3])
+    w.step()
+    parents = [-1, 0, 0, 1, 1, 2]
+    bits = ancestor_bits(parents)
+    answer = w.submit(p, f, [10, 11, 12, 13, 14, 15], parents=parents, outputs=[3, 5])
+    q.vruntime = p.vruntime + 100  # after p
+    w.pred(q, g, [7])
+    first = w.step()
+    assert sizes(first) == [(p, 3), (q, 1)] and first.batch.kv_lens == [6, 1]
+    tree, plain = first.batch.trees
+    assert plain is None and tree.start == 3 and np.array_equal(tree.bits, bits[0:3])
+    assert first.batch.positions == [3, 4, 4, 0]
+    second = w.step()
+    (tree,) = second.batch.trees
+    assert tree.start == 3 and np.array_equal(tree.bits, bits[3:6])
+    assert second.batch.positions == [5, 5, 5] and second.batch.kv_lens == [9]
+    assert [o.row for o in answer.result()] == [3, 5]
+    assert f.inode.positions == [0, 1, 2, 3, 4, 4, 5, 5, 5]
+
+
+@in_loop
+async def test_a_chain_of_parents_is_causal_and_explicit_positions_stand():
+    w = World()
+    p, f = w.process()
+    w.submit(p, f, [1, 2, 3], parents=[-1, 0, 1])
+    assert w.step().batch.trees is None
+    w.submit(p, f, [4, 5], parents=[-1, -1], positions=[10, 10])
+    plan = w.step()
+    assert plan.batch.positions == [10, 10] and plan.batch.trees[0].bits.tolist() == [[1], [2]]
+
+
+@pytest.mark.parametrize("extra", [
+    {"controls": [pb.LogitControl(score_ids=[3])]}, {"score_next": True},
+    {"parents": [-1]}, {"truncate": 4}])
+@in_loop
+async def test_a_pred_with_controls_a_tree_or_a_cut_neither_takes_a_guess_nor_makes_one(extra):
+    """{"parents": [-1]} of one token is a chain, plain: it is the one that takes it."""
+    w = World(ahead=True)
+    p, f = w.process()
+    guess = await decoding(w, p, f)
+    w.step([11])  # the guess of [9] is computed
+    answer = w.submit(p, f, [9], **extra)
+    plain = extra == {"parents": [-1]}
+    if plain:
+        assert guess.state is JobState.ANSWERED and answer.result()[0].token == 11
+        return
+    assert guess.state is JobState.DROPPED and not answer.done()
+    plan = w.step([12], **({"scores": [[-1.0]]} if "controls" in extra else {}))
+    assert plan.chunks[0].job is not guess and answer.result()[0].token == 12
+    assert not w.sched.ahead.guesses  # the next pred will carry its own
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"controls": [pb.LogitControl(bias_ids=[1, 2], bias_values=[1.0])]},
+     "controls[0]: bias_ids has 2 ids but bias_values 1 values"),
+    ({"controls": [pb.LogitControl(score_ids=[1])] * 2}, "2 controls for 1 output rows"),
+    ({"outputs": [0, 1], "controls": [pb.LogitControl(), pb.LogitControl(score_ids=[VOCAB])]},
+     "controls[1]: score_ids: token 320"),
+])
+@in_loop
+async def test_a_bad_control_only_a_raw_request_can_send_is_einval_and_queues_nothing(fields,
+                                                                                      words):
+    w = World()
+    p, f = w.process()
+    with pytest.raises(OSError) as e:
+        w.submit(p, f, [1, 2], **fields)
+    assert e.value.errno == errno.EINVAL and words in str(e.value)
+    assert w.sched.queue == [] and p.pending == 0 and w.sched.schedule() is None

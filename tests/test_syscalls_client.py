@@ -186,11 +186,19 @@ FEW = settings(max_examples=300, deadline=None, suppress_health_check=[HealthChe
        outputs=st.none() | st.lists(INT32, max_size=5), no_outputs=st.booleans(),
        sampling=st.builds(convert.Sampling, temperature=FLOAT32, top_k=INT32, top_p=FLOAT32,
                           min_p=FLOAT32, seed=st.none() | st.integers(-(1 << 63), (1 << 63) - 1),
-                          top_logprobs=INT32))
+                          top_logprobs=INT32),
+       extras=st.just(convert.NO_EXTRAS) | st.builds(
+           convert.PredExtras,
+           control=st.none() | st.lists(st.builds(
+               convert.LogitControl, allowed=st.none() | st.binary(max_size=16),
+               bias=st.none() | st.dictionaries(INT32, FLOAT32, max_size=3),
+               score=st.lists(INT32, max_size=3)), max_size=3),
+           score_next=st.booleans(), parents=st.none() | st.lists(INT32, max_size=5),
+           truncate=st.none() | st.integers(-(1 << 63), (1 << 63) - 1)))
 def test_the_lifeline_request_is_protobufs_serialization(fd, tokens, positions, outputs,
-                                                         no_outputs, sampling):
-    want = convert.pred(fd, tokens, positions, outputs, sampling, no_outputs).request
-    got = convert.pred_request(fd, tokens, positions, outputs, sampling, no_outputs)
+                                                         no_outputs, sampling, extras):
+    want = convert.pred(fd, tokens, positions, outputs, sampling, no_outputs, extras).request
+    got = convert.pred_request(fd, tokens, positions, outputs, sampling, no_outputs, extras)
     assert got == want.SerializeToString()
 
 
@@ -204,7 +212,9 @@ def _outcome(fn, *args):
 @FEW
 @given(outputs=st.lists(st.builds(
            pb.PredOutput, row=INT32, token=INT32, logprob=FLOAT32,
-           top=st.lists(st.builds(pb.TopLogprob, id=INT32, logprob=FLOAT32), max_size=3)),
+           top=st.lists(st.builds(pb.TopLogprob, id=INT32, logprob=FLOAT32), max_size=3),
+           model_logprob=st.none() | FLOAT32, scores=st.lists(FLOAT32, max_size=2),
+           next_logprob=st.none() | FLOAT32),
            max_size=4),
        code=st.sampled_from([0, errno.EINVAL, errno.ENOSPC]), cut=st.integers(0, 200))
 def test_the_lifeline_reply_reads_as_protobufs(outputs, code, cut):
@@ -214,6 +224,23 @@ def test_the_lifeline_reply_reads_as_protobufs(outputs, code, cut):
         want = _outcome(lambda d: convert.pred(3, [1], None, None, convert.GREEDY, False).result(
             errors.check(pb.PredReply.FromString(d))), data)
         assert repr(_outcome(convert.pred_outputs, data)) == repr(want)  # NaN too
+
+
+def test_a_mask_is_xgrammars_packed_layout_from_bytes_arrays_or_tensors():
+    import numpy as np
+    import torch
+
+    ids = {0, 5, 31, 32, 63, 99}
+    mask = convert.LogitControl.allowing(ids, 100).proto().allowed
+    assert len(mask) == 4 * 4  # ceil(100 / 32) little-endian int32 words
+    words = np.frombuffer(mask, dtype="<i4")
+    assert {t for t in range(100) if words[t // 32] >> (t % 32) & 1} == ids
+    assert convert.LogitControl(allowed=words).proto().allowed == mask
+    assert convert.LogitControl(allowed=torch.from_numpy(words.copy())).proto().allowed == mask
+    control = convert.LogitControl(bias={7: -1.5, 2: 3.0}, score=[4, 1]).proto()
+    assert dict(zip(control.bias_ids, control.bias_values, strict=True)) == {7: -1.5, 2: 3.0}
+    assert list(control.score_ids) == [4, 1] and control.allowed == b""
+    assert convert.pred_extras(None, False, None, None) is convert.NO_EXTRAS
 
 
 def test_pred_takes_a_sampler_or_keywords_not_both():
@@ -276,7 +303,13 @@ def test_replies_become_plain_values():
             outputs=[pb.PredOutput(row=0, token=9, logprob=-0.5, top=[pb.TopLogprob(id=9)])]
         )
     )
-    assert outs == [convert.PredOutput(0, 9, -0.5, [(9, 0.0)])]
+    assert outs == [convert.PredOutput(0, 9, -0.5, [(9, 0.0)], -0.5, [], None)]
+    scored = convert.pred(0, [1, 2], None, None, convert.Sampling(), False).result(
+        pb.PredReply(outputs=[pb.PredOutput(row=0, token=3, logprob=-0.25, model_logprob=-2.0,
+                                            scores=[-1.0, -3.0], next_logprob=-4.0)]))
+    assert scored == [convert.PredOutput(0, 3, -0.25, [], -2.0, [-1.0, -3.0], -4.0)]
+    vocab = convert.vocab().result(pb.VocabReply(tokens=[b"", b"a", b"\xe2"], special_ids=[0]))
+    assert vocab.tokens == [b"", b"a", b"\xe2"] and vocab.special_ids == {0}
     entries = convert.readdir("/d").result(
         pb.ReaddirReply(entries=[pb.DirEntry(name="x", stat=pb.StatReply(mode=0o40755, ino=3))])
     )

@@ -1,4 +1,5 @@
-"""Sampling on the device: greedy, temperature, top-k, top-p, min-p, seeds, top-n logprobs."""
+"""Sampling on the device: greedy, temperature, top-k, top-p, min-p, seeds, top-n logprobs, and
+per-row logit control (allowed-token masks, sparse biases, logprobs of named tokens)."""
 
 from __future__ import annotations
 
@@ -46,21 +47,80 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
+def mask_words(vocab_size: int) -> int:
+    """Length of a packed allowed-token mask: one bit per token in 32-bit words."""
+    return -(-vocab_size // 32)
+
+
+@dataclass(frozen=True, eq=False)
+class RowControl:
+    """What one logit row samples from: `allowed` is packed bits, bit t % 32 of word t // 32
+    allowing token t (xgrammar's and llguidance's layout; bits past the vocabulary are ignored),
+    None allowing every token; the biases are added to the logits (a repeated id adds up);
+    `score_ids` are tokens whose logprobs under the model's own distribution the row returns."""
+
+    allowed: torch.Tensor | None = None  # [mask_words(vocab)] int32
+    bias_ids: tuple[int, ...] = ()
+    bias_values: tuple[float, ...] = ()
+    score_ids: tuple[int, ...] = ()
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the bad field."""
+        if self.allowed is not None:
+            self._validate_allowed(self.allowed, vocab_size)
+        if len(self.bias_ids) != len(self.bias_values):
+            raise ValueError(f"bias_ids has {len(self.bias_ids)} ids but bias_values "
+                             f"{len(self.bias_values)} values")
+        for field, ids in (("bias_ids", self.bias_ids), ("score_ids", self.score_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{field}: token {bad} is outside [0, {vocab_size})")
+        bad = next((v for v in self.bias_values if not math.isfinite(v)), None)
+        if bad is not None:
+            raise ValueError(f"bias_values must be finite, got {bad}")
+
+    @staticmethod
+    def _validate_allowed(allowed: torch.Tensor, vocab_size: int) -> None:
+        words = mask_words(vocab_size)
+        if allowed.dtype != torch.int32 or allowed.dim() != 1:
+            raise ValueError(f"allowed must be a 1-D int32 tensor, got {allowed.dtype} "
+                             f"of shape {tuple(allowed.shape)}")
+        if len(allowed) != words:
+            raise ValueError(f"allowed has {len(allowed)} words, want {words} "
+                             f"(one bit per token of {vocab_size})")
+        tail = vocab_size % 32
+        last = allowed[-1] & ((1 << tail) - 1) if tail else allowed[-1]
+        if not (bool(allowed[:-1].any()) or bool(last)):
+            raise ValueError(f"allowed allows no token below vocab size {vocab_size}")
+
+
 @dataclass
 class Samples:
     tokens: torch.Tensor  # [N] int64
-    logprobs: torch.Tensor  # [N] log p(token) under the model's unmodified distribution
+    # [N] log p(token) under the row's distribution: the model's own with its control's mask
+    # and bias applied (no temperature or cut-offs)
+    logprobs: torch.Tensor
     top_ids: torch.Tensor  # [N, n] for the largest top_logprobs asked in the batch
-    top_logprobs: torch.Tensor  # [N, n]
+    top_logprobs: torch.Tensor  # [N, n], of the same distribution as logprobs
+    # [N] log p(token) under the model's own distribution; set only when some row has a mask or
+    # a bias (else it equals logprobs)
+    model_logprobs: torch.Tensor | None = None
+    # [N, S] the model's own logprobs at each row's score_ids, S the most any row names, padded
+    # with NaN; None when no row names any
+    scores: torch.Tensor | None = None
 
 
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    controls: list[RowControl | None] | None = None,
 ) -> Samples:
-    logits = logits.float()
-    tokens = pick(logits, params, generators)
+    """Sample a token per logit row; `controls` (per row, checked by RowControl.validate) mask,
+    bias and name tokens to score."""
+    raw = logits.float()
+    logits = _controlled(raw, controls)
+    tokens = _pick(logits, params, generators)
     logprobs = torch.log_softmax(logits, dim=-1)
     n_rows = logits.shape[0]
     n_top = max((p.top_logprobs for p in params), default=0)
@@ -69,17 +129,77 @@ def sample(
         if n_top
         else (logprobs.new_empty(n_rows, 0), tokens.new_empty(n_rows, 0))
     )
-    return Samples(tokens, logprobs.gather(1, tokens[:, None])[:, 0], top_ids, top_lp)
+    out = Samples(tokens, logprobs.gather(1, tokens[:, None])[:, 0], top_ids, top_lp)
+    if controls is None or not any(controls):
+        return out
+    # Without a mask or a bias the sampled distribution is the model's own.
+    model_lp = logprobs
+    if logits is not raw:
+        model_lp = torch.log_softmax(raw, dim=-1)
+        out.model_logprobs = model_lp.gather(1, tokens[:, None])[:, 0]
+    out.scores = _scores(model_lp, controls)
+    return out
+
+
+def _scores(model_lp: torch.Tensor, controls: list[RowControl | None]) -> torch.Tensor | None:
+    named = [c.score_ids if c else () for c in controls]
+    width = max(map(len, named))
+    if not width:
+        return None
+    device = model_lp.device
+    ids = torch.tensor([list(s) + [0] * (width - len(s)) for s in named], device=device)
+    lengths = torch.tensor([len(s) for s in named], device=device)
+    pad = torch.arange(width, device=device) >= lengths[:, None]
+    return model_lp.gather(1, ids).masked_fill_(pad, math.nan)
+
+
+def _controlled(raw: torch.Tensor, controls: list[RowControl | None] | None) -> torch.Tensor:
+    """`raw` with each row's disallowed tokens at -inf and its biases added: a new tensor when
+    some row has a mask or a bias, else `raw` itself."""
+    if controls is None or not any(controls):
+        return raw
+    if len(controls) != raw.shape[0]:
+        raise ValueError(f"controls has {len(controls)} entries for {raw.shape[0]} logit rows")
+    n_rows, vocab = raw.shape
+    device = raw.device
+    logits = raw
+    masks = [c.allowed if c else None for c in controls]
+    first = next((m for m in masks if m is not None), None)
+    if first is not None:
+        # Rows without a mask get all ones. The little-endian words read as bytes put token t
+        # at bit t % 8 of byte t // 8: unpacking bytes needs no sign bit.
+        everything = torch.full_like(first, -1)
+        words = torch.stack([everything if m is None else m for m in masks]).to(device)
+        bit = 1 << torch.arange(8, dtype=torch.uint8, device=device)
+        allowed = (words.view(torch.uint8)[:, :, None] & bit).view(n_rows, -1)[:, :vocab]
+        logits = raw.where(allowed.bool(), -math.inf)
+    flat = [i * vocab + t for i, c in enumerate(controls) if c for t in c.bias_ids]
+    if flat:
+        if logits is raw:
+            logits = raw.clone()
+        values = [v for c in controls if c for v in c.bias_values]
+        logits.view(-1).index_add_(
+            0, torch.tensor(flat, device=device), torch.tensor(values, device=device)
+        )
+    return logits
 
 
 def pick(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    controls: list[RowControl | None] | None = None,
 ) -> torch.Tensor:
-    """The tokens `sample` picks, [N] int64, without the logprobs (a pass over the vocabulary
-    that a caller wanting only tokens need not pay)."""
-    logits = logits.float()
+    """The tokens `sample` picks (with the same controls), [N] int64, without the logprobs (a
+    pass over the vocabulary that a caller wanting only tokens need not pay)."""
+    return _pick(_controlled(logits.float(), controls), params, generators)
+
+
+def _pick(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
     tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
