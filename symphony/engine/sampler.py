@@ -88,9 +88,10 @@ class RowControl:
         if len(allowed) != words:
             raise ValueError(f"allowed has {len(allowed)} words, want {words} "
                              f"(one bit per token of {vocab_size})")
+        words = allowed.cpu().numpy()  # a mask a pred brings: numpy is faster for 128 words
         tail = vocab_size % 32
-        last = allowed[-1] & ((1 << tail) - 1) if tail else allowed[-1]
-        if not (bool(allowed[:-1].any()) or bool(last)):
+        last = words[-1] & ((1 << tail) - 1) if tail else words[-1]
+        if not (words[:-1].any() or last):
             raise ValueError(f"allowed allows no token below vocab size {vocab_size}")
 
 
