@@ -75,7 +75,7 @@ from syscalls import convert, errors, wire  # noqa: E402
 from syscalls import symphony_pb2 as pb  # noqa: E402
 from syscalls.aio import AsyncKernel  # noqa: E402
 from syscalls.client import Kernel  # noqa: E402
-from syscalls.convert import proc_fields  # noqa: E402
+from syscalls.convert import LogitControl, proc_fields  # noqa: E402
 from syscalls.session import AS_KEY, SESSION_KEY, hello  # noqa: E402
 
 USERS = (60001, 60002)
@@ -338,6 +338,7 @@ class Gen:
         "getpid": 1, "ps": 2, "kill": 2, "nice": 2, "attach": 1, "exit": 0.3,
         "model_info": 1, "tokenize": 2, "detokenize": 2, "pred": 14, "anon": 5, "open": 7,
         "close": 5, "fork": 4, "link": 3, "read": 3, "splice": 4, "truncate": 3, "punch": 3,
+        "keep": 2, "shift": 2, "vocab": 0.3,
         "stat": 3, "readdir": 2, "mkdir": 3, "deep": 2, "rmdir": 2, "unlink": 3,
         "rename": 3, "access": 2, "chmod": 2, "chown": 2, "fsync": 2, "export": 2,
         "import": 3, "procfs": 4, "raw_as": 4, "raw_bytes": 3, "raw_frame": 1,
@@ -555,6 +556,9 @@ class Gen:
                 m = self.pick((600, 2000, 5000))
                 tokens = ShownList(tokens[:1] * m, f"[{tokens[0]}] * {m}")
         kwargs: dict[str, Any] = dict(kw)
+        if self.p(0.3):
+            extras_valid = self.pred_extras(kwargs, fd, n, no_outputs, outputs)
+            valid = valid and extras_valid
         if positions is not None:
             kwargs["positions"] = positions
         if outputs is not None:
@@ -566,7 +570,7 @@ class Gen:
 
         def then(out: list) -> None:
             if fd in s.lengths:
-                s.lengths[fd] += len(tokens)
+                s.lengths[fd] = kwargs.get("truncate", s.lengths[fd]) + len(tokens)
 
         def check(out: list) -> str | None:
             if not valid:
@@ -583,6 +587,54 @@ class Gen:
         cancel = self.rng.uniform(0, 0.05) if self.cancels and self.p(0.1) else None
         return Op("pred", (fd, tokens), kwargs, then=then, check=check, fds=self.story(fd),
                   cancel_after=cancel)
+
+    def pred_extras(self, kwargs: dict, fd: int, n: int, no_outputs: bool,
+                    outputs: list[int] | None) -> bool:
+        """pred's extras (logit control, score_next, parents, truncate) into kwargs; whether
+        they are valid."""
+        vocab = self.s.vocab
+        words = -(-vocab // 32)
+        what = self.pick(("mask", "bias", "score", "rows", "next", "parents", "truncate"))
+        if what == "mask":
+            choice = self.pick(("some", "some", "none", "short", "odd"))
+            allowed = {
+                "some": LogitControl.allowing(self.tokens(self.pick((1, 5, 100))), vocab).allowed,
+                "none": bytes(4 * words),
+                "short": b"\xff" * (4 * words - 4),
+                "odd": b"\xff" * (4 * words + 1),
+            }[choice]
+            kwargs["control"] = LogitControl(allowed=allowed)
+            return choice == "some" and not no_outputs
+        if what == "bias":
+            ids = self.tokens(3) + ([self.pick((-1, vocab, 2**31 - 1))] if self.p(0.3) else [])
+            value = self.pick((1.0, -100.0, 5.0, math.inf, math.nan))
+            kwargs["control"] = LogitControl(bias=dict.fromkeys(ids, value))
+            return all(0 <= t < vocab for t in ids) and math.isfinite(value) and not no_outputs
+        if what == "score":
+            ids = self.tokens(self.pick((1, 4))) + ([vocab] if self.p(0.2) else [])
+            kwargs["control"] = LogitControl(score=ids)
+            return ids[-1] < vocab and not no_outputs
+        if what == "rows":  # a control per row, sometimes one too many
+            rows = len(outputs) if outputs else 1
+            count = rows + (1 if self.p(0.5) else 0)
+            kwargs["control"] = [LogitControl(score=self.tokens(1)) for _ in range(count)]
+            return count == rows and not no_outputs
+        if what == "next":
+            kwargs["score_next"] = True
+            return not no_outputs
+        if what == "parents":
+            parents = [self.rng.randint(-1, i - 1) for i in range(n)]
+            if self.p(0.3):
+                parents[self.rng.randrange(n)] = self.pick((n, n + 5, -2, 2**31 - 1))
+                kwargs["parents"] = parents
+                return False
+            if self.p(0.2):
+                parents = parents[:-1]
+            kwargs["parents"] = parents
+            return len(parents) == n
+        length = self.length_of(fd)
+        kwargs["truncate"] = self.index(length)
+        return kwargs["truncate"] <= length
 
     # -- files -------------------------------------------------------------------------
 
@@ -674,6 +726,32 @@ class Gen:
         end = start + self.pick((self.s.page, 2 * self.s.page, 1, 0, -1)) if self.p(0.6) \
             else self.index(n)
         return Op("punch", (fd, start, end), fds=self.story(fd))
+
+    def op_keep(self) -> Op:
+        fd = self.fd(writable=True)
+        n = self.length_of(fd)
+        start = self.index(n)
+        span = max(n - start, 0) + 3 if 0 <= start <= n else 3  # some past the end
+        entries = sorted(self.rng.sample(range(start, start + span),
+                                         min(span, self.rng.randint(0, 3))))
+        if self.p(0.2):
+            entries = entries[::-1] + [self.pick((-1, n, 2**62))]
+
+        def then(_: Any) -> None:
+            self.s.lengths[fd] = start + len(entries)
+
+        return Op("keep", (fd, start, entries), then=then, fds=self.story(fd))
+
+    def op_shift(self) -> Op:
+        fd = self.fd(writable=True)
+        n = self.length_of(fd)
+        start = self.index(n)
+        end = start + self.pick((1, 5, self.s.page)) if self.p(0.6) else self.index(n)
+        delta = self.pick((1, -1, 7, -start, self.s.ctx, -(2**40), 2**62))
+        return Op("shift", (fd, start, end, delta), fds=self.story(fd))
+
+    def op_vocab(self) -> Op:
+        return Op("vocab")
 
     def op_stat(self) -> Op:
         if self.p(0.4):
