@@ -88,7 +88,7 @@ GREEDY = Sampling()  # pred's sampler when none is given
 class LogitControl:
     """What pred does with an output row's logits beyond sampling (docs/syscalls.md, pred):
     `allowed`, a packed bitmask (bit t % 32 of little-endian 32-bit word t // 32 allows
-    token t, ceil(vocab_size / 32) words: the layout of xgrammar's and llguidance's token
+    token t, at least ceil(vocab_size / 32) words: the layout of xgrammar's and llguidance's token
     bitmasks, as bytes, a numpy int32 array or a CPU tensor); `bias`, added to the logits
     (OpenAI's logit_bias); `score`, ids whose logprobs (the model's own) the row returns."""
 

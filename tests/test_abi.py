@@ -341,7 +341,7 @@ BAD_PREDS = [
     (errno.EINVAL, "2 controls for 3 output rows",
      dict(outputs=[0, 1, 2], control=[LogitControl(score=[1])] * 2)),
     (errno.EINVAL, "controls[0].allowed is 6 bytes", dict(control=LogitControl(allowed=b"\0" * 6))),
-    (errno.EINVAL, "allowed has 2 words, want 10", dict(control=LogitControl(allowed=b"\1" * 8))),
+    (errno.EINVAL, "allowed has 2 words, want at least 10", dict(control=LogitControl(allowed=b"\1" * 8))),
     (errno.EINVAL, "allows no token", dict(control=LogitControl(allowed=bytes(40)))),
     (errno.EINVAL, "bias_ids: token 320", dict(control=LogitControl(bias={320: 1.0}))),
     (errno.EINVAL, "bias_values must be finite", dict(control=LogitControl(bias={3: math.inf}))),

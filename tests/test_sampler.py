@@ -312,6 +312,17 @@ def test_mixed_batch_leaves_uncontrolled_rows_exactly_as_without_controls():
     assert mixed.tokens[2].item() == logits[2].argmin().item()
 
 
+def test_words_past_the_vocabulary_are_ignored():
+    # llguidance's masks carry a word more than ceil(vocab / 32) when vocab is a multiple of
+    # 32: they are taken as they are.
+    longer = RowControl(packed({1}, vocab=200))  # 7 words for a vocabulary of 100: 4
+    longer.validate(VOCAB)
+    logits = torch.randn(2, VOCAB)
+    logits[:, 1] = -50.0
+    s = sample(logits, [GREEDY] * 2, [None] * 2, [longer, RowControl(packed({7}))])
+    assert s.tokens.tolist() == [1, 7]
+
+
 def test_controls_must_match_the_rows():
     with pytest.raises(ValueError, match="controls"):
         sample(torch.randn(2, VOCAB), [GREEDY] * 2, [None] * 2, [RowControl(score_ids=(1,))])
@@ -320,7 +331,7 @@ def test_controls_must_match_the_rows():
 @pytest.mark.parametrize(
     "control, message",
     [
-        (RowControl(packed({1}, vocab=200)), r"allowed has 7 words, want 4"),
+        (RowControl(packed({1}, vocab=64)), r"allowed has 2 words, want at least 4"),
         (RowControl(packed({1}).long()), "allowed must be a 1-D int32"),
         (RowControl(packed(set())), "allowed allows no token"),  # only bits past the vocabulary
         (RowControl(bias_ids=(VOCAB,), bias_values=(1.0,)), "bias_ids: token 100"),

@@ -59,7 +59,7 @@ class RowControl:
     None allowing every token; the biases are added to the logits (a repeated id adds up);
     `score_ids` are tokens whose logprobs under the model's own distribution the row returns."""
 
-    allowed: torch.Tensor | None = None  # [mask_words(vocab)] int32
+    allowed: torch.Tensor | None = None  # [>= mask_words(vocab)] int32
     bias_ids: tuple[int, ...] = ()
     bias_values: tuple[float, ...] = ()
     score_ids: tuple[int, ...] = ()
@@ -85,10 +85,12 @@ class RowControl:
         if allowed.dtype != torch.int32 or allowed.dim() != 1:
             raise ValueError(f"allowed must be a 1-D int32 tensor, got {allowed.dtype} "
                              f"of shape {tuple(allowed.shape)}")
-        if len(allowed) != words:
-            raise ValueError(f"allowed has {len(allowed)} words, want {words} "
+        if len(allowed) < words:
+            raise ValueError(f"allowed has {len(allowed)} words, want at least {words} "
                              f"(one bit per token of {vocab_size})")
-        words = allowed.cpu().numpy()  # a mask a pred brings: numpy is faster for 128 words
+        # A mask a pred brings: numpy is faster for 128 words. Words past the vocabulary's
+        # are ignored: llguidance's masks carry one more when it is a multiple of 32.
+        words = allowed[:words].cpu().numpy()
         tail = vocab_size % 32
         last = words[-1] & ((1 << tail) - 1) if tail else words[-1]
         if not (words[:-1].any() or last):
@@ -169,8 +171,9 @@ def _controlled(raw: torch.Tensor, controls: list[RowControl | None] | None) -> 
     if first is not None:
         # Rows without a mask get all ones. The little-endian words read as bytes put token t
         # at bit t % 8 of byte t // 8: unpacking bytes needs no sign bit.
-        everything = torch.full_like(first, -1)
-        words = torch.stack([everything if m is None else m for m in masks]).to(device)
+        width = mask_words(vocab)
+        everything = torch.full((width,), -1, dtype=torch.int32)
+        words = torch.stack([everything if m is None else m[:width] for m in masks]).to(device)
         bit = 1 << torch.arange(8, dtype=torch.uint8, device=device)
         allowed = (words.view(torch.uint8)[:, :, None] & bit).view(n_rows, -1)[:, :vocab]
         logits = raw.where(allowed.bool(), -math.inf)
