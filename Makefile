@@ -28,14 +28,16 @@ test: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-# The tour: a kernel on the default model, mounted; three LIPs as shell processes; the
+# The tour: a kernel on the default model, mounted; four LIPs as shell processes; the
 # files and /proc through the mount; then unmount and stop. Nothing is left running, even
 # when a step fails. (The mount needs root; without it the tour lists files with kv ls.)
 TOUR := /tmp/symphony-tour
 SYM := $(VENV)/bin/symphony
+SCHEMA := {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"], "additionalProperties": false}
 run: $(STAMP)
 	@if [ -d $(TOUR)/mnt ]; then $(SYM) umount $(TOUR)/mnt >/dev/null 2>&1 || true; fi
 	@rm -rf $(TOUR) && mkdir -p $(TOUR)/mnt && printf 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' > $(TOUR)/doc.py
+	@printf '%s\n' '$(SCHEMA)' > $(TOUR)/record.json
 	@export SYMPHONY_SOCKET=$(TOUR)/kernel.sock; \
 	trap '$(SYM) umount $(TOUR)/mnt >/dev/null 2>&1; $(SYM) stop >/dev/null 2>&1; true' EXIT; set -e; \
 	say() { printf '\n\033[1m$$ %s\033[0m\n' "$$*"; }; \
@@ -49,6 +51,9 @@ run: $(STAMP)
 	say symphony run lips/prompt_cache.py --document doc.py --cache doc.kv --question ... ; \
 	$(SYM) run lips/prompt_cache.py --document $(TOUR)/doc.py --cache doc.kv \
 		--question "What does it return?" --question "Is it recursive?" --max-new-tokens 24; \
+	say symphony run lips/constrained.py --prompt '"A customer record as JSON:"' --schema record.json; \
+	cat $(TOUR)/record.json; \
+	$(SYM) run lips/constrained.py --prompt "A customer record as JSON:" --schema $(TOUR)/record.json; echo; \
 	if [ -n "$$root" ]; then \
 		say ls -l $(TOUR)/mnt/home/root; ls -l $(TOUR)/mnt/home/root; \
 		say cat $(TOUR)/mnt/proc/meminfo; cat $(TOUR)/mnt/proc/meminfo; \
