@@ -248,15 +248,16 @@ def _varint(data: bytes, at: int) -> tuple[int, int]:
 
 
 def _plain_outputs(data: bytes) -> list[PredOutput]:
-    """The outputs of a serialized PredReply made only of rows with row, token and
-    logprob; ValueError for anything else (an error, top logprobs, other fields)."""
+    """The outputs of a serialized PredReply made only of rows with row, token, logprob
+    and model_logprob (a masked row's); ValueError for anything else (an error, top
+    logprobs, scores, other fields)."""
     outputs, at = [], 0
     try:
         while at < len(data):
             if data[at] != 0x12:  # outputs (2, length-delimited)
                 raise ValueError("not a plain output")
             size, at = _varint(data, at + 1)
-            end, row, token, logprob = at + size, 0, 0, 0.0
+            end, row, token, logprob, model = at + size, 0, 0, 0.0, None
             while at < end:
                 tag = data[at]
                 if tag == 0x08:  # row (1, varint)
@@ -265,11 +266,14 @@ def _plain_outputs(data: bytes) -> list[PredOutput]:
                     token, at = _varint(data, at + 1)
                 elif tag == 0x1D:  # logprob (3, fixed32)
                     (logprob,), at = _FLOAT(data, at + 1), at + 5
+                elif tag == 0x2D:  # model_logprob (5, fixed32)
+                    (model,), at = _FLOAT(data, at + 1), at + 5
                 else:
                     raise ValueError("not a plain output")
             if at != end:
                 raise ValueError("an output overruns its length")
-            outputs.append(PredOutput(row, token, logprob, [], logprob, [], None))
+            outputs.append(PredOutput(row, token, logprob, [],
+                                      logprob if model is None else model, [], None))
     except (IndexError, struct.error) as e:
         raise ValueError("a truncated reply") from e
     return outputs
