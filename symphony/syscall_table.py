@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from symphony.daemon import Kernel
 
 EXPORT_CHUNK = 1 << 20
+LITTLE_INT32 = np.dtype("<i4")  # a mask's words on the wire (docs/syscalls.md, pred)
 OPEN_FLAGS = os.O_ACCMODE | os.O_CREAT | os.O_EXCL | os.O_TRUNC
 T = TypeVar("T")
 
@@ -213,13 +214,13 @@ def _tree(req: pb.PredRequest, tokens: list[int], positions: list[int] | None
 
 def _row_control(c: pb.LogitControl, i: int, vocab: int) -> RowControl | None:
     """controls[i] as the sampler takes it, checked; None when it asks for nothing."""
-    if not (c.allowed or c.bias_ids or c.bias_values or c.score_ids):
+    mask = c.allowed  # bytes: each read of the field copies them
+    if not (mask or c.bias_ids or c.bias_values or c.score_ids):
         return None
-    if len(c.allowed) % 4:
-        raise einval(f"pred: controls[{i}].allowed is {len(c.allowed)} bytes, not whole "
-                     "32-bit words")
-    allowed = (torch.from_numpy(np.frombuffer(c.allowed, "<i4").astype(np.int32))
-               if c.allowed else None)
+    if len(mask) % 4:
+        raise einval(f"pred: controls[{i}].allowed is {len(mask)} bytes, not whole 32-bit "
+                     "words")
+    allowed = torch.from_numpy(np.frombuffer(mask, LITTLE_INT32).astype(np.int32)) if mask else None
     control = RowControl(allowed, tuple(c.bias_ids), tuple(c.bias_values), tuple(c.score_ids))
     try:
         control.validate(vocab)

@@ -105,9 +105,15 @@ class LogitControl:
         return cls(allowed=struct.pack(f"<{len(words)}I", *words), **rest)
 
     def proto(self) -> pb.LogitControl:
-        bias = self.bias or {}
-        return pb.LogitControl(allowed=_mask_bytes(self.allowed), bias_ids=list(bias),
-                               bias_values=list(bias.values()), score_ids=self.score)
+        # Only the fields given: empty ones cost a masked pred's client a third of its time.
+        fields: dict[str, Any] = {}
+        if self.allowed is not None:
+            fields["allowed"] = _mask_bytes(self.allowed)
+        if self.bias:
+            fields["bias_ids"], fields["bias_values"] = list(self.bias), list(self.bias.values())
+        if self.score:
+            fields["score_ids"] = self.score
+        return pb.LogitControl(**fields)
 
 
 def _mask_bytes(allowed: Any) -> bytes:
@@ -389,11 +395,14 @@ class PredExtras:
 
     def proto(self) -> pb.PredRequest:
         """A PredRequest holding only these fields."""
+        request = pb.PredRequest(score_next=self.score_next, parents=self.parents,
+                                 truncate=self.truncate)
         control = self.control
-        controls = ([] if control is None else [control.proto()]
-                    if isinstance(control, LogitControl) else [c.proto() for c in control])
-        return pb.PredRequest(controls=controls, score_next=self.score_next,
-                              parents=self.parents, truncate=self.truncate)
+        if isinstance(control, LogitControl):
+            request.controls.append(control.proto())
+        elif control is not None:
+            request.controls.extend(c.proto() for c in control)
+        return request
 
 
 NO_EXTRAS = PredExtras()

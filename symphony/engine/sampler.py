@@ -72,11 +72,11 @@ class RowControl:
             raise ValueError(f"bias_ids has {len(self.bias_ids)} ids but bias_values "
                              f"{len(self.bias_values)} values")
         for field, ids in (("bias_ids", self.bias_ids), ("score_ids", self.score_ids)):
-            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-            if bad is not None:
+            if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+                bad = next(t for t in ids if not 0 <= t < vocab_size)
                 raise ValueError(f"{field}: token {bad} is outside [0, {vocab_size})")
-        bad = next((v for v in self.bias_values if not math.isfinite(v)), None)
-        if bad is not None:
+        if self.bias_values and not math.isfinite(sum(map(abs, self.bias_values))):
+            bad = next(v for v in self.bias_values if not math.isfinite(v))
             raise ValueError(f"bias_values must be finite, got {bad}")
 
     @staticmethod
@@ -88,12 +88,13 @@ class RowControl:
         if len(allowed) < words:
             raise ValueError(f"allowed has {len(allowed)} words, want at least {words} "
                              f"(one bit per token of {vocab_size})")
-        # A mask a pred brings: numpy is faster for 128 words. Words past the vocabulary's
-        # are ignored: llguidance's masks carry one more when it is a multiple of 32.
-        words = allowed[:words].cpu().numpy()
+        # A mask a pred brings: numpy is faster for 128 words (this runs once a pred).
+        # Words past the vocabulary's are ignored: llguidance's masks carry one more when
+        # it is a multiple of 32.
+        words = allowed.cpu().numpy()[:words]
         tail = vocab_size % 32
-        last = words[-1] & ((1 << tail) - 1) if tail else words[-1]
-        if not (words[:-1].any() or last):
+        last = int(words[-1]) & ((1 << tail) - 1) if tail else int(words[-1])
+        if not (last or words[:-1].any()):
             raise ValueError(f"allowed allows no token below vocab size {vocab_size}")
 
 
