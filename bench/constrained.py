@@ -23,13 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import queue
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -38,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # the kvfs package); the project root is where `bench` and `lips` are found.
 sys.path = [str(ROOT)] + [p for p in sys.path
                           if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+
+from bench.kernel import KernelDaemon, Lip, header, machine_line, row  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -56,7 +54,6 @@ SCHEMA = {
 }
 PROMPT = "A customer record as JSON:\n"
 SIDES = ("constrained", "fast-forward", "plain")
-LIP_TIMEOUT = 300.0
 
 
 # -- the LIP side -----------------------------------------------------------------------
@@ -70,7 +67,7 @@ def lip_main(args: argparse.Namespace) -> int:
     from syscalls.client import Kernel
     from syscalls.context import Context
 
-    with Kernel.connect(name="bench-constrained") as k:
+    with Kernel.connect(args.socket, name="bench-constrained") as k:
         info = k.model_info()
         grammar = constrained.schema_grammar(SCHEMA)
         matchers = {}
@@ -117,44 +114,6 @@ def lip_main(args: argparse.Namespace) -> int:
 # -- the parent side --------------------------------------------------------------------
 
 
-class Lip:
-    """A LIP process; a reader thread queues its lines so every wait has a timeout."""
-
-    def __init__(self, sock: Path, tokens: int):
-        argv = [sys.executable, __file__, "--lip", "--tokens", str(tokens)]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1,
-                                     env={**os.environ, "SYMPHONY_SOCKET": str(sock)})
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def expect(self, word: str) -> list[str]:
-        line = self.lines.get(timeout=LIP_TIMEOUT)
-        if line is None:
-            raise RuntimeError(f"LIP {self.proc.pid} exited with status {self.proc.wait()}")
-        parts = line.split()
-        if parts[0] != word:
-            raise RuntimeError(f"LIP {self.proc.pid}: expected {word!r}, got {line!r}")
-        return parts[1:]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def decode_round(lips: list[Lip], side: str) -> tuple[float, float, float, float, float]:
     """Prefill all, then decode from one barrier: (tokens/s, preds per token, and per
     token: seconds in the grammar engine, waiting in pred, and LIP CPU)."""
@@ -175,12 +134,12 @@ def decode_round(lips: list[Lip], side: str) -> tuple[float, float, float, float
 
 
 def bench(args: argparse.Namespace, tmp: Path, ahead: str, batch: int) -> dict:
-    from bench.kernel import KernelDaemon
 
     flags = ["--kv-pages", str(args.kv_pages), "--decode-ahead", ahead,
              *(["--model", args.model] if args.model else [])]
     with KernelDaemon(tmp, f"ahead-{ahead}-{batch}", flags) as kd:
-        lips = [Lip(kd.socket, args.tokens) for _ in range(batch)]
+        lips = [Lip(kd.socket, "decode", attach=False, script=__file__, tokens=args.tokens)
+                for _ in range(batch)]
         try:
             for lip in lips:
                 lip.expect("attached")
@@ -205,12 +164,12 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--ahead", default="on,off", help="the kernel's --decode-ahead settings")
     ap.add_argument("--kv-pages", type=int, default=2048)
-    ap.add_argument("--lip", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--lip", choices=["decode"], help=argparse.SUPPRESS)
+    ap.add_argument("--socket", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.lip:
         return lip_main(args)
 
-    from bench.kernel import header, machine_line, row
 
     print(machine_line())
     print(f"# model {args.model or 'the shipped default'}; {args.tokens} greedy tokens per LIP "

@@ -205,8 +205,11 @@ def say(line: str) -> None:
 class Lip:
     """A LIP process; a reader thread queues its lines so every wait has a timeout."""
 
-    def __init__(self, sock: Path, mode: str, attach: bool = True, **opts):
-        argv = [sys.executable, __file__, "--lip", mode, "--socket", str(sock)]
+    def __init__(self, sock: Path, mode: str, attach: bool = True, script: str = __file__,
+                 **opts):
+        """`script --lip MODE --socket SOCK --OPT VALUE...`: this file, or another bench's.
+        attach: wait for its 'attached' line."""
+        argv = [sys.executable, script, "--lip", mode, "--socket", str(sock)]
         for key, value in opts.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -61,7 +61,13 @@ from typing import Any
 
 from syscalls.aio import AsyncKernel
 from syscalls.context import AsyncContext
-from syscalls.flags import add_prompt_flags, add_sampling_flags, kv_path, report, sampling_kwargs
+from syscalls.flags import (
+    add_prompt_flags,
+    add_sampling_flags,
+    alip_main,
+    kv_path,
+    sampling_kwargs,
+)
 
 CALL, HEAD, END = b"[CALL]", b"[HEAD]", b"[END]"
 MARKERS = ("[CALL]", "[HEAD]", "[END]", "[INTR]")
@@ -399,19 +405,8 @@ async def run(k: AsyncKernel, args: argparse.Namespace) -> int:
     return 0
 
 
-async def amain(args: argparse.Namespace) -> int:
-    async with await AsyncKernel.connect() as k:
-        return await run(k, args)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_args(parser, args)
-    try:
-        return asyncio.run(amain(args))
-    except (OSError, ValueError) as e:
-        return report("async_lm", e)
+    return alip_main("async_lm", build_parser(), run, argv, check_args)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from syscalls.aio import AsyncFile, AsyncKernel
 from syscalls.convert import proc_fields
-from syscalls.flags import add_prompt_flags, check_flags, report
+from syscalls.flags import add_prompt_flags, alip_main, check_flags
 
 
 @dataclass
@@ -171,19 +171,8 @@ async def run(k: AsyncKernel, args: argparse.Namespace) -> int:
     return 0
 
 
-async def amain(args: argparse.Namespace) -> int:
-    async with await AsyncKernel.connect() as k:
-        return await run(k, args)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_args(parser, args)
-    try:
-        return asyncio.run(amain(args))
-    except (OSError, ValueError) as e:
-        return report("beam", e)
+    return alip_main("beam", build_parser(), run, argv, check_args)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from syscalls.context import AsyncContext
 from syscalls.flags import (
     add_prompt_flags,
     add_sampling_flags,
+    alip_main,
     check_flags,
-    report,
     sampling_kwargs,
 )
 
@@ -94,17 +94,8 @@ async def run(k: AsyncKernel, args: argparse.Namespace) -> int:
     return 0
 
 
-async def amain(args: argparse.Namespace) -> int:
-    async with await AsyncKernel.connect() as k:
-        return await run(k, args)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return asyncio.run(amain(args))
-    except (OSError, ValueError) as e:
-        return report("best_of_n", e)
+    return alip_main("best_of_n", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

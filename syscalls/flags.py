@@ -6,13 +6,15 @@ They live here, not in the daemon's package, because LIPs may import only `sysca
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from syscalls.aio import AsyncKernel
     from syscalls.client import Kernel
 
 
@@ -106,13 +108,41 @@ def lip_main(
     parser: argparse.ArgumentParser,
     run: Callable[[Kernel, argparse.Namespace], int],
     argv: list[str] | None,
+    check: Callable[[argparse.ArgumentParser, argparse.Namespace], None] | None = None,
 ) -> int:
-    """What a synchronous LIP's main does: parse, connect, run, and report a failure."""
+    """What a synchronous LIP's main does: parse, check (a bad flag exits 2 through
+    parser.error), connect, run, and report a failure."""
     from syscalls.client import Kernel
 
     args = parser.parse_args(argv)
+    if check is not None:
+        check(parser, args)
     try:
         with Kernel.connect() as k:
             return run(k, args)
+    except (OSError, ValueError) as e:
+        return report(prog, e)
+
+
+def alip_main(
+    prog: str,
+    parser: argparse.ArgumentParser,
+    run: Callable[[AsyncKernel, argparse.Namespace], Awaitable[int]],
+    argv: list[str] | None,
+    check: Callable[[argparse.ArgumentParser, argparse.Namespace], None] | None = None,
+) -> int:
+    """lip_main for an asyncio LIP: `run` is a coroutine function."""
+    from syscalls.aio import AsyncKernel
+
+    args = parser.parse_args(argv)
+    if check is not None:
+        check(parser, args)
+
+    async def session() -> int:
+        async with await AsyncKernel.connect() as k:
+            return await run(k, args)
+
+    try:
+        return asyncio.run(session())
     except (OSError, ValueError) as e:
         return report(prog, e)
