@@ -36,7 +36,13 @@ from typing import Any
 from syscalls.client import File, Kernel
 from syscalls.context import TextStream
 from syscalls.convert import PredOutput
-from syscalls.flags import add_prompt_flags, add_sampling_flags, report, sampling_kwargs
+from syscalls.flags import (
+    add_prompt_flags,
+    add_sampling_flags,
+    prompt_of,
+    report,
+    sampling_kwargs,
+)
 
 
 @dataclass
@@ -251,9 +257,7 @@ def run(k: Kernel, args: argparse.Namespace, config: Config) -> int:
     info = k.model_info()
     if args.prompt is not None and not info.has_tokenizer:
         raise ValueError("the model has no tokenizer; use --prompt-ids")
-    prompt = args.prompt_ids if args.prompt is None else k.tokenize(args.prompt, add_special=True)
-    if not prompt:
-        raise ValueError("empty prompt")
+    prompt = prompt_of(k, args)
     bad = next((t for t in prompt if not 0 <= t < info.vocab_size), None)
     if bad is not None:
         raise ValueError(f"--prompt-ids: token {bad} is outside [0, {info.vocab_size})")

@@ -23,6 +23,7 @@ from syscalls.flags import (
     add_sampling_flags,
     check_flags,
     lip_main,
+    prompt_of,
     sampling_kwargs,
 )
 
@@ -38,10 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(k: Kernel, args: argparse.Namespace) -> int:
     info = k.model_info()
     check_flags(args, info.has_tokenizer)
-    # Text gets the tokenizer's own BOS handling, as in `symphony generate`.
-    prompt = args.prompt_ids if args.prompt is None else k.tokenize(args.prompt, add_special=True)
-    if not prompt:
-        raise ValueError("empty prompt")
+    prompt = prompt_of(k, args)
     stream = None
     if info.has_tokenizer and not args.json:
         stream = TextStream(k)

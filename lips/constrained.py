@@ -46,6 +46,7 @@ from syscalls.flags import (
     add_prompt_flags,
     add_sampling_flags,
     check_flags,
+    prompt_of,
     report,
     sampling_kwargs,
 )
@@ -216,9 +217,7 @@ def decode(ctx: Context, m: llguidance.LLMatcher, max_new_tokens: int,
 def run(k: Kernel, args: argparse.Namespace) -> int:
     info = k.model_info()
     check_flags(args, info.has_tokenizer)
-    prompt = args.prompt_ids if args.prompt is None else k.tokenize(args.prompt, add_special=True)
-    if not prompt:
-        raise ValueError("empty prompt")
+    prompt = prompt_of(k, args)
     tokenizer = grammar_tokenizer(k, model_split=args.fast_forward)
     m = matcher(tokenizer, args.grammar)
     with Context(k, stop=info.eos_ids) as ctx:

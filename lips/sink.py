@@ -35,6 +35,7 @@ from syscalls.flags import (
     add_sampling_flags,
     add_text_flags,
     parse_ids,
+    prompt_of,
     report,
     sampling_kwargs,
     text_file,
@@ -238,9 +239,7 @@ def generate(k: Kernel, args: argparse.Namespace) -> int:
     info = k.model_info()
     if args.prompt is not None and not info.has_tokenizer:
         raise ValueError("the model has no tokenizer; use --prompt-ids")
-    prompt = args.prompt_ids if args.prompt is None else k.tokenize(args.prompt, add_special=True)
-    if not prompt:
-        raise ValueError("empty prompt")
+    prompt = prompt_of(k, args)
     stop = () if args.ignore_eos else info.eos_ids
     text = TextStream(k) if info.has_tokenizer and not args.json else None
     if text:

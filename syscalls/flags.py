@@ -50,6 +50,15 @@ def check_flags(args: argparse.Namespace, has_tokenizer: bool) -> None:
         raise ValueError("the model has no tokenizer; use --prompt-ids")
 
 
+def prompt_of(k: Kernel, args: argparse.Namespace) -> list[int]:
+    """The prompt flags' token ids: text gets the tokenizer's own BOS handling, as in
+    `symphony generate`. ValueError for a prompt with no tokens."""
+    prompt = args.prompt_ids if args.prompt is None else k.tokenize(args.prompt, add_special=True)
+    if not prompt:
+        raise ValueError("empty prompt")
+    return prompt
+
+
 def parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
