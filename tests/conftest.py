@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from daemon import make_model, mounted, start_daemon  # noqa: E402  (after TRITON_INTERPRET)
+from daemon import make_model, mounted, start_daemon, start_server  # noqa: E402  (after TRITON_INTERPRET)
 
 DEFAULT_DAEMON_FLAGS = ("--kv-pages", "512")
 
@@ -50,3 +50,13 @@ def k(daemon):
     """A session of root's on the module's daemon."""
     with daemon.connect() as k:
         yield k
+
+
+@pytest.fixture(scope="module")
+def server(request, daemon):
+    """`symphony serve` on the module's daemon (flags from a module's `SERVE_FLAGS`), with
+    OpenAI clients (`.client`, `.aclient`); stopped with SIGTERM at the module's end, which
+    must exit 0."""
+    s = start_server(daemon, *getattr(request.module, "SERVE_FLAGS", ()))
+    yield s
+    assert s.stop() == 0, s.log_text()

@@ -195,3 +195,60 @@ def make(k: Kernel, path: str, n: int, mode: int = 0o644, salt: int = 0) -> None
     """A KV file of n tokens at path."""
     with k.open(path, os.O_CREAT | os.O_RDWR, mode) as f:
         f.pred(prompt(n, salt), no_outputs=True)
+
+
+@dataclass
+class Server:
+    """`symphony serve` on a daemon, as a subprocess, and OpenAI clients of it."""
+
+    url: str  # http://127.0.0.1:PORT
+    api_key: str
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key, max_retries=0)
+
+    @property
+    def aclient(self):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key,
+                                  max_retries=0)
+
+    def stop(self) -> int:
+        """SIGTERM, and the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(START_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+LISTENING = "symphony serve: listening on "
+
+
+def start_server(daemon: Daemon, *flags: str, api_key: str = "test-key") -> Server:
+    """`symphony serve --port 0` on `daemon`; returns once it prints that it listens."""
+    log = daemon.log.with_name(f"serve-{os.getpid()}-{time.monotonic_ns()}.log")
+    with open(log, "ab") as err:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "symphony.cli", "serve", "--socket", str(daemon.socket),
+             "--port", "0", "--api-key", api_key, *flags],
+            stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, cwd=ROOT, text=True)
+    line = process.stdout.readline()  # the one line, or "" when it exited first
+    if not line.startswith(LISTENING):
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"symphony serve did not start ({process.returncode}): {line!r}\n"
+                           f"{log.read_text(errors='replace')}")
+    return Server(line[len(LISTENING):].strip(), api_key, process, log)
