@@ -11,9 +11,13 @@ it is not in the file, and nobody sees it. A seeded sampler draws from a fresh g
 per pred, so the guess samples exactly what the pred would; the process is charged for the
 work only when a pred uses it.
 
-Only a plain pred takes a guess or makes one: one with logit controls, scores, a tree or
-a truncation is not what a guess computed without them would answer, and the pred after
-it will carry its own (the scheduler's submit decides).
+A decode loop's pred, plain or masked, takes a guess or makes one; one with scores, a tree
+or a truncation is not what a guess computed without them would answer, and the pred after
+it will carry its own (the scheduler's submit decides). A grammar-constrained loop sends a
+mask the guess cannot know: so a guess made after a masked pred keeps its row's logits, and
+the pred that takes it samples them with its mask (its own seeded generator, so the token
+is the one it would have drawn). A masked pred takes a guess made after a plain one only
+while it is not computed yet.
 
 The guess table holds at most one guess per file. The scheduler asks it what to compute
 in spare room, which guess a pred is, and to drop guesses; a guess in the running step
@@ -96,7 +100,8 @@ class DecodeAhead:
         self.guesses[inode] = PredJob(
             job.proc, handle, [token], [position], [0], job.params,
             job.params.generator(self.device), asyncio.get_running_loop().create_future(),
-            self.seq(), state=JobState.AHEAD, res=res, follows=True)
+            self.seq(), state=JobState.AHEAD, res=res, follows=True,
+            keep_logits=job.controls is not None)
         self.stats.ahead += 1
         return True
 

@@ -70,6 +70,10 @@ class PredJob:
     tree: np.ndarray | None = None  # ancestor bits [len(tokens), W]; None: causal
     depths: list[int] | None = None  # of a tree's tokens: default positions are last + 1 + depth
     cut: int | None = None  # truncate the file to this many entries first (None: append)
+    # A guess made after a masked pred keeps its row's logits (`logits`, once computed): the
+    # next pred will carry a mask the guess could not know, and samples them again.
+    keep_logits: bool = False
+    logits: torch.Tensor | None = None
 
     @property
     def remaining(self) -> int:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import numpy as np
+import torch
 
 from kvfs.errors import FSError
 from kvfs.fs import FileSystem, Handle
@@ -40,7 +41,7 @@ from symphony.pred_job import JobState, Output, PredJob
 from symphony.process import Process
 from symphony.relief import Relief
 from symphony.sched_stats import SchedStats, StepRecord
-from symphony.step import Chunk, StepPlan, StepResult, forward
+from symphony.step import Chunk, StepPlan, StepResult, forward, resample
 
 log = logging.getLogger("symphony.scheduler")
 
@@ -55,6 +56,17 @@ def exiting() -> FSError:
 
 def taken_back() -> FSError:
     return FSError(errno.ECANCELED, "pred: cancelled by its caller")
+
+
+def output_of(job: PredJob, row: int, result: StepResult, i: int,
+              control: RowControl | None) -> Output:
+    """Logit row i of a step's result, as the Output of job's row `row`."""
+    n = job.params.top_logprobs
+    output = Output(row, result.tokens[i], result.logprobs[i],
+                    list(zip(result.top_ids[i][:n], result.top_logprobs[i][:n], strict=True)))
+    if control is not None:
+        controlled(output, job, control, result, i)
+    return output
 
 
 def controlled(output: Output, job: PredJob, control: RowControl, result: StepResult,
@@ -112,20 +124,22 @@ class Scheduler:
                cut: int | None = None) -> asyncio.Future:
         """Queue a checked pred; the future gets its Outputs, or the error that failed it.
         The keywords are PredJob's (controls per entry of rows)."""
-        # Decoding ahead guesses plain preds only: a guess computed without this pred's
-        # controls, tree or cut is not its answer, and after it the next pred will carry
-        # its own.
-        plain = controls is None and not score_next and tree is None and cut is None
-        guess = self.ahead.match(handle, tokens, positions, rows, params) if plain else None
-        if guess is not None:
+        # Decoding ahead guesses the preds of decode loops, plain or masked: a guess
+        # computed without this pred's scores, tree or cut is not its answer, and after it
+        # the next pred will carry its own. A mask is applied when the pred takes the guess
+        # (decode_ahead.py).
+        looping = not score_next and tree is None and cut is None
+        guess = self.ahead.match(handle, tokens, positions, rows, params) if looping else None
+        if guess is not None and (controls is None or self._maskable(guess)):
+            guess.controls = controls
             return self._take(guess)
         self.ahead.drop(handle.inode, self.running)  # any other pred on the file drops it
         self._arrive(proc)
         job = PredJob(proc, handle, tokens, positions, rows, params,
                       params.generator(self.engine.device),
                       asyncio.get_running_loop().create_future(), next(self._seqs),
-                      follows=plain and self.ahead.follows(handle, tokens, positions, rows,
-                                                           params),
+                      follows=looping and self.ahead.follows(handle, tokens, positions, rows,
+                                                             params),
                       controls=controls, score_next=score_next, tree=tree, depths=depths,
                       cut=cut)
         self._enqueue(job)
@@ -149,11 +163,27 @@ class Scheduler:
         proc.pending += 1
         proc.swapped = False
 
+    def _maskable(self, guess: PredJob) -> bool:
+        """Whether a masked pred can take the guess: its logits are kept, or it is not
+        computed yet (then it is computed with the mask)."""
+        running = self.running is not None and self.running.computes(guess)
+        return guess.keep_logits or not (guess.done or running)
+
+    def _resampled(self, job: PredJob, logits: torch.Tensor) -> Output:
+        """A guess's kept logits sampled with the controls of the pred that took it, with
+        the fresh generator the pred would have had."""
+        control = job.controls[0]
+        result = resample(logits, job.params, job.params.generator(self.engine.device), control)
+        return output_of(job, job.rows[0], result, 0, control)
+
     def _take(self, guess: PredJob) -> asyncio.Future:
         """The pred computed ahead arrived: it owns the work from now on."""
         self.ahead.take(guess)
         self._arrive(guess.proc)
         self._enqueue(guess)
+        if guess.done and guess.controls is not None:
+            guess.outputs = [self._resampled(guess, guess.logits)]
+        guess.logits = None
         if guess.done:  # already computed: answer now
             self._charge(guess, guess.done, guess.seconds)
             self._complete(guess)
@@ -388,14 +418,15 @@ class Scheduler:
         commits and is answered, work given up meanwhile is rolled back, and each process
         is charged its tokens and its share of the step's time."""
         self.running = None
-        for i, ((job, row), token, logprob, top_ids, top_lps) in enumerate(zip(
-                plan.samples, result.tokens, result.logprobs, result.top_ids,
-                result.top_logprobs, strict=True)):
-            n = job.params.top_logprobs
-            output = Output(row, token, logprob, list(zip(top_ids[:n], top_lps[:n], strict=True)))
-            if plan.controls is not None and plan.controls[i] is not None:
-                controlled(output, job, plan.controls[i], result, i)
-            job.outputs.append(output)
+        for i, (job, row) in enumerate(plan.samples):
+            kept = result.kept.get(i)
+            if kept is not None and job.state in (JobState.AHEAD, JobState.DROPPED):
+                job.logits = kept  # for a masked pred to take
+            elif kept is not None and job.controls is not None:  # taken during the step
+                job.outputs.append(self._resampled(job, kept))
+                continue
+            job.outputs.append(output_of(job, row, result, i, None if plan.controls is None
+                                         else plan.controls[i]))
         total = plan.tokens
         prefill = decode = 0
         for c in plan.chunks:

@@ -4,13 +4,13 @@ the engine thread."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from symphony.engine.engine import Batch, Engine, TreeRows
-from symphony.engine.sampler import RowControl, SamplingParams, sample
-from symphony.pred_job import PredJob
+from symphony.engine.sampler import RowControl, Samples, SamplingParams, sample
+from symphony.pred_job import JobState, PredJob
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,14 @@ class StepPlan:
     batch: Batch
     samples: list[tuple[PredJob, int]]  # per logit row of the batch: its job, and its row
     controls: list[RowControl | None] | None = None  # per logit row; None: no control at all
+    # Logit rows of guesses a masked pred may take: their logits are kept, to be sampled
+    # again with the pred's controls (decode_ahead.py).
+    kept: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, chunks: list[Chunk]) -> StepPlan:
         ids, pos, q_lens, kv_lens, tables, rows, excluded = [], [], [], [], [], [], []
-        samples = []
+        samples, kept = [], []
         for c in chunks:
             job, start, end = c.job, c.start, c.start + c.size
             base = len(ids)
@@ -49,6 +52,8 @@ class StepPlan:
             for r in job.rows:
                 if start <= r < end:
                     rows.append(base + r - start)
+                    if job.keep_logits and job.state is JobState.AHEAD:
+                        kept.append(len(samples))
                     samples.append((job, r))
         # Only a step with a tree or a control pays for them.
         trees = controls = None
@@ -60,7 +65,7 @@ class StepPlan:
                         for c in chunks for i, r in enumerate(c.job.rows)
                         if c.start <= r < c.end]
         return cls(chunks, Batch(ids, pos, q_lens, kv_lens, tables, rows, excluded, trees=trees),
-                   samples, controls)
+                   samples, controls, kept)
 
     @property
     def params(self) -> list[SamplingParams]:
@@ -92,6 +97,15 @@ class StepResult:
     seconds: float = 0.0  # the step's time, shared out by tokens computed
     model_logprobs: list[float] | None = None
     scores: list[list[float]] | None = None
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)  # plan.kept's logits, by row
+
+
+def _result(s: Samples) -> StepResult:
+    return StepResult(s.tokens.tolist(), s.logprobs.tolist(), s.top_ids.tolist(),
+                      s.top_logprobs.tolist(),
+                      model_logprobs=None if s.model_logprobs is None
+                      else s.model_logprobs.tolist(),
+                      scores=None if s.scores is None else s.scores.tolist())
 
 
 def forward(engine: Engine, plan: StepPlan) -> StepResult:
@@ -99,9 +113,13 @@ def forward(engine: Engine, plan: StepPlan) -> StepResult:
     logits = engine.forward(plan.batch)
     if not plan.samples:
         return StepResult([], [], [], [])
-    s = sample(logits, plan.params, plan.generators, plan.controls)
-    return StepResult(s.tokens.tolist(), s.logprobs.tolist(), s.top_ids.tolist(),
-                      s.top_logprobs.tolist(),
-                      model_logprobs=None if s.model_logprobs is None
-                      else s.model_logprobs.tolist(),
-                      scores=None if s.scores is None else s.scores.tolist())
+    result = _result(sample(logits, plan.params, plan.generators, plan.controls))
+    if plan.kept:
+        result.kept = dict(zip(plan.kept, logits[plan.kept].float(), strict=True))
+    return result
+
+
+def resample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+             control: RowControl) -> StepResult:
+    """A kept logit row sampled again, with the controls of the pred that took its guess."""
+    return _result(sample(logits[None], [params], [generator], [control]))

@@ -14,6 +14,8 @@ import sys
 import pytest
 from daemon import ROOT, meminfo, prompt, sched, start_daemon, wait_for
 
+from syscalls.convert import LogitControl
+
 DAEMON_FLAGS = ("--kv-pages", "64", "--host-pages", "0")
 
 
@@ -33,13 +35,19 @@ def decode(f, first: int, n: int, between=lambda: None, **sampling) -> list[tupl
     return out
 
 
-def test_a_decoding_lip_gets_its_preds_computed_ahead_and_the_same_samples(daemon):
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_decoding_lip_gets_its_preds_computed_ahead_and_the_same_samples(daemon, masked):
     """Seeded sampling: every pred draws from a fresh generator of its seed, so a guess
     samples what the pred itself would. A no-op truncate between preds drops each guess,
-    and the same loop then computes every pred on arrival: the tokens must agree."""
+    and the same loop then computes every pred on arrival: the tokens must agree. Masked:
+    the guesses keep their logits and each pred samples them with its mask."""
     ids, n, sampling = prompt(21), 24, {"temperature": 1.0, "top_k": 40, "seed": 1234}
     with daemon.connect() as k:
-        eos = set(k.model_info().eos_ids)
+        info = k.model_info()
+        eos = set(info.eos_ids)
+        if masked:
+            allowed = [t for t in range(info.vocab_size) if t % 3 or t in eos]
+            sampling["control"] = LogitControl.allowing(allowed, info.vocab_size)
         runs = []
         for drop in (False, True):
             with k.open("", os.O_RDWR) as f:
@@ -60,6 +68,8 @@ def test_a_decoding_lip_gets_its_preds_computed_ahead_and_the_same_samples(daemo
                 runs.append(out)
         assert expect > n // 2, "the loop sampled end of sequence too often to test anything"
         assert runs[0] == runs[1]
+        if masked:
+            assert all(t % 3 or t in eos for t, _ in runs[0])
 
 
 def test_any_other_call_on_the_file_drops_the_guess_first(daemon):

@@ -49,8 +49,10 @@ def result(plan: StepPlan, tokens: list[int] | None = None, seconds: float = 0.0
     """What the forward pass and the sampler would give back: `tokens`, else SAMPLE for
     every logit row; `controlled`: model_logprobs, scores."""
     n = len(plan.samples)
+    # Kept rows' logits rise with the id: unmasked, the last id is the most likely.
+    kept = {i: torch.arange(VOCAB, dtype=torch.float32) for i in plan.kept}
     return StepResult(tokens or [SAMPLE] * n, [-1.0] * n, [[]] * n, [[]] * n, seconds,
-                      **controlled)
+                      **controlled, kept=kept)
 
 
 class World:
@@ -745,11 +747,10 @@ async def test_a_chain_of_parents_is_causal_and_explicit_positions_stand():
     assert plan.batch.positions == [10, 10] and plan.batch.trees[0].bits.tolist() == [[1], [2]]
 
 
-@pytest.mark.parametrize("extra", [
-    {"controls": [pb.LogitControl(score_ids=[3])]}, {"score_next": True},
-    {"parents": [-1]}, {"truncate": 4}])
+@pytest.mark.parametrize("extra", [{"score_next": True}, {"parents": [-1]}, {"truncate": 4}])
 @in_loop
-async def test_a_pred_with_controls_a_tree_or_a_cut_neither_takes_a_guess_nor_makes_one(extra):
+async def test_a_pred_with_scores_next_a_tree_or_a_cut_neither_takes_a_guess_nor_makes_one(
+        extra):
     """{"parents": [-1]} of one token is a chain, plain: it is the one that takes it."""
     w = World(ahead=True)
     p, f = w.process()
@@ -761,9 +762,83 @@ async def test_a_pred_with_controls_a_tree_or_a_cut_neither_takes_a_guess_nor_ma
         assert guess.state is JobState.ANSWERED and answer.result()[0].token == 11
         return
     assert guess.state is JobState.DROPPED and not answer.done()
-    plan = w.step([12], **({"scores": [[-1.0]]} if "controls" in extra else {}))
+    plan = w.step([12])
     assert plan.chunks[0].job is not guess and answer.result()[0].token == 12
     assert not w.sched.ahead.guesses  # the next pred will carry its own
+
+
+def only(token: int) -> pb.LogitControl:
+    """A control whose mask allows `token` alone."""
+    mask = np.zeros(VOCAB // 32, "<i4")
+    mask[token // 32] = 1 << (token % 32)
+    return pb.LogitControl(allowed=mask.tobytes())
+
+
+@in_loop
+async def test_a_masked_pred_takes_no_computed_guess_made_after_a_plain_one():
+    """Its logits were not kept; the masked pred's own guess keeps them."""
+    w = World(ahead=True)
+    p, f = w.process()
+    guess = await decoding(w, p, f)
+    w.step([11])
+    answer = w.submit(p, f, [9], controls=[only(5)])
+    assert guess.state is JobState.DROPPED and not answer.done()
+    w.step([5], model_logprobs=[-2.0])
+    assert answer.result()[0].token == 5
+    assert w.sched.ahead.guesses[f.inode].keep_logits
+
+
+async def masked_decoding(w: World, p: Process, f: Handle):
+    """As decoding(), with masked preds: the guess keeps its logits."""
+    w.submit(p, f, [1, 2, 3], controls=[only(SAMPLE)])
+    w.step(model_logprobs=[-1.5])
+    w.submit(p, f, [SAMPLE], controls=[only(9)])
+    w.step([9], model_logprobs=[-1.5])
+    guess = w.sched.ahead.guesses[f.inode]
+    assert guess.keep_logits and guess.controls is None
+    return guess
+
+
+@in_loop
+async def test_a_masked_pred_takes_its_computed_guess_and_samples_its_kept_logits_with_its_mask():
+    w = World(ahead=True)
+    p, f = w.process()
+    guess = await masked_decoding(w, p, f)
+    plan = w.step([319])  # computed unmasked: the last id
+    assert plan.kept == [0] and guess.logits is not None and guess.done == 1
+    answer = w.submit(p, f, [9], controls=[only(5)])
+    assert answer.done()  # without another step
+    (out,) = answer.result()
+    assert out.token == 5 and out.logprob == 0.0  # the only allowed token
+    # the model's own logprob of 5, from the kept logits
+    assert out.model_logprob == pytest.approx(torch.log_softmax(
+        torch.arange(VOCAB, dtype=torch.float32), 0)[5].item())
+    assert f.inode.tokens[-1] == 9 and w.sched.stats.ahead_used == 1 and guess.logits is None
+    assert w.sched.ahead.guesses[f.inode].tokens == [5]  # the loop goes on ahead
+
+
+@in_loop
+async def test_a_masked_pred_takes_its_guess_in_the_running_step_and_is_sampled_after_it():
+    w = World(ahead=True)
+    p, f = w.process()
+    await masked_decoding(w, p, f)
+    plan = w.sched.schedule()
+    answer = w.submit(p, f, [9], controls=[only(7)])
+    assert not answer.done()
+    w.sched.finish(plan, result(plan, [319]))
+    assert answer.result()[0].token == 7 and f.inode.length == 5
+
+
+@in_loop
+async def test_a_masked_pred_takes_a_guess_not_yet_computed_with_its_mask_in_the_step():
+    w = World(ahead=True)
+    p, f = w.process()
+    guess = await decoding(w, p, f)  # made after a plain pred: no kept logits
+    answer = w.submit(p, f, [9], controls=[only(5)])
+    assert guess.state is JobState.ADMITTED and guess.controls is not None
+    plan = w.step([5], model_logprobs=[-2.0])
+    assert plan.controls[0].allowed is not None and plan.kept == []
+    assert answer.result()[0].token == 5 and answer.result()[0].model_logprob == -2.0
 
 
 @pytest.mark.parametrize(("fields", "words"), [
