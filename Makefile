@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test unit run bench lint proto
+.PHONY: install test unit run bench lint proto stubs
 
 # `make run` and `make test` work straight after cloning: they install first when needed.
 $(STAMP): pyproject.toml
@@ -75,3 +75,8 @@ lint: $(STAMP)
 # The stubs are committed; this remakes them from the proto (tests/test_proto.py checks they are fresh).
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. syscalls/symphony.proto
+
+# So are the clients' plain syscall methods; this remakes syscalls/usys.py from the table in
+# syscalls/stubs.py and the builders in syscalls/convert.py (tests/test_stubs.py checks it).
+stubs: $(STAMP)
+	$(PY) -m syscalls.stubs

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import os
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -21,19 +20,9 @@ import grpc.aio
 from syscalls import convert, errors, session
 from syscalls import symphony_pb2 as pb
 from syscalls.client import CHANNEL_OPTIONS, OpenFile, Session
-from syscalls.convert import (
-    Fd,
-    KvPath,
-    LogitControl,
-    ModelInfo,
-    PredOutput,
-    ProcInfo,
-    Sampling,
-    Stat,
-    Target,
-    Vocabulary,
-)
+from syscalls.convert import Fd, KvPath, LogitControl, PredOutput, Sampling, Target
 from syscalls.lifeline import AsyncLifeline
+from syscalls.usys import AsyncFileCalls, AsyncKernelCalls
 
 T = TypeVar("T")
 
@@ -49,7 +38,7 @@ async def _import_chunks(
         yield chunk
 
 
-class AsyncKernel(Session):
+class AsyncKernel(AsyncKernelCalls, Session):
     """A session with the kernel, as syscalls.client.Kernel, for asyncio."""
 
     LINE = AsyncLifeline
@@ -102,7 +91,8 @@ class AsyncKernel(Session):
             raise self._failed(e) from e
         return call.result(errors.check(reply))
 
-    # -- process ----------------------------------------------------------------------
+    def _file(self, fd: int) -> AsyncFile:
+        return AsyncFile(self, fd)
 
     async def attach(self, name: str | None = None, argv: Sequence[str] | None = None) -> None:
         self._identify(await self._do(convert.attach(name, argv)))
@@ -113,35 +103,6 @@ class AsyncKernel(Session):
         finally:
             self._exited()
             await self.close()
-
-    async def getpid(self) -> int:
-        return await self._do(convert.getpid())
-
-    async def ps(self) -> list[ProcInfo]:
-        return await self._do(convert.ps())
-
-    async def kill(self, pid: int) -> None:
-        await self._do(convert.kill(pid))
-
-    async def nice(self, increment: int) -> int:
-        return await self._do(convert.nice(increment))
-
-    # -- model ------------------------------------------------------------------------
-
-    async def model_info(self) -> ModelInfo:
-        return await self._do(convert.model_info())
-
-    async def tokenize(
-        self,
-        text: str = "",
-        messages: Iterable[Mapping[str, str]] | None = None,
-        add_generation_prompt: bool = False,
-        add_special: bool = False,
-    ) -> list[int]:
-        return await self._do(convert.tokenize(text, messages, add_generation_prompt, add_special))
-
-    async def detokenize(self, ids: Iterable[int], keep_special: bool = False) -> str:
-        return await self._do(convert.detokenize(ids, keep_special))
 
     async def pred(
         self,
@@ -165,72 +126,6 @@ class AsyncKernel(Session):
                                                extras))
         request = convert.pred_request(fd, tokens, positions, outputs, s, no_outputs, extras)
         return convert.pred_outputs(await self._line.call(request))
-
-    async def vocab(self) -> Vocabulary:
-        return await self._do(convert.vocab())
-
-    # -- KV files ---------------------------------------------------------------------
-
-    async def open(
-        self, path: KvPath = "", flags: int = os.O_RDONLY, mode: int = 0o600
-    ) -> AsyncFile:
-        return AsyncFile(self, await self._do(convert.open(path, flags, mode)))
-
-    async def fork(self, fd: Fd) -> AsyncFile:
-        return AsyncFile(self, await self._do(convert.fork(fd)))
-
-    async def link(self, fd: Fd, path: KvPath) -> None:
-        await self._do(convert.link(fd, path))
-
-    async def read(
-        self, fd: Fd, start: int = 0, count: int | None = None
-    ) -> tuple[list[int], list[int]]:
-        return await self._do(convert.read(fd, start, count))
-
-    async def splice(self, src: Fd, start: int, end: int, dst: Fd) -> None:
-        await self._do(convert.splice(src, start, end, dst))
-
-    async def truncate(self, fd: Fd, length: int) -> None:
-        await self._do(convert.truncate(fd, length))
-
-    async def punch(self, fd: Fd, start: int, end: int) -> None:
-        await self._do(convert.punch(fd, start, end))
-
-    async def keep(self, fd: Fd, start: int, entries: Iterable[int]) -> None:
-        await self._do(convert.keep(fd, start, entries))
-
-    async def shift(self, fd: Fd, start: int, end: int, delta: int) -> None:
-        await self._do(convert.shift(fd, start, end, delta))
-
-    async def stat(self, target: Target) -> Stat:
-        return await self._do(convert.stat(target))
-
-    async def readdir(self, path: KvPath) -> list[tuple[str, Stat]]:
-        return await self._do(convert.readdir(path))
-
-    async def mkdir(self, path: KvPath, mode: int = 0o755) -> None:
-        await self._do(convert.mkdir(path, mode))
-
-    async def rmdir(self, path: KvPath) -> None:
-        await self._do(convert.rmdir(path))
-
-    async def unlink(self, path: KvPath) -> None:
-        await self._do(convert.unlink(path))
-
-    async def rename(self, old: KvPath, new: KvPath) -> None:
-        await self._do(convert.rename(old, new))
-
-    async def access(self, path: KvPath, mode: int = os.F_OK) -> None:
-        await self._do(convert.access(path, mode))
-
-    async def chmod(self, path: KvPath, mode: int) -> None:
-        await self._do(convert.chmod(path, mode))
-
-    async def chown(self, path: KvPath, uid: int = -1, gid: int = -1) -> None:
-        await self._do(convert.chown(path, uid, gid))
-
-    async def fsync(self, fd: Fd) -> None:
-        await self._do(convert.fsync(fd))
 
     async def export_iter(
         self, target: Target, offset: int = 0, length: int = 0
@@ -258,13 +153,8 @@ class AsyncKernel(Session):
             chunks = convert.import_chunks(path, mode, data)
         await self._do(convert.import_file(chunks))
 
-    # -- info -------------------------------------------------------------------------
 
-    async def procfs(self, path: KvPath) -> str:
-        return await self._do(convert.procfs(path))
-
-
-class AsyncFile(OpenFile):
+class AsyncFile(AsyncFileCalls, OpenFile):
     """An open KV file of an AsyncKernel; `async with` closes it."""
 
     kernel: AsyncKernel
@@ -289,33 +179,3 @@ class AsyncFile(OpenFile):
         **options: Any,
     ) -> list[PredOutput]:
         return await self.kernel.pred(self, tokens, positions, outputs, sampler, **options)
-
-    async def read(self, start: int = 0, count: int | None = None) -> tuple[list[int], list[int]]:
-        return await self.kernel.read(self, start, count)
-
-    async def fork(self) -> AsyncFile:
-        return await self.kernel.fork(self)
-
-    async def link(self, path: KvPath) -> None:
-        await self.kernel.link(self, path)
-
-    async def truncate(self, length: int) -> None:
-        await self.kernel.truncate(self, length)
-
-    async def punch(self, start: int, end: int) -> None:
-        await self.kernel.punch(self, start, end)
-
-    async def keep(self, start: int, entries: Iterable[int]) -> None:
-        await self.kernel.keep(self, start, entries)
-
-    async def shift(self, start: int, end: int, delta: int) -> None:
-        await self.kernel.shift(self, start, end, delta)
-
-    async def splice_from(self, src: Fd, start: int, end: int) -> None:
-        await self.kernel.splice(src, start, end, self)
-
-    async def stat(self) -> Stat:
-        return await self.kernel.stat(self)
-
-    async def fsync(self) -> None:
-        await self.kernel.fsync(self)

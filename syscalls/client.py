@@ -1,4 +1,5 @@
-"""The synchronous LIP-side library: one method per syscall of syscalls/symphony.proto.
+"""The synchronous LIP-side library: one method per syscall of syscalls/symphony.proto (the
+plain ones from syscalls/usys.py, which `make stubs` makes).
 
     with Kernel.connect() as k:
         with k.open() as f:  # an anonymous KV file
@@ -17,27 +18,16 @@ import copy
 import errno
 import os
 import socket
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Self, TypeVar
 
 import grpc
 
 from syscalls import convert, errors, session
 from syscalls import symphony_pb2_grpc as pb_grpc
-from syscalls.convert import (
-    Fd,
-    Identity,
-    KvPath,
-    LogitControl,
-    ModelInfo,
-    PredOutput,
-    ProcInfo,
-    Sampling,
-    Stat,
-    Target,
-    Vocabulary,
-)
+from syscalls.convert import Fd, Identity, KvPath, LogitControl, PredOutput, Sampling, Target
 from syscalls.lifeline import Lifeline
+from syscalls.usys import FileCalls, KernelCalls
 from syscalls.wire import MAX_PAYLOAD
 
 T = TypeVar("T")
@@ -111,9 +101,8 @@ class Session:
         return self._lifeline
 
 
-
-class Kernel(Session):
-    """A session with the kernel; one method per syscall."""
+class Kernel(KernelCalls, Session):
+    """A session with the kernel; one method per syscall, the plain ones KernelCalls's."""
 
     @classmethod
     def connect(
@@ -168,7 +157,8 @@ class Kernel(Session):
             raise self._failed(e) from e
         return call.result(errors.check(reply))
 
-    # -- process ----------------------------------------------------------------------
+    def _file(self, fd: int) -> File:
+        return File(self, fd)
 
     def attach(self, name: str | None = None, argv: Sequence[str] | None = None) -> None:
         """Join the process table (connect does it); the kernel says who we are."""
@@ -181,38 +171,6 @@ class Kernel(Session):
         finally:
             self._exited()
             self.close()
-
-    def getpid(self) -> int:
-        return self._do(convert.getpid())
-
-    def ps(self) -> list[ProcInfo]:
-        return self._do(convert.ps())
-
-    def kill(self, pid: int) -> None:
-        self._do(convert.kill(pid))
-
-    def nice(self, increment: int) -> int:
-        """Add to this process's nice value (lowering it needs root); the new value."""
-        return self._do(convert.nice(increment))
-
-    # -- model ------------------------------------------------------------------------
-
-    def model_info(self) -> ModelInfo:
-        return self._do(convert.model_info())
-
-    def tokenize(
-        self,
-        text: str = "",
-        messages: Iterable[Mapping[str, str]] | None = None,
-        add_generation_prompt: bool = False,
-        add_special: bool = False,
-    ) -> list[int]:
-        """Token ids of `text`, or of `messages` ({"role", "content"}) rendered by the chat
-        template. add_special: BOS as the tokenizer itself would add it."""
-        return self._do(convert.tokenize(text, messages, add_generation_prompt, add_special))
-
-    def detokenize(self, ids: Iterable[int], keep_special: bool = False) -> str:
-        return self._do(convert.detokenize(ids, keep_special))
 
     def pred(
         self,
@@ -246,80 +204,6 @@ class Kernel(Session):
         # timeout) ends, and the kernel takes the pred back.
         return self._do(convert.pred(fd, tokens, positions, outputs, s, no_outputs, extras))
 
-    def vocab(self) -> Vocabulary:
-        """Every token's bytes and which ids are special: what a grammar engine or a prefix
-        trie is built from. It never changes while the kernel runs: call it once."""
-        return self._do(convert.vocab())
-
-    # -- KV files ---------------------------------------------------------------------
-
-    def open(self, path: KvPath = "", flags: int = os.O_RDONLY, mode: int = 0o600) -> File:
-        """Open a KV file; path "" makes an anonymous one (always read-write)."""
-        return File(self, self._do(convert.open(path, flags, mode)))
-
-    def fork(self, fd: Fd) -> File:
-        """A copy-on-write clone of the file, anonymous."""
-        return File(self, self._do(convert.fork(fd)))
-
-    def link(self, fd: Fd, path: KvPath) -> None:
-        self._do(convert.link(fd, path))
-
-    def read(self, fd: Fd, start: int = 0, count: int | None = None) -> tuple[list[int], list[int]]:
-        """(token ids, positions) of entries [start, start + count), clipped to the end."""
-        return self._do(convert.read(fd, start, count))
-
-    def splice(self, src: Fd, start: int, end: int, dst: Fd) -> None:
-        """Append entries [start, end) of src to dst, sharing pages, computing nothing."""
-        self._do(convert.splice(src, start, end, dst))
-
-    def truncate(self, fd: Fd, length: int) -> None:
-        self._do(convert.truncate(fd, length))
-
-    def punch(self, fd: Fd, start: int, end: int) -> None:
-        """Drop entries [start, end) from attention, freeing their whole pages."""
-        self._do(convert.punch(fd, start, end))
-
-    def keep(self, fd: Fd, start: int, entries: Iterable[int]) -> None:
-        """The file keeps entries [0, start) and then `entries` (increasing indices past
-        start), their K/V moved, not recomputed: a tree pred's accepted branch."""
-        self._do(convert.keep(fd, start, entries))
-
-    def shift(self, fd: Fd, start: int, end: int, delta: int) -> None:
-        """Move entries [start, end) by `delta` positions, their keys rotated to match."""
-        self._do(convert.shift(fd, start, end, delta))
-
-    def stat(self, target: Target) -> Stat:
-        """Stat a path, or an open file (int or File)."""
-        return self._do(convert.stat(target))
-
-    def readdir(self, path: KvPath) -> list[tuple[str, Stat]]:
-        return self._do(convert.readdir(path))
-
-    def mkdir(self, path: KvPath, mode: int = 0o755) -> None:
-        self._do(convert.mkdir(path, mode))
-
-    def rmdir(self, path: KvPath) -> None:
-        self._do(convert.rmdir(path))
-
-    def unlink(self, path: KvPath) -> None:
-        self._do(convert.unlink(path))
-
-    def rename(self, old: KvPath, new: KvPath) -> None:
-        self._do(convert.rename(old, new))
-
-    def access(self, path: KvPath, mode: int = os.F_OK) -> None:
-        """Raise unless path exists and may be read/written/searched (os.R_OK|W_OK|X_OK)."""
-        self._do(convert.access(path, mode))
-
-    def chmod(self, path: KvPath, mode: int) -> None:
-        self._do(convert.chmod(path, mode))
-
-    def chown(self, path: KvPath, uid: int = -1, gid: int = -1) -> None:
-        self._do(convert.chown(path, uid, gid))
-
-    def fsync(self, fd: Fd) -> None:
-        self._do(convert.fsync(fd))
-
     def export_iter(self, target: Target, offset: int = 0, length: int = 0) -> Iterator[bytes]:
         """The canonical serialized form (docs/kv-format.md) of bytes [offset, offset +
         length) (length 0: to the end), as the kernel streams it."""
@@ -337,12 +221,6 @@ class Kernel(Session):
         """Make the file at `path` from its serialized form: bytes, or an iterable of
         chunks of it. The kernel checks it whole; nothing appears when it is refused."""
         self._do(convert.import_file(convert.import_chunks(path, mode, data)))
-
-    # -- info -------------------------------------------------------------------------
-
-    def procfs(self, path: KvPath) -> str:
-        """The text of a /proc entry: "meminfo", "sched", "PID/status"."""
-        return self._do(convert.procfs(path))
 
 
 class OpenFile:
@@ -362,7 +240,7 @@ class OpenFile:
         return f"<{type(self).__name__} fd={self.fd}{' closed' if self.closed else ''}>"
 
 
-class File(OpenFile):
+class File(FileCalls, OpenFile):
     """An open KV file; closing it is the close syscall."""
 
     kernel: Kernel
@@ -388,34 +266,3 @@ class File(OpenFile):
     ) -> list[PredOutput]:
         """Kernel.pred on this file; `options` are its keyword arguments."""
         return self.kernel.pred(self, tokens, positions, outputs, sampler, **options)
-
-    def read(self, start: int = 0, count: int | None = None) -> tuple[list[int], list[int]]:
-        return self.kernel.read(self, start, count)
-
-    def fork(self) -> File:
-        return self.kernel.fork(self)
-
-    def link(self, path: KvPath) -> None:
-        self.kernel.link(self, path)
-
-    def truncate(self, length: int) -> None:
-        self.kernel.truncate(self, length)
-
-    def punch(self, start: int, end: int) -> None:
-        self.kernel.punch(self, start, end)
-
-    def keep(self, start: int, entries: Iterable[int]) -> None:
-        self.kernel.keep(self, start, entries)
-
-    def shift(self, start: int, end: int, delta: int) -> None:
-        self.kernel.shift(self, start, end, delta)
-
-    def splice_from(self, src: Fd, start: int, end: int) -> None:
-        """Append entries [start, end) of `src` to this file."""
-        self.kernel.splice(src, start, end, self)
-
-    def stat(self) -> Stat:
-        return self.kernel.stat(self)
-
-    def fsync(self) -> None:
-        self.kernel.fsync(self)

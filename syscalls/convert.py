@@ -4,6 +4,8 @@ of transport failures to OSError.
 
 A client runs a `Call` by sending `call.request` to the stub method named `call.rpc`,
 checking the reply's error (syscalls.errors.check) and returning `call.result(reply)`.
+A plain syscall's builder is also its client methods' signature, defaults and docstring
+(syscalls/stubs.py makes the methods from it): its docstring speaks to the caller.
 """
 
 from __future__ import annotations
@@ -348,6 +350,7 @@ def kill(pid: int) -> Call[None]:
 
 @_wire_checked
 def nice(increment: int) -> Call[int]:
+    """Add to this process's nice value (lowering it needs root); the new value."""
     return Call("Nice", pb.NiceRequest(increment=increment), lambda r: r.nice)
 
 
@@ -357,11 +360,13 @@ def model_info() -> Call[ModelInfo]:
 
 @_wire_checked
 def tokenize(
-    text: str,
-    messages: Iterable[Mapping[str, str]] | None,
-    add_generation_prompt: bool,
-    add_special: bool,
+    text: str = "",
+    messages: Iterable[Mapping[str, str]] | None = None,
+    add_generation_prompt: bool = False,
+    add_special: bool = False,
 ) -> Call[list[int]]:
+    """Token ids of `text`, or of `messages` ({"role", "content"}) rendered by the chat
+    template. add_special: BOS as the tokenizer itself would add it."""
     request = pb.TokenizeRequest(
         text=text,
         messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
@@ -372,7 +377,7 @@ def tokenize(
 
 
 @_wire_checked
-def detokenize(ids: Iterable[int], keep_special: bool) -> Call[str]:
+def detokenize(ids: Iterable[int], keep_special: bool = False) -> Call[str]:
     return Call("Detokenize", pb.DetokenizeRequest(ids=ids, keep_special=keep_special), _text)
 
 
@@ -471,12 +476,15 @@ def pred_outputs(payload: bytes) -> list[PredOutput]:
 
 
 def vocab() -> Call[Vocabulary]:
+    """Every token's bytes and which ids are special: what a grammar engine or a prefix
+    trie is built from. It never changes while the kernel runs: call it once."""
     return Call("Vocab", pb.Void(),
                 lambda r: Vocabulary(list(r.tokens), frozenset(r.special_ids)))
 
 
 @_wire_checked
-def open(path: KvPath, flags: int, mode: int) -> Call[int]:
+def open(path: KvPath = "", flags: int = os.O_RDONLY, mode: int = 0o600) -> Call[int]:
+    """Open a KV file; path "" makes an anonymous one (always read-write)."""
     return Call("Open", pb.OpenRequest(path=os.fspath(path), flags=flags, mode=mode), _fd)
 
 
@@ -487,6 +495,7 @@ def close(fd: Fd) -> Call[None]:
 
 @_wire_checked
 def fork(fd: Fd) -> Call[int]:
+    """A copy-on-write clone of the file, anonymous."""
     return Call("Fork", pb.FdRequest(fd=int(fd)), _fd)
 
 
@@ -496,13 +505,17 @@ def link(fd: Fd, path: KvPath) -> Call[None]:
 
 
 @_wire_checked
-def read(fd: Fd, start: int, count: int | None) -> Call[tuple[list[int], list[int]]]:
+def read(
+    fd: Fd, start: int = 0, count: int | None = None
+) -> Call[tuple[list[int], list[int]]]:
+    """(token ids, positions) of entries [start, start + count), clipped to the end."""
     request = pb.ReadRequest(fd=int(fd), start=start, count=READ_ALL if count is None else count)
     return Call("Read", request, lambda r: (list(r.tokens), list(r.positions)))
 
 
 @_wire_checked
 def splice(src: Fd, start: int, end: int, dst: Fd) -> Call[None]:
+    """Append entries [start, end) of src to dst, sharing pages, computing nothing."""
     request = pb.SpliceRequest(src_fd=int(src), start=start, end=end, dst_fd=int(dst))
     return Call("Splice", request, _none)
 
@@ -514,16 +527,20 @@ def truncate(fd: Fd, length: int) -> Call[None]:
 
 @_wire_checked
 def punch(fd: Fd, start: int, end: int) -> Call[None]:
+    """Drop entries [start, end) from attention, freeing their whole pages."""
     return Call("Punch", pb.PunchRequest(fd=int(fd), start=start, end=end), _none)
 
 
 @_wire_checked
 def keep(fd: Fd, start: int, entries: Iterable[int]) -> Call[None]:
+    """The file keeps entries [0, start) and then `entries` (increasing indices past
+    start), their K/V moved, not recomputed: a tree pred's accepted branch."""
     return Call("Keep", pb.KeepRequest(fd=int(fd), start=start, entries=entries), _none)
 
 
 @_wire_checked
 def shift(fd: Fd, start: int, end: int, delta: int) -> Call[None]:
+    """Move entries [start, end) by `delta` positions, their keys rotated to match."""
     return Call("Shift", pb.ShiftRequest(fd=int(fd), start=start, end=end, delta=delta), _none)
 
 
@@ -535,6 +552,7 @@ def _target(target: Target) -> dict[str, Any]:
 
 @_wire_checked
 def stat(target: Target) -> Call[Stat]:
+    """Stat a path, or an open file (int or File)."""
     return Call("Stat", pb.StatRequest(**_target(target)), _stat_of)
 
 
@@ -548,7 +566,7 @@ def readdir(path: KvPath) -> Call[list[tuple[str, Stat]]]:
 
 
 @_wire_checked
-def mkdir(path: KvPath, mode: int) -> Call[None]:
+def mkdir(path: KvPath, mode: int = 0o755) -> Call[None]:
     return Call("Mkdir", pb.ModeRequest(path=os.fspath(path), mode=mode), _none)
 
 
@@ -569,7 +587,8 @@ def rename(old: KvPath, new: KvPath) -> Call[None]:
 
 
 @_wire_checked
-def access(path: KvPath, mode: int) -> Call[None]:
+def access(path: KvPath, mode: int = os.F_OK) -> Call[None]:
+    """Raise unless path exists and may be read/written/searched (os.R_OK|W_OK|X_OK)."""
     return Call("Access", pb.ModeRequest(path=os.fspath(path), mode=mode), _none)
 
 
@@ -579,7 +598,7 @@ def chmod(path: KvPath, mode: int) -> Call[None]:
 
 
 @_wire_checked
-def chown(path: KvPath, uid: int, gid: int) -> Call[None]:
+def chown(path: KvPath, uid: int = -1, gid: int = -1) -> Call[None]:
     return Call("Chown", pb.ChownRequest(path=os.fspath(path), uid=uid, gid=gid), _none)
 
 
@@ -635,6 +654,7 @@ def import_file(chunks: Iterable[pb.ImportChunk] | AsyncIterable[pb.ImportChunk]
 
 @_wire_checked
 def procfs(path: KvPath) -> Call[str]:
+    """The text of a /proc entry: "meminfo", "sched", "PID/status"."""
     return Call("Procfs", pb.PathRequest(path=os.fspath(path)), _text)
 
 
