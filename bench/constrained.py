@@ -72,7 +72,8 @@ def lip_main(args: argparse.Namespace) -> int:
         grammar = constrained.schema_grammar(SCHEMA)
         matchers = {}
         for side, model_split in (("constrained", False), ("fast-forward", True)):
-            tokenizer = constrained.grammar_tokenizer(k, model_split)
+            tokenizer = constrained.grammar_tokenizer(k.vocab(), info,
+                                                      k.tokenize if model_split else None)
             matchers[side] = constrained.matcher(tokenizer, grammar)
         prompt = k.tokenize(PROMPT, add_special=True)
         print("attached", k.pid, flush=True)

@@ -32,6 +32,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -41,7 +42,7 @@ import llguidance
 
 from syscalls.client import Kernel
 from syscalls.context import Context
-from syscalls.convert import LogitControl
+from syscalls.convert import LogitControl, ModelInfo, Vocabulary
 from syscalls.flags import (
     add_prompt_flags,
     add_sampling_flags,
@@ -125,19 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def grammar_tokenizer(k: Kernel, model_split: bool = False) -> llguidance.LLTokenizer:
-    """llguidance's tokenizer from the kernel's vocabulary: every token's bytes, the special
-    ids and the EOS ids; no tokenizer file is read. Text llguidance tokenizes itself (forced
-    bytes; the masks do not depend on it) is split by longest match over the same bytes, or
-    with model_split (for fast-forward tokens, which go into the KV file) by k.tokenize."""
-    vocab, info = k.vocab(), k.model_info()
+def grammar_tokenizer(
+    vocab: Vocabulary, info: ModelInfo, model_split: Callable[[str], list[int]] | None = None
+) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer from the kernel's vocabulary (k.vocab(), k.model_info()): every
+    token's bytes, the special ids and the EOS ids; no tokenizer file is read. Text
+    llguidance tokenizes itself (forced bytes; the masks do not depend on it) is split by
+    longest match over the same bytes, or with `model_split` (k.tokenize, for fast-forward
+    tokens, which go into the KV file) as the model splits it."""
     if not info.eos_ids:
         raise ValueError(f"the model {info.name} names no EOS token to end an output with")
     built: list[llguidance.LLTokenizer] = []
 
     @lru_cache(maxsize=4096)
     def tokenize(text: str) -> tuple[int, ...]:
-        return tuple(k.tokenize(text))
+        return tuple(model_split(text))
 
     class Vocab:  # what llguidance.TokenizerWrapper reads
         tokens = vocab.tokens
@@ -218,7 +221,7 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
     info = k.model_info()
     check_flags(args, info.has_tokenizer)
     prompt = prompt_of(k, args)
-    tokenizer = grammar_tokenizer(k, model_split=args.fast_forward)
+    tokenizer = grammar_tokenizer(k.vocab(), info, k.tokenize if args.fast_forward else None)
     m = matcher(tokenizer, args.grammar)
     with Context(k, stop=info.eos_ids) as ctx:
         ctx.fill(prompt)

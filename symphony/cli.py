@@ -158,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("program", help="a .py file (run with this Python) or an executable")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(func=lambda a: control().cmd_run(a))
+    # serve's flags are the program's own (`symphony serve --help` prints them): main passes
+    # what this parser does not know on to it.
+    sv = sub.add_parser("serve", add_help=False,
+                        help="an OpenAI-compatible HTTP server on the kernel (the LIP "
+                        "lips/openai_server.py, run as `run` does; --help: its flags)")
+    sv.add_argument("--socket")
+    sv.set_defaults(func=lambda a: control().cmd_serve(a), passes_flags=True)
     ps = sub.add_parser("ps", help="list the kernel's processes")
     ps.add_argument("--socket")
     ps.add_argument("--json", action="store_true")
@@ -173,7 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "passes_flags", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     try:
         return args.func(args)
     except (ModelError, ValueError, MemoryError) as e:

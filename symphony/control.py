@@ -1,9 +1,10 @@
-"""The shell's side of the kernel: start, stop, status, run, ps, kill."""
+"""The shell's side of the kernel: start, stop, status, run, serve, ps, kill."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import select
@@ -135,6 +136,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         for sig, handler in forward.items():
             signal.signal(sig, handler)
     return 128 - code if code < 0 else code
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`symphony run lips/openai_server.py FLAGS`: the server is a LIP like any other."""
+    program = importlib.util.find_spec("lips.openai_server").origin
+    return cmd_run(argparse.Namespace(socket=args.socket, program=program, args=args.rest))
 
 
 def cmd_ps(args: argparse.Namespace) -> int:

@@ -182,8 +182,9 @@ def outputs(daemon) -> dict[tuple[str, str, int | None], constrained.Output]:
     concurrently: one session, a thread each."""
     results, errors = {}, []
     with daemon.connect("constrained-test") as k:
-        tokenizer = constrained.grammar_tokenizer(k)
-        model_split = constrained.grammar_tokenizer(k, model_split=True)
+        vocab, info = k.vocab(), k.model_info()
+        tokenizer = constrained.grammar_tokenizer(vocab, info)
+        model_split = constrained.grammar_tokenizer(vocab, info, k.tokenize)
         eos = k.model_info().eos_ids
 
         def one(kind: str, name: str, seed: int | None, key: tuple) -> None:

@@ -70,9 +70,11 @@ def test_a_request_moves_from_waiting_to_running_to_done():
     assert states(m) == (1, 0)
     clock.first_token()
     assert states(m) == (0, 1)
-    clock.tokens(3)  # the first step's, of 3 choices
-    clock.tokens(3)
-    clock.tokens(2)
+    for choice in range(3):  # each of 3 choices' first token
+        clock.tokens(1, choice)
+    clock.tokens(1, 0)
+    clock.tokens(1, 1)
+    clock.tokens(3, 2)
     clock.finish()
     assert states(m) == (0, 0)
     clock.finish()  # every way out calls it: counted once
@@ -81,7 +83,8 @@ def test_a_request_moves_from_waiting_to_running_to_done():
     assert got["symphony:prompt_tokens_total"] == 12
     assert got["symphony:generation_tokens_total"] == 8
     assert got["symphony:time_to_first_token_seconds_count"] == 1
-    assert got["symphony:time_per_output_token_seconds_count"] == 2  # one per later step
+    # one per later call of each choice: a choice's first token is no inter-token gap
+    assert got["symphony:time_per_output_token_seconds_count"] == 3
     assert got["symphony:e2e_request_latency_seconds_count"] == 1
 
 

@@ -81,7 +81,7 @@ class RequestClock:
     def __init__(self, metrics: Metrics):
         self._metrics = metrics
         self._start = time.perf_counter()
-        self._last: float | None = None  # when the previous tokens() came
+        self._last: dict[int, float] = {}  # per choice: when its previous tokens() came
         self._state = "waiting"
         metrics.waiting.inc()
 
@@ -95,18 +95,20 @@ class RequestClock:
         m.ttft.observe(time.perf_counter() - self._start)
         self._state = "running"
 
-    def tokens(self, n: int) -> None:
-        """n more generated tokens (all choices together), the first ones included: call
-        it once per step of the request, after first_token() for the first step. Each call
-        after the first observes the time since the previous as one time per output token
-        (vLLM's, one sample per step)."""
+    def tokens(self, n: int, choice: int = 0) -> None:
+        """n more generated tokens of one choice (of an n > 1 request), the first ones
+        included (the first call is the first token, if first_token() was not called). Each
+        call after a choice's first observes the time since that choice's previous one as
+        a time per output token (vLLM's inter-token latency): choices decoding side by side
+        do not shorten each other's."""
         if self._state == "waiting":
             self.first_token()
         self._metrics.generation_tokens.inc(n)
         now = time.perf_counter()
-        if self._last is not None:
-            self._metrics.tpot.observe(now - self._last)
-        self._last = now
+        last = self._last.get(choice)
+        if last is not None:
+            self._metrics.tpot.observe(now - last)
+        self._last[choice] = now
 
     def finish(self) -> None:
         """running (or waiting) -> done, observes the request's latency; idempotent."""

@@ -1,0 +1,506 @@
+"""openai_server: an OpenAI-compatible HTTP server, built as a LIP on the syscalls.
+
+    symphony serve [--socket KERNEL_SOCKET] --port 8000 --api-key KEY
+    symphony run lips/openai_server.py --port 8000      (the same program)
+
+    curl localhost:8000/v1/chat/completions -H 'Authorization: Bearer KEY' \\
+        -d '{"model": "MODEL", "messages": [{"role": "user", "content": "Hi"}]}'
+
+Clients of OpenAI's API (the `openai` package, LangChain, curl) point their base URL at
+http://HOST:PORT/v1. The endpoints:
+
+    GET  /v1/models              the served model (--model-name; default: the kernel's)
+    POST /v1/completions         prompt as text or token ids; max_tokens (default 16),
+                                 temperature, top_p, top_k, min_p, n, stop, seed, logprobs,
+                                 echo, stream, logit_bias, ignore_eos
+    POST /v1/chat/completions    messages through the model's chat template; max_tokens or
+                                 max_completion_tokens, temperature, top_p, n, stop, seed,
+                                 stream (stream_options.include_usage), logprobs and
+                                 top_logprobs, logit_bias, response_format (text,
+                                 json_object, json_schema: the output is held to the schema
+                                 by logit masks, as lips/constrained.py does)
+    GET  /health                 200 while the kernel answers
+    GET  /metrics                Prometheus metrics, named as vLLM's (symphony:...)
+    POST /tokenize, /detokenize  as vLLM's: {prompt} or {messages} -> {tokens, count,
+                                 max_model_len}; {tokens} -> {prompt}
+
+Streams are server-sent events ending with `data: [DONE]`. Errors are OpenAI's error
+objects: a bad or unsupported field is a 400 naming it, a prompt past the model's context a
+400 with the lengths, an unknown model 404, a missing or wrong key 401 (--api-key or
+$SYMPHONY_API_KEY guards /v1/*, /tokenize and /detokenize; /health and /metrics are open),
+the kernel out of KV memory 503.
+
+The engine's usual features are this program's logic over the syscalls: each request is a
+process's KV files (lips/serving/generation.py), stop strings and n are decided here, and
+the prefix cache (lips/serving/prefix_cache.py) keeps KV files of recent prompts'
+page-aligned prefixes, so requests that share a system prompt fork its KV instead of
+computing it again (usage.prompt_tokens_details.cached_tokens). A client that disconnects
+has its generation cancelled and its pages freed at once.
+
+Once it accepts connections it prints `symphony serve: listening on http://HOST:PORT` (the
+real port with --port 0). SIGTERM (or Ctrl-C): it stops accepting, ends every open stream
+with `data: [DONE]` (its generation cancelled), answers unfinished requests 503, closes the
+prefix cache and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import hmac
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import uvicorn
+import uvloop
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from lips.serving.errors import ApiError, bad_field, from_kernel
+from lips.serving.generation import Delta, Generation, Generator, GenParams
+from lips.serving.metrics import Metrics
+from lips.serving.prefix_cache import PrefixCache
+from lips.serving.protocol import (
+    DONE,
+    ChatReply,
+    ChatRequest,
+    CompletionReply,
+    CompletionRequest,
+    DetokenizeRequest,
+    Reply,
+    TokenizeRequest,
+    chat_messages,
+    check_token_ids,
+    context_check,
+    sse,
+)
+from lips.serving.text import text_bytes
+from syscalls.aio import AsyncKernel
+from syscalls.convert import ModelInfo, Vocabulary, proc_fields
+from syscalls.flags import report
+
+PROG = "symphony serve"
+LISTENING = "symphony serve: listening on"
+SHUTDOWN_GRACE_S = 30.0  # after SIGTERM: for responses already being written to finish
+log = logging.getLogger("symphony.serve")
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+class Service:
+    """The server's state: one kernel session for every request, the model, the Generator,
+    and the requests in flight (for SIGTERM)."""
+
+    def __init__(self, kernel: AsyncKernel, info: ModelInfo, vocab: Vocabulary,
+                 generator: Generator, cache: PrefixCache, metrics: Metrics, model: str,
+                 api_key: str | None):
+        self.kernel = kernel
+        self.pieces = text_bytes(vocab)
+        self.generator = generator
+        self.cache = cache
+        self.metrics = metrics
+        self.model = model
+        self.info = info
+        self.api_key = api_key
+        self.fingerprint = f"fp_{info.fingerprint[:10]}"
+        self.created = int(time.time())
+        self.stopping = False
+        self.open: set[Generation] = set()  # the generations running or streaming
+
+    # -- checks -----------------------------------------------------------------------
+
+    async def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise ApiError(401, "You didn't provide an API key: send it as the header "
+                           "'Authorization: Bearer KEY'.", code="invalid_api_key")
+        if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model",
+                           code="model_not_found")
+
+    def token_text(self, token: int) -> str:
+        """A token's text alone, as it adds to text: none for a special id (BOS)."""
+        return self.pieces[token].decode("utf-8", errors="replace")
+
+    # -- tokens -----------------------------------------------------------------------
+
+    async def chat_tokens(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+                          add_special: bool = False) -> list[int]:
+        """The messages through the model's chat template; a template that refuses them
+        (roles out of order, no template) is the request's fault."""
+        try:
+            return await self.kernel.tokenize(messages=messages,
+                                              add_generation_prompt=add_generation_prompt,
+                                              add_special=add_special)
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.ENOTSUP, errno.ENOSYS):
+                raise bad_field("messages", e.strerror or str(e)) from e
+            raise from_kernel(e) from e
+
+    # -- generation -------------------------------------------------------------------
+
+    async def respond(self, request: Request, reply: Reply, params: GenParams,
+                      stream: bool) -> Response:
+        """The request's response, or its stream. A client that disconnects, before or
+        during the stream, has its generation closed at once (its preds cancelled, its
+        files freed)."""
+        if self.stopping:
+            raise shutting_down()
+        gen = self.generator.start(params)
+        self.open.add(gen)
+        streaming = False
+        try:
+            if not stream:
+                body = await self._watch(request, collect(gen, reply))
+                if self.stopping and any(c.finish_reason is None for c in reply.choices):
+                    raise shutting_down()
+                return JSONResponse(body)
+            # The first Delta comes before the headers, so that a request the kernel
+            # refuses (out of KV memory) gets its status, not a 200 and an error event.
+            deltas = aiter(gen)
+            first = await self._watch(request, anext(deltas, None))
+            if first is None:
+                raise shutting_down()
+            streaming = True
+            return EventStream(events(reply, gen, deltas, first), lambda: self.close(gen))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
+        finally:
+            if not streaming:
+                await self.close(gen)
+
+    async def close(self, gen: Generation) -> None:
+        self.open.discard(gen)
+        await gen.aclose()
+
+    async def _watch(self, request: Request, work: Awaitable[T]) -> T:
+        """What `work` gives, unless the client disconnects first (ClientGone)."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():
+                task.cancel()
+        if task not in done:
+            raise ClientGone
+        return task.result()
+
+    def stop(self) -> Awaitable[Any]:
+        """SIGTERM: refuse new requests from now on and end the running ones: their
+        generations are closed, so each stream ends with [DONE] and an unfinished response
+        is a 503. Await the result for all of them to be closed."""
+        self.stopping = True
+        return asyncio.gather(*(gen.aclose() for gen in list(self.open)))
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", type="overloaded_error")
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is already read: the next message is
+    the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(gen: Generation, reply: Reply) -> dict[str, Any]:
+    """A response: every Delta gathered."""
+    started = False
+    async for delta in gen:
+        if not started:
+            reply.started(gen)
+            started = True
+        reply.add(delta)
+    return reply.response(gen.usage)
+
+
+async def events(reply: Reply, gen: Generation, deltas: AsyncIterator[Delta], first: Delta
+                 ) -> AsyncIterator[bytes]:
+    """A stream's server-sent events: the opening chunks, a chunk per Delta with something
+    to say, the usage chunk when asked, and [DONE], also after an error (an error event
+    first) or a SIGTERM (the generation closed: its Deltas end)."""
+    try:
+        for chunk in reply.started(gen):
+            yield chunk
+        delta: Delta | None = first
+        while delta is not None:
+            if (chunk := reply.delta_chunk(delta)) is not None:
+                yield chunk
+            delta = await anext(deltas, None)
+        if reply.include_usage:
+            yield reply.usage_chunk(gen.usage)
+    except ApiError as e:
+        yield sse(e.body())
+    yield DONE
+
+
+class EventStream(StreamingResponse):
+    """A server-sent event stream that runs `on_close` however it ends: also when the
+    client goes away before the first event is written (the events' own clean-up would
+    never run then)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]):
+        super().__init__(content, headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
+
+
+# -- the app ------------------------------------------------------------------------------
+
+
+def error_param(loc: tuple[Any, ...]) -> str | None:
+    """A pydantic error location as OpenAI names the field: messages[1].content."""
+    param = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        param += f"[{part}]" if isinstance(part, int) else f".{part}" if param else str(part)
+    return param or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        param = error_param(tuple(first.get("loc", ())))
+        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        if first.get("type") == "json_invalid":
+            error = ApiError(400, f"the body is not valid JSON: {message}")
+        elif param is None:
+            error = ApiError(400, f"invalid request body: {message}")
+        else:
+            error = bad_field(param, message)
+        return JSONResponse(error.body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, e: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(e.status_code, str(e.detail), type=kind).body(),
+                            status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def internal(_request: Request, e: Exception) -> JSONResponse:
+        error = (from_kernel(e) if isinstance(e, OSError)
+                 else ApiError(500, f"internal error: {e}", type="internal_error"))
+        if error.status == 500:
+            log.error("request failed", exc_info=e)
+        return JSONResponse(error.body(), status_code=error.status)
+
+
+def build_app(s: Service) -> FastAPI:
+    app = FastAPI(title="Symphony", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    guarded = APIRouter(dependencies=[Depends(s.authorize)])
+    info, k = s.info, s.kernel
+
+    def model_card() -> dict[str, Any]:
+        return {"id": s.model, "object": "model", "created": s.created, "owned_by": "symphony",
+                "root": info.name, "max_model_len": info.context_length}
+
+    @guarded.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @guarded.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        s.check_model(model)
+        return model_card()
+
+    @guarded.post("/v1/completions")
+    async def completions(request: Request, req: CompletionRequest) -> Response:
+        s.check_model(req.model)
+        req.check(info.vocab_size)
+        text = req.prompt if isinstance(req.prompt, str) else None
+        prompt = req.prompt if text is None else await k.tokenize(text, add_special=True)
+        max_tokens = context_check(info.context_length, len(prompt), req.max_tokens, "prompt")
+        echo = None
+        if req.echo:
+            echo = (await k.detokenize(prompt) if text is None else text,
+                    s.token_text(prompt[0]))
+        reply = CompletionReply(s.model, s.fingerprint, req, echo)
+        return await s.respond(request, reply, req.params(prompt, max_tokens), req.stream)
+
+    @guarded.post("/v1/chat/completions")
+    async def chat_completions(request: Request, req: ChatRequest) -> Response:
+        s.check_model(req.model)
+        req.check(info.vocab_size)
+        prompt = await s.chat_tokens(chat_messages(req.messages), add_generation_prompt=True)
+        max_tokens = context_check(info.context_length, len(prompt), req.max_completion,
+                                   "messages")
+        reply = ChatReply(s.model, s.fingerprint, req)
+        return await s.respond(request, reply, req.params(prompt, max_tokens), req.stream)
+
+    @guarded.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        s.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_field("prompt", "give either prompt or messages")
+        if req.messages is not None:
+            tokens = await s.chat_tokens(chat_messages(req.messages), req.add_generation_prompt,
+                                         bool(req.add_special_tokens))
+        else:
+            special = True if req.add_special_tokens is None else req.add_special_tokens
+            tokens = await k.tokenize(req.prompt or "", add_special=special)
+        return {"count": len(tokens), "max_model_len": info.context_length, "tokens": tokens}
+
+    @guarded.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        s.check_model(req.model)
+        check_token_ids(req.tokens, info.vocab_size, "tokens")
+        return {"prompt": await k.detokenize(req.tokens)}
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await k.getpid()
+        except OSError as e:
+            raise ApiError(503, f"the kernel does not answer: {e}", type="overloaded_error") from e
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await s.metrics.exposition(k, s.cache), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(guarded)
+    return app
+
+
+# -- the program ------------------------------------------------------------------------
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn on a socket bound here, saying once that it listens; SIGTERM is the
+    program's (uvicorn's own handler would re-raise it at the end: exit status 143)."""
+
+    def __init__(self, config: uvicorn.Config, url: str):
+        super().__init__(config)
+        self.url = url
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(f"{LISTENING} {self.url}", flush=True)
+
+
+def bind(host: str, port: int) -> tuple[socket.socket, str]:
+    """A listening TCP socket and its URL (the real port when port is 0)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    return sock, f"http://{shown}:{sock.getsockname()[1]}"
+
+
+async def default_cache_pages(k: AsyncKernel) -> int:
+    """A quarter of the kernel's device pages."""
+    return int(proc_fields(await k.procfs("meminfo")).get("device_total", 0)) // 4
+
+
+async def serve(args: argparse.Namespace) -> int:
+    sock, url = bind(args.host, args.port)
+    with sock:
+        async with await AsyncKernel.connect(name="openai_server") as k:
+            info, vocab = await k.model_info(), await k.vocab()
+            pages = args.prefix_cache_pages
+            cache = PrefixCache(k, info.page_size,
+                                await default_cache_pages(k) if pages is None else pages)
+            model = args.model_name or info.name
+            metrics = Metrics(model)
+            service = Service(k, info, vocab, Generator(k, info, vocab, cache, metrics), cache,
+                              metrics, model, args.api_key or None)
+            config = uvicorn.Config(build_app(service), lifespan="off", log_level="warning",
+                                    access_log=False,
+                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+            server = HttpServer(config, url)
+
+            closing: list[Awaitable[Any]] = []  # referenced until done
+
+            def stop() -> None:
+                server.should_exit = True  # uvicorn stops accepting, then waits for streams
+                closing.append(service.stop())
+
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop)
+            try:
+                await server.serve(sockets=[sock])
+            finally:
+                await service.stop()
+                await cache.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
+                                epilog=__doc__.split("\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                   "%(default)s: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s; "
+                   "0: any free port, printed)")
+    p.add_argument("--api-key", default=os.environ.get("SYMPHONY_API_KEY"), metavar="KEY",
+                   help="the key clients must send as 'Authorization: Bearer KEY' "
+                   "(default: $SYMPHONY_API_KEY; none: no key needed)")
+    p.add_argument("--prefix-cache-pages", type=int, metavar="N",
+                   help="KV pages the prefix cache may keep (default: a quarter of the "
+                   "kernel's device pages; 0: no prefix cache)")
+    p.add_argument("--model-name", metavar="NAME",
+                   help="the model's name in the API (default: the kernel's model name)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.prefix_cache_pages is not None and args.prefix_cache_pages < 0:
+        parser.error("--prefix-cache-pages must be >= 0")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        return uvloop.run(serve(args))
+    except (OSError, ValueError) as e:
+        return report(PROG, e)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,392 @@
+"""One request's generation over the syscalls: what an engine hard-codes (n, stop strings,
+logprobs, seeds, response_format, prefix caching) written as a program's logic.
+
+    generation = generator.start(GenParams(prompt=ids, max_tokens=64, n=2, stop=("\\n",)))
+    try:
+        async for delta in generation:  # Deltas of the choices, as their tokens come
+            ...
+    finally:
+        await generation.aclose()
+
+A request's prompt goes into the KV file the prefix cache gives (the longest cached prefix,
+forked): the rest of the prompt is sent with the first pred, so the prompt and the first
+sample are one forward pass (as syscalls.context's Context does), and the file is handed
+to the cache afterwards, off the token path. With n choices the prompt is written once: the
+first choice goes on in that file, the others fork it (copy-on-write) and sample after the
+prompt again, each with its own seed, all concurrently.
+
+Each step is one pred with the choice's sampler: the same Sampling every step, so that the
+kernel can decode ahead (docs/architecture.md), or seed + choice + step for a seeded
+request (a reproducible run, as Context's). A grammar's mask and a logit_bias travel as
+the pred's LogitControl. Text is detokenized locally (lips/serving/text.py).
+
+The generation runs in a task of its own from start(); its Deltas wait in a queue for the
+consumer. Whichever way it ends (done, an error, aclose(), the consuming task cancelled by
+a client that went away), the task cancels its preds (the client takes each back from the
+kernel), waits for the cache's copy of its file, and closes its files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import llguidance
+
+from lips.constrained import GrammarError, grammar_tokenizer, matcher
+from lips.serving.errors import ApiError, bad_field, from_kernel
+from lips.serving.metrics import Metrics, RequestClock
+from lips.serving.prefix_cache import PrefixCache
+from lips.serving.text import Detokenizer, StopStrings, text_bytes
+from syscalls.aio import AsyncFile, AsyncKernel
+from syscalls.convert import LogitControl, ModelInfo, PredOutput, Sampling, Vocabulary
+
+log = logging.getLogger(__name__)
+
+# vLLM's stand-in for a top logprob of -inf (a token the grammar's mask leaves out): JSON
+# has no infinity.
+MIN_LOGPROB = -9999.0
+
+
+@dataclass(frozen=True)
+class GenParams:
+    prompt: list[int]  # token ids, the chat template already applied
+    max_tokens: int  # >= 1; the HTTP layer checked prompt + max_tokens <= context
+    n: int = 1
+    temperature: float = 1.0  # OpenAI's default; 0 is greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit (vLLM extra)
+    min_p: float = 0.0  # vLLM extra
+    seed: int | None = None  # choice i of a seeded request uses seed + i
+    stop: tuple[str, ...] = ()  # stop strings: the text is cut before the first match
+    ignore_eos: bool = False  # (vLLM extra) do not stop at the model's EOS ids
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's + top k
+    prompt_logprobs: bool = False  # each prompt token's logprob; the first is None
+    logit_bias: dict[int, float] | None = None
+    grammar: str | None = None  # an llguidance grammar (response_format), or None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str  # the token's text decoded alone, errors="replace"
+    token_id: int
+    bytes: list[int]  # the token's bytes (vocab)
+    logprob: float
+    top: list[tuple[str, list[int], float]]  # (text, bytes, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class Delta:
+    index: int  # the choice
+    text: str  # new text ("" while a stop string or a character is held back)
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]  # one per token in token_ids, when params.logprobs is set
+    finish_reason: str | None  # "stop" (EOS, a stop string, the grammar done) or "length"
+    # on the choice's last Delta
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int  # all choices together (OpenAI's rule)
+    cached_tokens: int  # prompt tokens taken from the prefix cache
+
+
+class Generator:
+    """Starts requests on the server's one kernel session; what they share (the model's
+    vocabulary, the prefix cache, the metrics) lives here."""
+
+    def __init__(self, kernel: AsyncKernel, info: ModelInfo, vocab: Vocabulary,
+                 cache: PrefixCache, metrics: Metrics):
+        self.kernel, self.info, self.vocab = kernel, info, vocab
+        self.cache, self.metrics = cache, metrics
+        self.pieces = text_bytes(vocab)
+        self.eos = frozenset(info.eos_ids)
+        self._grammar_tokenizer: asyncio.Future[llguidance.LLTokenizer] | None = None
+
+    def start(self, params: GenParams) -> Generation:
+        """The request starts now (in a task of its own); iterate it for its Deltas, and
+        aclose() it when done with it."""
+        return Generation(self, params)
+
+    @functools.cached_property
+    def token_texts(self) -> list[tuple[str, list[int]]]:
+        """Per id, its text decoded alone and its bytes: what logprobs show of a token."""
+        return [(piece.decode("utf-8", errors="replace"), list(piece))
+                for piece in self.vocab.tokens]
+
+    async def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A matcher of `grammar` (GrammarError if bad). The tokenizer (once) and each
+        grammar are built in a thread: a large vocabulary or schema takes a while, and the
+        other requests' tokens must not wait for it."""
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = asyncio.ensure_future(asyncio.to_thread(
+                grammar_tokenizer, self.vocab, self.info))
+        tokenizer = await asyncio.shield(self._grammar_tokenizer)
+        return await asyncio.to_thread(matcher, tokenizer, grammar)
+
+    def logprob(self, token: int, logprob: float,
+                top: Sequence[tuple[int, float]]) -> TokenLogprob:
+        texts = self.token_texts
+        text, data = texts[token]
+        return TokenLogprob(text, token, data, max(logprob, MIN_LOGPROB),
+                            [(*texts[t], max(lp, MIN_LOGPROB)) for t, lp in top])
+
+
+def _int64(seed: int) -> int:
+    """A seed wrapped into pred's signed 64 bits, so that seed + choice + step never
+    overflows: still one seed per step."""
+    return (seed + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+_END = object()  # the queue's last item when the generation ended without an error
+
+
+class _Choice:
+    """One choice's output: its text (detokenized, cut at a stop string), its grammar, and
+    how it ends (EOS, a stop string, the grammar complete, max_tokens)."""
+
+    def __init__(self, generation: Generation, index: int,
+                 grammar: llguidance.LLMatcher | None):
+        g, p = generation.generator, generation.params
+        self.index, self.params, self.grammar = index, p, grammar
+        self.text = Detokenizer(g.pieces)
+        self.stops = StopStrings(p.stop) if p.stop else None
+        # With a grammar, EOS is allowed only where the output is complete: it ends it.
+        self.eos = g.eos if grammar is not None or not p.ignore_eos else frozenset()
+        self.logprob = g.logprob if p.logprobs is not None else None
+        self.steps = 0
+        seed = None if p.seed is None else _int64(p.seed + index)
+        self._sampler = Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                 min_p=p.min_p, seed=seed, top_logprobs=p.logprobs or 0)
+        self._bias = LogitControl(bias=p.logit_bias) if p.logit_bias else None
+
+    def sampler(self) -> Sampling:
+        """The next step's: the same every step unless seeded (then seed + step)."""
+        s = self._sampler
+        if s.seed is None or not self.steps:
+            return s
+        return replace(s, seed=_int64(s.seed + self.steps))
+
+    def control(self) -> LogitControl | None:
+        """The next step's: the grammar's mask now, and the logit bias."""
+        if self.grammar is None:
+            return self._bias
+        return LogitControl(allowed=self.grammar.compute_bitmask(),
+                            bias=self.params.logit_bias)
+
+    def take(self, out: PredOutput) -> Delta:
+        """The Delta of the token `out` sampled."""
+        token = out.token
+        self.steps += 1
+        finish = None
+        if token in self.eos:
+            piece, finish = "", "stop"
+        else:
+            piece = self.text.push(token)
+            if self.grammar is not None:
+                if not self.grammar.consume_token(token):
+                    raise ValueError(f"the grammar refused token {token}, which its mask "
+                                     f"allowed: {self.grammar.get_error()}")
+                if self.grammar.is_stopped():  # nothing may follow
+                    finish = "stop"
+            if finish is None and self.steps == self.params.max_tokens:
+                finish = "length"
+        matched = False
+        if self.stops is not None:
+            piece, matched = self.stops.push(piece)
+        if matched:
+            finish = "stop"
+        elif finish is not None:  # the end: what was held back comes out
+            rest = self.text.finish()
+            if self.stops is not None:
+                rest, matched = self.stops.push(rest)
+                rest += "" if matched else self.stops.flush()
+            piece += rest
+        logprobs = [self.logprob(token, out.logprob, out.top)] if self.logprob else []
+        return Delta(self.index, piece, [token], logprobs, finish)
+
+
+class Generation:
+    """One request: async-iterate it for its Deltas. `usage` is final once iteration ends;
+    `prompt_logprobs` (when asked) is set before the first Delta. An error raises ApiError
+    from the iteration (before any Delta when the request cannot start)."""
+
+    def __init__(self, generator: Generator, params: GenParams):
+        self.generator, self.params = generator, params
+        self.usage = Usage(len(params.prompt), 0, 0)
+        self.prompt_logprobs: list[TokenLogprob | None] = []
+        self._clock: RequestClock = generator.metrics.request(len(params.prompt))
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._opened: list[asyncio.Task[AsyncFile]] = []  # every file of this request
+        self._insert: asyncio.Task[None] | None = None
+        self._cancelled = False
+        self._ended = False  # the queue has its last item
+        self._runner = asyncio.get_running_loop().create_task(self._run())
+        self._deltas = self._iterate()
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._deltas
+
+    async def _iterate(self) -> AsyncIterator[Delta]:
+        try:
+            while (item := await self._queue.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Cancel what runs and close the request's files (idempotent); an iteration in
+        progress ends. Waits until all is freed, even if the caller is cancelled meanwhile
+        (the freeing goes on then)."""
+        if not self._runner.done():
+            if not self._cancelled:  # once: the runner's own clean-up awaits
+                self._cancelled = True
+                self._runner.cancel()
+            await asyncio.wait([self._runner])  # never cancels the runner itself
+        if not self._ended:  # cancelled before it ran a line: nothing was opened
+            self._end(_END)
+
+    def _end(self, last: object) -> None:
+        self._ended = True
+        self._clock.finish()
+        self._queue.put_nowait(last)
+
+    async def _run(self) -> None:
+        error: BaseException | None = None
+        try:
+            await self._generate()
+        except asyncio.CancelledError:
+            pass  # aclose(): the preds were taken back on the way out; free the rest below
+        except OSError as e:
+            error = from_kernel(e)
+        except ApiError as e:
+            error = e
+        except Exception as e:  # a fault of the server's
+            log.exception("generation failed")
+            error = ApiError(500, f"internal error: {e}", type="internal_error")
+        finally:
+            await self._release()
+            self._end(_END if error is None else error)
+
+    async def _generate(self) -> None:
+        g, p = self.generator, self.params
+        if not p.prompt:
+            raise bad_field("prompt", "the prompt has no tokens")
+        if p.max_tokens < 1 or p.n < 1:
+            raise bad_field("max_tokens" if p.max_tokens < 1 else "n", "must be at least 1")
+        grammars = await self._grammars()
+        choices = [_Choice(self, i, grammar) for i, grammar in enumerate(grammars)]
+        if p.prompt_logprobs:  # every prompt row is computed: none comes from the cache
+            file = await self._own(g.kernel.open())
+        else:
+            file = await self._own(self._cached())
+        first = await self._first(file, choices[0])
+        self._insert = asyncio.create_task(self._remember(file))
+        await _all([self._decode(choices[0], file, first),
+                    *(self._branch(choice, file) for choice in choices[1:])])
+
+    async def _grammars(self) -> list[llguidance.LLMatcher | None]:
+        """Each choice's grammar matcher (None without a grammar)."""
+        p = self.params
+        if p.grammar is None:
+            return [None] * p.n
+        try:
+            first = await self.generator.matcher(p.grammar)
+        except GrammarError as e:
+            raise bad_field("response_format", str(e)) from e
+        return [first, *(first.deep_copy() for _ in range(p.n - 1))]
+
+    async def _cached(self) -> AsyncFile:
+        file, self.usage.cached_tokens = await self.generator.cache.open(self.params.prompt)
+        return file
+
+    async def _own(self, opening: Coroutine[Any, Any, AsyncFile]) -> AsyncFile:
+        """A file for this request, closed at its end even if this wait is cancelled while
+        the kernel opens it (the opening goes on, shielded)."""
+        task = asyncio.ensure_future(opening)
+        self._opened.append(task)
+        return await asyncio.shield(task)
+
+    async def _first(self, file: AsyncFile, choice: _Choice) -> PredOutput:
+        """The first pred: the prompt past the cached prefix, sampled after its last token
+        (with prompt_logprobs, also every prompt token's logprob)."""
+        p = self.params
+        rest = p.prompt[self.usage.cached_tokens:]
+        control = choice.control()
+        if not p.prompt_logprobs:
+            (out,) = await file.pred(rest, sampler=choice.sampler(), control=control)
+            return out
+        rows = len(rest)
+        if control is not None:  # the prompt rows' logprobs are the model's own
+            control = [LogitControl()] * (rows - 1) + [control]
+        outs = await file.pred(rest, outputs=list(range(rows)), sampler=choice.sampler(),
+                               control=control, score_next=True)
+        logprob = self.generator.logprob
+        self.prompt_logprobs = [None, *(logprob(t, o.next_logprob, o.top)
+                                        for t, o in zip(rest[1:], outs, strict=False))]
+        return outs[-1]
+
+    async def _branch(self, choice: _Choice, root: AsyncFile) -> None:
+        """Another choice: a fork of the prompt's file, sampled after the prompt again."""
+        prompt = self.params.prompt
+        file = await self._own(root.fork())
+        (out,) = await file.pred(prompt[-1:], sampler=choice.sampler(),
+                                 control=choice.control(), truncate=len(prompt) - 1)
+        await self._decode(choice, file, out)
+
+    async def _decode(self, choice: _Choice, file: AsyncFile, out: PredOutput) -> None:
+        """The choice's tokens from its first sample `out` on, one pred each."""
+        usage, clock, put = self.usage, self._clock, self._queue.put_nowait
+        while True:
+            delta = choice.take(out)
+            usage.completion_tokens += 1
+            clock.tokens(1, choice.index)
+            put(delta)
+            if delta.finish_reason is not None:
+                return
+            (out,) = await file.pred(delta.token_ids, sampler=choice.sampler(),
+                                     control=choice.control())
+
+    async def _remember(self, file: AsyncFile) -> None:
+        """The prompt's file goes to the prefix cache (it forks it)."""
+        try:
+            await self.generator.cache.insert(self.params.prompt, file)
+        except Exception:  # the cache is an optimisation: never a request's failure
+            log.exception("prefix cache: insert failed")
+
+    async def _release(self) -> None:
+        """After the last pred: the cache's copy made, every file closed."""
+        if self._insert is not None:
+            await asyncio.wait([self._insert])
+        if self._opened:
+            await asyncio.wait(self._opened)
+        await asyncio.gather(*(_close(t) for t in self._opened))
+
+
+async def _close(opened: asyncio.Task[AsyncFile]) -> None:
+    if opened.cancelled() or opened.exception() is not None:
+        return
+    try:
+        await opened.result().close()
+    except OSError as e:
+        log.warning("could not close a request's KV file: %s", e)
+
+
+async def _all(steps: list[Awaitable[None]]) -> None:
+    """Run `steps` concurrently; the first error cancels the others, which have ended when
+    it is raised (their preds taken back)."""
+    tasks = [asyncio.ensure_future(s) for s in steps]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks)
+

@@ -1,0 +1,474 @@
+"""OpenAI's HTTP protocol: the request bodies (parsed and checked), and the response, chunk
+and error shapes.
+
+A field the server does not know is ignored, as OpenAI's own SDK types allow; a field it
+knows but does not implement (tools, suffix, audio...) is a 400 naming it, never ignored
+silently. Nothing here talks to the kernel: the program (lips/openai_server.py) tokenizes
+and hands the checked request to the Generator as GenParams.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from lips.constrained import GrammarError, schema_grammar
+from lips.serving.errors import ApiError, bad_field
+from lips.serving.generation import Delta, Generation, GenParams, TokenLogprob, Usage
+
+MAX_STOP = 4  # stop strings, as OpenAI
+MAX_LOGPROBS = 20
+
+
+def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
+    if not all(0 <= t < vocab_size for t in ids):
+        raise bad_field(field, f"token ids must be in 0..{vocab_size - 1}")
+
+
+class Body(BaseModel):
+    """A request body: unknown fields ignored, and a null field taken as left out (clients
+    send null for "the default")."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(Body):
+    """The fields both endpoints share; the defaults are OpenAI's."""
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)  # vLLM extra; -1 or 0: no limit
+    min_p: float = Field(0.0, ge=0, le=1)  # vLLM extra
+    n: int = Field(1, ge=1, le=128)
+    stop: Any = ()  # a string or a list of them, as a tuple (Any: errors name "stop")
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False  # vLLM extra
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop: Any) -> tuple[str, ...]:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("a string or a list of strings")
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if not all(stops):
+            raise ValueError("a stop sequence must not be empty")
+        return tuple(stops)
+
+    def check(self, vocab_size: int) -> None:
+        """What needs more than one field, or the model, to check."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise bad_field(name, "not supported by this server (only 0)")
+        if self.stream_options is not None and not self.stream:
+            raise bad_field("stream_options", "only allowed when stream is true")
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+                raise bad_field("logit_bias", f"{key!r} is not a token id of this model "
+                                f"(0..{vocab_size - 1})")
+            if not -100 <= value <= 100:
+                raise bad_field("logit_bias", f"the bias of {key} must be in [-100, 100]")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self) -> dict[str, Any]:
+        """GenParams' sampling fields."""
+        return {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": max(self.top_k, 0),
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "ignore_eos": self.ignore_eos,
+            "logit_bias": ({int(k): v for k, v in self.logit_bias.items()}
+                           if self.logit_bias else None),
+        }
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: Any
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, prompt: Any) -> str | list[int]:
+        """One prompt: text, token ids, or a list holding one of those."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+            raise ValueError("one prompt per request (a batch of prompts is not supported)")
+        raise ValueError("a string, a list of token ids, or a list holding one of those")
+
+    def check(self, vocab_size: int) -> None:
+        super().check(vocab_size)
+        if self.suffix:
+            raise bad_field("suffix", "not supported by this server")
+        if self.best_of not in (None, 1):
+            raise bad_field("best_of", "not supported by this server (only 1)")
+        if isinstance(self.prompt, list):
+            check_token_ids(self.prompt, vocab_size, "prompt")
+
+    def params(self, prompt: list[int], max_tokens: int) -> GenParams:
+        return GenParams(prompt=prompt, max_tokens=max_tokens, logprobs=self.logprobs,
+                         prompt_logprobs=self.echo and self.logprobs is not None,
+                         **self.sampling())
+
+
+class Message(Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any = None  # a string or a list of text parts (Any: errors name the field)
+    tool_calls: Any = None
+    function_call: Any = None
+
+    def text(self, where: str) -> str:
+        """The content as one string: text parts joined; other parts are a 400."""
+        for name in ("tool_calls", "function_call"):
+            if getattr(self, name) is not None:
+                raise bad_field(f"{where}.{name}", "tool calls are not supported by this server")
+        if self.content is None:
+            if self.role != "assistant":
+                raise bad_field(f"{where}.content", "a message needs content")
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        if not isinstance(self.content, list):
+            raise bad_field(f"{where}.content", "a string or a list of content parts")
+        texts = []
+        for i, part in enumerate(self.content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise bad_field(f"{where}.content[{i}]", f"only text parts are supported, "
+                                f"not {kind!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
+    """The messages as the chat template takes them. OpenAI's "developer" role is its newer
+    name for "system", which is what templates know."""
+    return [{"role": "system" if m.role == "developer" else m.role,
+             "content": m.text(f"messages[{i}]")} for i, m in enumerate(messages)]
+
+
+class JsonSchema(Body):
+    """response_format.json_schema: its name and `strict` change nothing here (the output
+    always conforms)."""
+
+    schema_: Any = Field(True, alias="schema")  # none given: any JSON value
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    def grammar(self) -> str | None:
+        """The llguidance grammar that keeps the output in this format; None for text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return schema_grammar({"type": "object"})
+        if self.json_schema is None:
+            raise bad_field("response_format.json_schema", "required when type is json_schema")
+        try:
+            return schema_grammar(self.json_schema.schema_)
+        except GrammarError as e:
+            raise bad_field("response_format.json_schema.schema", str(e)) from e
+
+
+class ChatRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    def check(self, vocab_size: int) -> None:
+        super().check(vocab_size)
+        for name in ("tools", "functions", "function_call", "audio", "prediction",
+                     "reasoning_effort", "web_search_options"):
+            if getattr(self, name) not in (None, []):  # an empty list of tools asks nothing
+                raise bad_field(name, "not supported by this server")
+        if self.tool_choice not in (None, "none"):
+            raise bad_field("tool_choice", "not supported by this server (only \"none\")")
+        if self.modalities not in (None, ["text"]):
+            raise bad_field("modalities", "only [\"text\"] is supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_field("top_logprobs", "needs logprobs to be true")
+
+    @property
+    def max_completion(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def params(self, prompt: list[int], max_tokens: int) -> GenParams:
+        grammar = self.response_format.grammar() if self.response_format else None
+        return GenParams(prompt=prompt, max_tokens=max_tokens,
+                         logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                         grammar=grammar, **self.sampling())
+
+
+class TokenizeRequest(Body):
+    """POST /tokenize, as vLLM's: a prompt, or chat messages through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def context_check(context: int, prompt: int, completion: int | None, where: str) -> int:
+    """The completion's length; a 400 with the lengths when prompt and completion pass the
+    model's context (no completion length asked: what the context leaves)."""
+    if completion is None and prompt < context:
+        return context - prompt
+    if completion is not None and prompt + completion <= context:
+        return completion
+    what = "messages" if where == "messages" else "prompt"
+    if completion is None:
+        detail = f"However, your {what} resulted in {prompt} tokens."
+    else:
+        detail = (f"However, you requested {prompt + completion} tokens ({prompt} in the "
+                  f"{what}, {completion} in the completion).")
+    raise ApiError(400, f"This model's maximum context length is {context} tokens. {detail} "
+                   f"Please reduce the length of the {what} or completion.", param=where,
+                   code="context_length_exceeded")
+
+
+# -- responses ---------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def chat_logprob(t: TokenLogprob) -> dict[str, Any]:
+    return {"token": t.token, "logprob": t.logprob, "bytes": t.bytes,
+            "top_logprobs": [{"token": text, "logprob": lp, "bytes": b}
+                             for text, b, lp in t.top]}
+
+
+class Choice:
+    """One choice's text, logprobs and finish reason, gathered from its Deltas. A logprob
+    entry is a str for a token that has none: the prompt's first, echoed."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.logprobs: list[TokenLogprob | str] = []
+        self.finish_reason: str | None = None
+
+
+class Reply:
+    """A request's response and stream chunks; the endpoint's subclass gives the shapes."""
+
+    object = ""
+    chunk_object = ""
+    id_prefix = ""
+
+    def __init__(self, model: str, fingerprint: str, n: int, include_usage: bool):
+        self.id = new_id(self.id_prefix)
+        self.created = int(time.time())
+        self.model = model
+        self.fingerprint = fingerprint
+        self.include_usage = include_usage
+        self.choices = [Choice() for _ in range(n)]
+
+    def _head(self, object: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
+
+    def started(self, gen: Generation) -> list[bytes]:
+        """The generation gave its first Delta: the chunks a stream sends before it."""
+        return []
+
+    def add(self, delta: Delta) -> None:
+        c = self.choices[delta.index]
+        c.text += delta.text
+        c.logprobs += delta.logprobs
+        c.finish_reason = delta.finish_reason or c.finish_reason
+
+    def response(self, usage: Usage) -> dict[str, Any]:
+        return {**self._head(self.object),
+                "choices": [self.choice(i, c) for i, c in enumerate(self.choices)],
+                "usage": usage_object(usage)}
+
+    def chunk(self, choices: list[dict[str, Any]]) -> bytes:
+        body = {**self._head(self.chunk_object), "choices": choices}
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        return sse({**self._head(self.chunk_object), "choices": [],
+                    "usage": usage_object(usage)})
+
+    def choice(self, index: int, c: Choice) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def delta_chunk(self, delta: Delta) -> bytes | None:
+        """A Delta's chunk; None when it has nothing to say (text held back)."""
+        raise NotImplementedError
+
+
+class ChatReply(Reply):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, model: str, fingerprint: str, req: ChatRequest):
+        super().__init__(model, fingerprint, req.n, req.include_usage)
+        self.logprobs = req.logprobs
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        return {"content": [chat_logprob(t) for t in lps], "refusal": None}
+
+    def choice(self, index: int, c: Choice) -> dict[str, Any]:
+        return {"index": index,
+                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}
+
+    def started(self, gen: Generation) -> list[bytes]:
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+                for i in range(len(self.choices))]
+
+    def delta_chunk(self, delta: Delta) -> bytes | None:
+        if not (delta.text or delta.finish_reason or delta.logprobs):
+            return None
+        body = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+        return self.chunk([{"index": delta.index, "delta": body,
+                            "logprobs": self._logprobs(delta.logprobs),
+                            "finish_reason": delta.finish_reason}])
+
+
+class CompletionReply(Reply):
+    """Completions' logprobs are the legacy shape: parallel lists of tokens, their
+    logprobs, each one's top alternatives as {text: logprob} (the chosen token among them,
+    as vLLM's), and each token's offset in the choice's text."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, model: str, fingerprint: str, req: CompletionRequest,
+                 echo: tuple[str, str] | None):
+        """echo: the prompt's text and its first token's text, when the text starts with
+        the prompt."""
+        super().__init__(model, fingerprint, req.n, req.include_usage)
+        self.logprobs = req.logprobs
+        self.echo = echo
+        self.offsets = [0] * req.n  # a stream's text offset of the next token, per choice
+
+    def _logprobs(self, lps: list[TokenLogprob | str], offset: int) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        tokens, values, tops, offsets = [], [], [], []
+        for t in lps:
+            offsets.append(offset)
+            if isinstance(t, str):
+                tokens.append(t)
+                values.append(None)
+                tops.append(None)
+            else:
+                tokens.append(t.token)
+                values.append(t.logprob)
+                tops.append({t.token: t.logprob} | {s: lp for s, _, lp in t.top})
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def choice(self, index: int, c: Choice) -> dict[str, Any]:
+        return {"index": index, "text": c.text, "logprobs": self._logprobs(c.logprobs, 0),
+                "finish_reason": c.finish_reason}
+
+    def started(self, gen: Generation) -> list[bytes]:
+        if self.echo is None:
+            return []
+        text, first = self.echo
+        echoed = [first if t is None else t for t in gen.prompt_logprobs]
+        for c in self.choices:
+            c.text, c.logprobs = text, list(echoed)
+        return [self._text_chunk(i, text, echoed, None) for i in range(len(self.choices))]
+
+    def _text_chunk(self, index: int, text: str, lps: list[TokenLogprob | str],
+                    finish_reason: str | None) -> bytes:
+        logprobs = self._logprobs(lps, self.offsets[index])
+        self.offsets[index] += sum(len(t if isinstance(t, str) else t.token) for t in lps)
+        return self.chunk([{"index": index, "text": text, "logprobs": logprobs,
+                            "finish_reason": finish_reason}])
+
+    def delta_chunk(self, delta: Delta) -> bytes | None:
+        if not (delta.text or delta.finish_reason or delta.logprobs):
+            return None
+        return self._text_chunk(delta.index, delta.text, list(delta.logprobs),
+                                delta.finish_reason)

@@ -1,0 +1,310 @@
+"""`symphony serve` over HTTP: the endpoints' shapes, auth, errors and SIGTERM, with the real
+`openai` client and raw HTTP (httpx2, the client the openai package itself uses), against a
+real server process on a real kernel. Generation itself (n, stop, seeds, logprobs, schemas,
+concurrency) is tests/test_serve_generation.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+from daemon import ROOT, SYMPHONY, start_server, wait_for
+
+KEY = "test-key"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model_name(daemon):
+    with daemon.connect() as k:
+        return k.model_info().name
+
+
+def assert_alive(server, model_name) -> None:
+    assert [m.id for m in server.client.models.list().data] == [model_name]
+
+
+def test_models_lists_the_kernels_model(server, model_name, k):
+    models = server.client.models.list().data
+    assert [(m.id, m.object, m.owned_by) for m in models] == [(model_name, "model", "symphony")]
+    card = server.client.models.retrieve(model_name)
+    assert card.max_model_len == k.model_info().context_length
+    with pytest.raises(openai.NotFoundError):
+        server.client.models.retrieve("no-such-model")
+
+
+def test_health_and_metrics_need_no_key(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    metrics = httpx.get(server.url + "/metrics")
+    assert metrics.status_code == 200
+    assert "symphony:num_requests_running" in metrics.text
+
+
+def test_tokenize_and_detokenize_are_the_kernels(http, k):
+    text = "Hello, world: 1 2 3"
+    r = http.post("/tokenize", json={"prompt": text}).json()
+    assert r["tokens"] == k.tokenize(text, add_special=True)
+    assert r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == k.model_info().context_length
+    plain = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert plain["tokens"] == k.tokenize(text)
+    chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == k.tokenize(messages=MESSAGES, add_generation_prompt=True)
+    back = http.post("/detokenize", json={"tokens": plain["tokens"]}).json()
+    assert back == {"prompt": k.detokenize(plain["tokens"])} == {"prompt": text}
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"},
+                                     {"Authorization": "Basic dGVzdC1rZXk="}])
+@pytest.mark.parametrize("request_", [("GET", "/v1/models", None),
+                                      ("POST", "/v1/chat/completions", {"messages": MESSAGES}),
+                                      ("POST", "/tokenize", {"prompt": "x"})])
+def test_a_missing_or_wrong_key_is_401(server, headers, request_):
+    method, path, body = request_
+    r = httpx.request(method, server.url + path, headers=headers, json=body)
+    assert r.status_code == 401, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
+
+
+def test_the_openai_client_with_a_wrong_key_gets_401(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_an_unknown_model_is_404(server, model_name):
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=1)
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+    assert_alive(server, model_name)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+BAD_CHAT = [
+    ({"temperature": 5}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"n": 0}, "n"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [1]}, "stop"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logit_bias": {"100000": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
+     "response_format.json_schema.schema"),
+]
+BAD_COMPLETION = [
+    ({"prompt": ["one", "two"]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [1, 10**6]}, "prompt"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"suffix": "x"}, "suffix"),
+    ({"best_of": 2}, "best_of"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BAD_CHAT, ids=[p for _, p in BAD_CHAT])
+def test_a_bad_chat_field_is_400_naming_it(http, server, model_name, fields, param):
+    r = http.post("/v1/chat/completions",
+                  json={"model": model_name, "messages": MESSAGES, "max_tokens": 2, **fields})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+    assert error["message"].startswith(param)
+    assert_alive(server, model_name)
+
+
+@pytest.mark.parametrize("fields,param", BAD_COMPLETION, ids=[p for _, p in BAD_COMPLETION])
+def test_a_bad_completion_field_is_400_naming_it(http, server, model_name, fields, param):
+    r = http.post("/v1/completions",
+                  json={"model": model_name, "prompt": "Hi", "max_tokens": 2, **fields})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    assert_alive(server, model_name)
+
+
+def test_the_openai_client_sees_a_bad_field_as_bad_request(server, model_name):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.chat.completions.create(model=model_name, messages=MESSAGES,
+                                              temperature=-1)
+    assert e.value.param == "temperature"
+
+
+def test_a_body_that_is_not_json_is_400(http, model_name):
+    r = http.post("/v1/chat/completions", content=b"{not json",
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_prompt_past_the_context_is_400_with_the_lengths(server, model_name, k):
+    context = k.model_info().context_length
+    prompt = [7] * (context - 10)
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=model_name, prompt=prompt, max_tokens=16)
+    assert e.value.code == "context_length_exceeded"
+    assert (f"maximum context length is {context} tokens. However, you requested "
+            f"{context + 6} tokens ({context - 10} in the prompt, 16 in the completion)"
+            ) in e.value.message
+    long = [{"role": "user", "content": "a b c d " * context}]
+    n = len(k.tokenize(messages=long, add_generation_prompt=True))
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.chat.completions.create(model=model_name, messages=long, max_tokens=5)
+    assert f"({n} in the messages, 5 in the completion)" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # no max_tokens: the prompt alone
+        server.client.chat.completions.create(model=model_name, messages=long)
+    assert f"your messages resulted in {n} tokens" in e.value.message
+    assert_alive(server, model_name)
+
+
+def test_chat_completion_shape_unknown_fields_ignored_null_is_default(server, model_name):
+    r = server.client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_completion_tokens=3, temperature=0,
+        extra_body={"no_such_field": 1, "n": None, "top_p": None, "stop": None})
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert r.model == model_name and r.created > 0
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and 1 <= r.usage.completion_tokens <= 3
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_completion_shape_with_echo_and_token_ids(server, model_name, k):
+    prompt = k.tokenize("Once upon", add_special=True)
+    r = server.client.completions.create(model=model_name, prompt=[prompt], max_tokens=2,
+                                         temperature=0, echo=True, logprobs=2)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion"
+    (choice,) = r.choices
+    assert choice.text.startswith(k.detokenize(prompt))
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt) + r.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[1] <= 0
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert r.usage.prompt_tokens == len(prompt)
+
+
+def test_a_stream_is_events_ending_with_done(http, model_name):
+    body = {"model": model_name, "messages": MESSAGES, "max_tokens": 3, "n": 2,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [e for e in r.iter_text()]
+    text = "".join(events)
+    assert text.endswith("data: [DONE]\n\n")
+    chunks = [json.loads(e.removeprefix("data: ")) for e in text.split("\n\n")[:-2]]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    firsts = {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        firsts.setdefault(choice["index"], choice["delta"])
+        assert c["usage"] is None
+    assert {i: d.get("role") for i, d in firsts.items()} == {0: "assistant", 1: "assistant"}
+    finished = [c["choices"][0]["index"] for c in chunks[:-1] if c["choices"][0]["finish_reason"]]
+    assert sorted(finished) == [0, 1]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 6
+
+
+def send_completion(url: str, body: dict) -> socket.socket:
+    """A completion request on a connection of its own, its response left unread."""
+    data = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    conn = socket.create_connection((host, int(port)))
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                 b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+                 b"Content-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return conn
+
+
+def held(k, server) -> tuple[int, int]:
+    """The pages and files of the server's kernel process (`symphony serve` runs the
+    program as its child)."""
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    (proc,) = [p for p in k.ps() if parent(p.os_pid) == server.proc.pid]
+    return proc.pages, proc.fds
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_mid_request_has_its_generation_freed(server, model_name, k, stream):
+    """Its KV file is closed, without waiting for max_tokens: the server's process holds
+    what it held before the request."""
+    before = held(k, server)
+    longest = k.model_info().context_length - 8
+    with send_completion(server.url, {"prompt": "x", "max_tokens": longest,
+                                      "ignore_eos": True, "stream": stream}):
+        wait_for(lambda: held(k, server)[0] > before[0], what="the request's pages")
+    wait_for(lambda: held(k, server) == before, what="the pages freed")
+    assert_alive(server, model_name)
+
+
+def test_serve_help_is_the_programs():
+    out = subprocess.run([*SYMPHONY, "serve", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--api-key" in out.stdout and "/v1/chat/completions" in out.stdout
+
+
+def test_sigterm_ends_streams_with_done_answers_the_rest_503_and_exits_0(daemon, k):
+    s = start_server(daemon, "--model-name", "served-name")
+    try:
+        assert [m.id for m in s.client.models.list().data] == ["served-name"]
+        longest = k.model_info().context_length - 8  # runs until SIGTERM ends it
+        body = {"model": "served-name", "prompt": "x", "max_tokens": longest,
+                "ignore_eos": True}
+        with httpx.Client(timeout=120) as client, client.stream(
+                "POST", s.url + "/v1/completions", json={**body, "stream": True},
+                headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")
+            streaming = held(k, s)[1]
+            with send_completion(s.url, body) as waiting:  # not streamed: still running
+                wait_for(lambda: held(k, s)[1] > streaming, what="its file")
+                s.proc.send_signal(signal.SIGTERM)
+                rest = [line for line in lines if line]
+                answer = b"".join(iter(lambda: waiting.recv(65536), b""))
+        assert rest[-1] == "data: [DONE]"
+        chunks = [json.loads(line.removeprefix("data: ")) for line in rest[:-1]]
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks)  # cut short
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"shutting down" in answer
+        assert s.proc.wait(60) == 0, s.log_text()
+    finally:
+        s.stop()
