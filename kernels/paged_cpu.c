@@ -1,5 +1,5 @@
-/* Paged KV kernels for the CPU, fp32: store new K/V rows, and decode attention that reads
- * keys and values in place through the page tables.
+/* Paged KV kernels for the CPU, fp32: store new K/V rows, and decode and prefill attention
+ * that read keys and values in place through the page tables.
  *
  * The torch reference has to copy every sequence's pages out into a contiguous tensor
  * before its batched matmuls; on a small model that copy and the per-layer op overhead are
@@ -7,6 +7,9 @@
  * pages where they lie: keys row by row for every query head at once, values head by head,
  * and nothing is copied. Decode attention is bound by memory bandwidth, and this reads
  * each byte of K and V about once.
+ *
+ * Prefill does the same for chunks of queries: each row of K and V read serves a block of
+ * them (prefill_attention_f32).
  *
  * Built by kernels/paged_cpu.py with OpenMP; torch's libgomp is already loaded by then, so
  * both share one thread team.
@@ -215,6 +218,233 @@ int decode_attention_f32(const cache_t *c, const float *q, int64_t stride_qb,
             }
         }
         free(scores);
+    }
+    return failed;
+}
+
+/* Prefill attention (the engine leaves long prompts to SDPA): a task is one sequence's block
+ * of up to QUERY_BLOCK query tokens on one KV head, all the query heads of its group
+ * together, so each row of K and V read through the page table serves the whole block. Keys
+ * go in blocks of KEY_BLOCK with an online softmax, so the scratch stays small however long
+ * the context. The block's queries are transposed once, so scores come out eight queries to
+ * a vector and the softmax runs down those vectors, with no horizontal sum per score. */
+enum { QUERY_BLOCK = 16, KEY_BLOCK = 64 };
+
+typedef struct {
+    const int32_t *pages, *ranges, *bits; /* bits: the row of the block's first query */
+    int64_t prefix, num_ranges, tree_start, words;
+} seq_t;
+
+/* out[row] = softmax(scores) @ V for rows r = (i - i0) * group + h, i in [i0, i1) of the
+ * sequence's queries and h in the group of KV head g; query i sits at KV index prefix + i and
+ * sees keys up to it, except excluded ones and, from tree_start on, those whose bit in its row
+ * is clear. `scratch` has room for (head_dim + KEY_BLOCK + 4) * width + rows * head_dim
+ * floats, width being rows rounded up to a multiple of 8. */
+static void attend_block(const cache_t *c, const seq_t *s, const float *q, int64_t stride_qt,
+                         int64_t stride_qh, int group, int g, int64_t i0, int64_t i1,
+                         float scale, float *scratch, float *out, int64_t stride_ot)
+{
+    const int d_len = c->head_dim, size = c->page_size;
+    const int64_t rows = (i1 - i0) * group, width = (rows + 7) / 8 * 8, kv_end = s->prefix + i1;
+    float *qt = scratch, *scores = qt + d_len * width, *top = scores + KEY_BLOCK * width;
+    float *total = top + width, *next = total + width, *alpha = next + width;
+    float *acc = alpha + width;
+    const float *krow[KEY_BLOCK], *vrow[KEY_BLOCK];
+    /* qt[d][r], scaled; padding rows are zero and never written out. */
+    memset(qt, 0, d_len * width * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) {
+        const float *qr = q + (i0 + r / group) * stride_qt + (g * group + r % group) * stride_qh;
+        for (int d = 0; d < d_len; d++)
+            qt[d * width + r] = qr[d] * scale;
+    }
+    memset(acc, 0, rows * d_len * sizeof(float));
+    for (int64_t r = 0; r < width; r++) {
+        top[r] = -INFINITY;
+        total[r] = 0.0f;
+    }
+    for (int64_t j0 = 0; j0 < kv_end; j0 += KEY_BLOCK) {
+        const int64_t nb = kv_end - j0 < KEY_BLOCK ? kv_end - j0 : KEY_BLOCK;
+        for (int64_t jj = 0; jj < nb; jj++) {
+            int64_t j = j0 + jj, at = s->pages[j / size] * c->stride_page
+                                      + (j % size) * c->stride_slot + g * c->stride_head;
+            krow[jj] = c->k + at;
+            vrow[jj] = c->v + at;
+        }
+        for (int64_t jj = nb; jj % 8; jj++) /* scores past nb are computed, never read */
+            krow[jj] = krow[0];
+        /* Eight keys by eight queries at a time: eight independent sums per loaded vector. */
+        for (int64_t r0 = 0; r0 < width; r0 += 8)
+            for (int64_t jj = 0; jj < nb; jj += 8) {
+                const float **k = krow + jj;
+                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+                for (int d = 0; d < d_len; d++) {
+                    const v8 x = *(const v8 *)(qt + d * width + r0);
+                    a0 += k[0][d] * x;
+                    a1 += k[1][d] * x;
+                    a2 += k[2][d] * x;
+                    a3 += k[3][d] * x;
+                    a4 += k[4][d] * x;
+                    a5 += k[5][d] * x;
+                    a6 += k[6][d] * x;
+                    a7 += k[7][d] * x;
+                }
+                float *sc = scores + jj * width + r0;
+                *(v8 *)sc = a0;
+                *(v8 *)(sc + width) = a1;
+                *(v8 *)(sc + 2 * width) = a2;
+                *(v8 *)(sc + 3 * width) = a3;
+                *(v8 *)(sc + 4 * width) = a4;
+                *(v8 *)(sc + 5 * width) = a5;
+                *(v8 *)(sc + 6 * width) = a6;
+                *(v8 *)(sc + 7 * width) = a7;
+            }
+        /* Masks: causality (key j is past the rows before (j - prefix - i0) * group), the
+         * excluded ranges, then the tree. */
+        for (int64_t jj = 0; jj < nb; jj++) {
+            int64_t past = (j0 + jj - s->prefix - i0) * group;
+            for (int64_t r = 0; r < (past < width ? past : width); r++)
+                scores[jj * width + r] = -INFINITY;
+        }
+        for (int64_t e = 0; e < s->num_ranges; e++) {
+            int64_t start = s->ranges[2 * e] - j0, end = s->ranges[2 * e + 1] - j0;
+            for (int64_t jj = start < 0 ? 0 : start; jj < (end > nb ? nb : end); jj++)
+                for (int64_t r = 0; r < width; r++)
+                    scores[jj * width + r] = -INFINITY;
+        }
+        for (int64_t jj = s->tree_start - j0 < 0 ? 0 : s->tree_start - j0; jj < nb; jj++) {
+            const int64_t t = j0 + jj - s->tree_start;
+            const uint32_t *bits = (const uint32_t *)s->bits + t / 32;
+            for (int64_t r = 0; r < rows; r++)
+                if (!((bits[(r / group) * s->words] >> (t % 32)) & 1))
+                    scores[jj * width + r] = -INFINITY;
+        }
+        /* Online softmax; a row with nothing allowed yet keeps top = -inf and subtracts 0
+         * instead, so its weights are exp(-inf) = 0, not NaN. */
+        memcpy(next, top, width * sizeof(float));
+        for (int64_t jj = 0; jj < nb; jj++) {
+            const float *sc = scores + jj * width;
+#pragma omp simd
+            for (int64_t r = 0; r < width; r++)
+                next[r] = sc[r] > next[r] ? sc[r] : next[r];
+        }
+#pragma omp simd
+        for (int64_t r = 0; r < width; r++) {
+            const float m = next[r], safe = m == -INFINITY ? 0.0f : m;
+            alpha[r] = exp_f32(top[r] - safe);
+            total[r] *= alpha[r];
+            top[r] = m;
+            next[r] = safe;
+        }
+        for (int64_t jj = 0; jj < nb; jj++) {
+            float *sc = scores + jj * width;
+#pragma omp simd
+            for (int64_t r = 0; r < width; r++) {
+                sc[r] = exp_f32(sc[r] - next[r]);
+                total[r] += sc[r];
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const float a = alpha[r], *p = scores + r;
+            float *ar = acc + r * d_len;
+            int d0 = 0;
+            for (; d0 + 32 <= d_len; d0 += 32) {
+                v8 a0 = *(v8 *)(ar + d0) * a, a1 = *(v8 *)(ar + d0 + 8) * a;
+                v8 a2 = *(v8 *)(ar + d0 + 16) * a, a3 = *(v8 *)(ar + d0 + 24) * a;
+                for (int64_t jj = 0; jj < nb; jj++) {
+                    const float w = p[jj * width], *v = vrow[jj] + d0;
+                    a0 += w * *(const v8 *)v;
+                    a1 += w * *(const v8 *)(v + 8);
+                    a2 += w * *(const v8 *)(v + 16);
+                    a3 += w * *(const v8 *)(v + 24);
+                }
+                *(v8 *)(ar + d0) = a0;
+                *(v8 *)(ar + d0 + 8) = a1;
+                *(v8 *)(ar + d0 + 16) = a2;
+                *(v8 *)(ar + d0 + 24) = a3;
+            }
+            for (; d0 + 8 <= d_len; d0 += 8) {
+                v8 a0 = *(v8 *)(ar + d0) * a;
+                for (int64_t jj = 0; jj < nb; jj++)
+                    a0 += p[jj * width] * *(const v8 *)(vrow[jj] + d0);
+                *(v8 *)(ar + d0) = a0;
+            }
+            for (; d0 < d_len; d0++) {
+                float sum = ar[d0] * a;
+                for (int64_t jj = 0; jj < nb; jj++)
+                    sum += p[jj * width] * vrow[jj][d0];
+                ar[d0] = sum;
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float inv = total[r] > 0.0f ? 1.0f / total[r] : 0.0f; /* nothing seen: zeros */
+        float *o = out + (i0 + r / group) * stride_ot + (int64_t)(g * group + r % group) * d_len;
+        for (int d = 0; d < d_len; d++)
+            o[d] = acc[r * d_len + d] * inv;
+    }
+}
+
+/* q [tokens, num_q_heads, head_dim] (head_dim contiguous) -> out, contiguous, same shape;
+ * rows outside every sequence are left as they are. Sequence b's queries are rows
+ * [q_start[b], q_start[b + 1]); it has kv_lens[b] rows of K/V, the new ones last, and
+ * excluded ranges as in decode_attention_f32. tree_start ([batch]; NULL for no trees) and
+ * tree_bits ([tokens, words], contiguous) as in kernels/prefill_attention.py.
+ * Returns 0; -1 if the per-sequence arguments disagree, or a sequence needs more pages than
+ * the table has, a page outside the pool or more tree bits than given; -2 out of memory. */
+int prefill_attention_f32(const cache_t *c, const float *q, int64_t stride_qt,
+                          int64_t stride_qh, const int32_t *page_table, int64_t stride_pt,
+                          int64_t table_width, const int32_t *q_start, const int32_t *kv_lens,
+                          const int32_t *excluded, int64_t num_ranges,
+                          const int32_t *tree_start, const int32_t *tree_bits, int64_t words,
+                          float *out, int64_t batch, int64_t num_tokens, int num_q_heads,
+                          float scale)
+{
+    const int group = num_q_heads / c->num_kv_heads;
+    int64_t blocks = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        int64_t q_len = (int64_t)q_start[b + 1] - q_start[b], n = kv_lens[b];
+        int64_t ts = tree_start ? tree_start[b] : INT32_MAX;
+        if (q_start[b] < 0 || q_len < 0 || q_start[b + 1] > num_tokens || q_len > n
+                || n > table_width * c->page_size || ts < 0
+                || (ts < n && (n - ts + 31) / 32 > words))
+            return -1;
+        for (int64_t p = 0; p * c->page_size < n; p++) {
+            const int32_t page = page_table[b * stride_pt + p];
+            if (page < 0 || page >= c->num_pages)
+                return -1;
+        }
+        int64_t nb = (q_len + QUERY_BLOCK - 1) / QUERY_BLOCK;
+        blocks = nb > blocks ? nb : blocks;
+    }
+    const int64_t tasks = blocks * c->num_kv_heads, rows = (int64_t)QUERY_BLOCK * group;
+    const int64_t room = (c->head_dim + KEY_BLOCK + 4) * ((rows + 7) / 8 * 8)
+                         + rows * c->head_dim;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scratch = malloc(room * sizeof(float));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = -2;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < batch * tasks; task++) {
+            const int64_t b = task / tasks, i0 = task % tasks / c->num_kv_heads * QUERY_BLOCK;
+            const int g = task % c->num_kv_heads;
+            const int64_t first = q_start[b], q_len = q_start[b + 1] - first;
+            const int64_t stride_ot = (int64_t)num_q_heads * c->head_dim;
+            if (scratch == NULL || i0 >= q_len)
+                continue;
+            const int64_t i1 = q_len - i0 < QUERY_BLOCK ? q_len : i0 + QUERY_BLOCK;
+            seq_t s = {page_table + b * stride_pt,
+                       excluded ? excluded + b * num_ranges * 2 : NULL,
+                       tree_bits ? tree_bits + (first + i0) * words : NULL,
+                       kv_lens[b] - q_len, excluded ? num_ranges : 0,
+                       tree_start ? tree_start[b] : INT64_MAX, words};
+            attend_block(c, &s, q + first * stride_qt, stride_qt, stride_qh, group, g, i0, i1,
+                         scale, scratch, out + first * stride_ot, stride_ot);
+        }
+        free(scratch);
     }
     return failed;
 }

@@ -39,6 +39,11 @@ def library() -> ctypes.CDLL:
         ctypes.c_float,
     ]
     lib.decode_attention_f32.restype = i32
+    lib.prefill_attention_f32.argtypes = [
+        ctypes.POINTER(_Cache), p, i64, i64, p, i64, i64, p, p, p, i64, p, p, i64, p, i64, i64,
+        i32, ctypes.c_float,
+    ]
+    lib.prefill_attention_f32.restype = i32
     return lib
 
 
@@ -124,4 +129,61 @@ def decode_attention_c(
     if err:
         raise ValueError("decode_attention: a sequence longer than its page table, or a page "
                          "outside the pool")
+    return out
+
+
+def prefill_attention_c(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    q_start: torch.Tensor,
+    kv_lens: torch.Tensor,
+    excluded: torch.Tensor | None,
+    scale: float,
+    max_q_len: int,
+    tree_start: torch.Tensor | None = None,
+    tree_bits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`kernels.prefill_attention` in C, reading K/V in place through the page tables
+    (``max_q_len`` unused). Queries with nothing to attend to get zeros."""
+    cache = _cache(k_cache, v_cache)
+    check("q", q)
+    page_table = page_table.to(torch.int32).contiguous()
+    q_start = q_start.to(torch.int32).contiguous()
+    kv_lens = kv_lens.to(torch.int32).contiguous()
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, heads, head_dim], got {list(q.shape)}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    batch = len(kv_lens)
+    if (head_dim != cache.head_dim or num_q_heads % cache.num_kv_heads
+            or kv_lens.shape != (batch,) or q_start.shape != (batch + 1,)
+            or page_table.dim() != 2 or page_table.shape[0] != batch):
+        raise ValueError("q, page_table, q_start, kv_lens and the cache disagree in heads, "
+                         "head_dim or batch")
+    num_ranges = 0
+    if excluded is not None and excluded.shape[1] > 0:
+        if excluded.shape != (batch, excluded.shape[1], 2):
+            raise ValueError("excluded must be [batch, ranges, 2]")
+        excluded = excluded.to(torch.int32).contiguous()
+        num_ranges = excluded.shape[1]
+    trees = (None, None, 0)  # tree_start, tree_bits, words
+    if tree_bits is not None:
+        tree_start = tree_start.to(torch.int32).contiguous()
+        tree_bits = tree_bits.to(torch.int32).contiguous()
+        if tree_start.shape != (batch,) or tree_bits.dim() != 2 or len(tree_bits) != num_tokens:
+            raise ValueError("tree_start must be [batch] and tree_bits [tokens, words]")
+        trees = (tree_start.data_ptr(), tree_bits.data_ptr(), tree_bits.shape[1])
+    out = torch.zeros(q.shape, dtype=torch.float32)  # rows outside every sequence stay 0
+    err = library().prefill_attention_f32(
+        ctypes.byref(cache), q.data_ptr(), *q.stride()[:2], page_table.data_ptr(),
+        page_table.stride(0), page_table.shape[1], q_start.data_ptr(), kv_lens.data_ptr(),
+        excluded.data_ptr() if num_ranges else None, num_ranges, *trees, out.data_ptr(), batch,
+        num_tokens, num_q_heads, scale,
+    )
+    if err == -2:
+        raise MemoryError("prefill_attention: no memory for the scratch")
+    if err:
+        raise ValueError("prefill_attention: q_start, kv_lens and tree_bits disagree, or a "
+                         "sequence longer than its page table, or a page outside the pool")
     return out

@@ -1,15 +1,24 @@
 """The C kernels (kernels/*_cpu.c) against the torch references, and how they are built."""
 
 import logging
+import random
 
 import pytest
 import torch
-from test_kernels import HEADS, decode_case, make_excluded, make_pool, rel_err
+from test_kernels import HEADS, decode_case, make_excluded, make_pool, rel_err, tree_case
 
-from kernels import cbuild, decode_attention_ref, layer_cpu, paged_cpu, store_kv_ref
+from kernels import (
+    cbuild,
+    decode_attention_ref,
+    layer_cpu,
+    paged_cpu,
+    prefill_attention_ref,
+    store_kv_ref,
+)
 from symphony.engine import attention
 from symphony.engine.ops import add_rms_norm, silu_mul
 from symphony.engine.rope import Rotary, apply_rotary
+from symphony.engine.tree import ancestor_bits
 
 
 def cpu(args):
@@ -78,6 +87,146 @@ def test_decode_attention_c_refuses_what_would_read_outside_the_pool():
     with pytest.raises(ValueError, match=r"\[batch, ranges, 2\]"):
         paged_cpu.decode_attention_c(q2, k_cache, v_cache, table.expand(2, -1), lens2,
                                      torch.zeros(1, 1, 2, dtype=torch.int32), 1.0)
+
+
+NO_TREE = 2**31 - 1
+
+
+def prefill_c_case(seqs, ranges, page_size, group, num_kv_heads, head_dim, seed):
+    """The arguments of prefill attention for sequences (q_len, kv_len, tree): tree None, or
+    (start, parents) for a tree of len(parents) rows from KV index start, of which the chunk
+    holds the q_len rows ending at kv_len; pages shuffled, padding garbage."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_lens = [kv for _, kv, _ in seqs]
+    k_cache, v_cache, table = (t.cpu() for t in make_pool(kv_lens, page_size, num_kv_heads,
+                                                          head_dim, torch.float32, gen))
+    q_lens = [q for q, _, _ in seqs]
+    q = torch.randn(sum(q_lens), group * num_kv_heads, head_dim, generator=gen)
+    q_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    starts = torch.full((len(seqs),), NO_TREE, dtype=torch.int32)
+    words = max((-(-len(t[1]) // 32) for _, _, t in seqs if t), default=0)
+    bits = torch.zeros(sum(q_lens), words, dtype=torch.int32)
+    for b, (q_len, kv_len, tree) in enumerate(seqs):
+        if tree:
+            start, parents = tree
+            rows = torch.from_numpy(ancestor_bits(parents))[kv_len - start - q_len :]
+            starts[b] = start
+            bits[q_start[b] : q_start[b + 1], : rows.shape[1]] = rows[:q_len]
+    trees = (starts, bits) if words else ()
+    return (q, k_cache, v_cache, table, q_start, torch.tensor(kv_lens, dtype=torch.int32),
+            make_excluded(ranges).cpu() if ranges else None, head_dim**-0.5, max(q_lens),
+            *trees)
+
+
+def chain_and_forks(n, seed):
+    rng = random.Random(seed)
+    return [-1] + [rng.randrange(0, i) if rng.random() < 0.5 else i - 1 for i in range(1, n)]
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("group,num_kv_heads,head_dim", C_HEADS)
+def test_prefill_attention_c(page_size, group, num_kv_heads, head_dim):
+    """One batch as the engine sends it: a decode row, a fresh prefill, chunks mid-file, a
+    whole draft tree, chunks starting mid-tree, an empty sequence, excluded ranges."""
+    ps = page_size
+    seqs = [
+        (1, 200, None),
+        (37, 37, None),
+        (64, 300, None),
+        (10, 31, (21, chain_and_forks(10, 1))),
+        (25, 90, (50, chain_and_forks(40, 2))),  # the last 25 rows of a 40-row tree
+        (1, 70, (30, chain_and_forks(40, 3))),  # its last row alone
+        (0, 20, None),
+        (5, 5, None),
+    ]
+    ranges = [[(ps, 2 * ps)], [(0, 3), (30, 34)], [(5, 9), (250, 260)], [(25, 26)],
+              [(40, 55)], [(0, 0)], [], [(0, 5)]]
+    args = prefill_c_case(seqs, ranges, ps, group, num_kv_heads, head_dim, seed=11)
+    want = prefill_attention_ref(*args)
+    got = paged_cpu.prefill_attention_c(*args)
+    assert got.shape == want.shape and rel_err(got, want) < 1e-5
+    # Nothing to attend to: the first rows of the fresh prefill, the last sequence.
+    assert got[1:4].abs().max() == 0 and got[-5:].abs().max() == 0
+    no_ex = (*args[:6], None, *args[7:])
+    assert rel_err(paged_cpu.prefill_attention_c(*no_ex), prefill_attention_ref(*no_ex)) < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_prefill_attention_c_random_batches(seed):
+    """Random shapes, q_len 1 to 64 (so 1 to 4 query blocks), trees entered anywhere."""
+    rng = random.Random(seed)
+    group, num_kv_heads, head_dim = rng.choice(C_HEADS)
+    seqs, ranges = [], []
+    for _ in range(rng.randint(1, 5)):
+        q_len, prefix = rng.randint(1, 64), rng.randint(0, 150)
+        tree = None
+        if rng.random() < 0.5:
+            before = rng.randint(0, 40)  # tree rows already in the cache
+            tree = (prefix, chain_and_forks(before + q_len, rng.random()))
+            prefix += before
+        kv_len = prefix + q_len
+        seqs.append((q_len, kv_len, tree))
+        cuts = sorted(rng.randint(0, kv_len) for _ in range(2 * rng.randint(0, 2)))
+        ranges.append(list(zip(cuts[::2], cuts[1::2], strict=True)))
+    args = prefill_c_case(seqs, ranges, rng.choice([8, 16]), group, num_kv_heads, head_dim,
+                          seed)
+    assert rel_err(paged_cpu.prefill_attention_c(*args), prefill_attention_ref(*args)) < 1e-5
+
+
+def test_prefill_attention_c_tree_against_the_oracle():
+    args, want = tree_case(torch.float32)
+    assert rel_err(paged_cpu.prefill_attention_c(*cpu(args)), want) < 1e-5
+
+
+def test_prefill_attention_c_strided_query_and_threads():
+    """q as the engine hands it (a view into the qkv rows), on 1 and 2 threads alike."""
+    seqs = [(40, 140, None), (1, 33, None), (16, 16, None)]
+    args = prefill_c_case(seqs, [[(3, 9)], [], []], 16, 4, 2, 32, seed=6)
+    qkv = torch.cat([args[0], torch.randn(57, 4, 32)], dim=1)
+    want = prefill_attention_ref(*args)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got = paged_cpu.prefill_attention_c(qkv[:, :8], *args[1:])
+            assert rel_err(got, want) < 1e-5
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_prefill_attention_c_refuses_what_would_read_outside_its_inputs():
+    seqs = [(5, 40, (30, chain_and_forks(10, 0)))]
+    q, k_cache, v_cache, table, q_start, kv_lens, _, scale, n, starts, bits = prefill_c_case(
+        seqs, None, 16, 1, 1, 8, seed=4)
+    run = paged_cpu.prefill_attention_c
+    bad = table.clone()
+    bad[0, 2] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="outside the pool"):
+        run(q, k_cache, v_cache, bad, q_start, kv_lens, None, scale, n, starts, bits)
+    with pytest.raises(ValueError, match="longer than its page table"):
+        run(q, k_cache, v_cache, table[:, :2], q_start, kv_lens, None, scale, n)
+    with pytest.raises(ValueError, match="disagree"):  # more queries than rows
+        run(q, k_cache, v_cache, table, q_start, torch.tensor([4]), None, scale, n)
+    with pytest.raises(ValueError, match="disagree"):  # past the last query
+        run(q, k_cache, v_cache, table, q_start + 1, kv_lens, None, scale, n)
+    with pytest.raises(ValueError, match="tree_bits disagree"):  # 35 tree rows need 2 words
+        run(q, k_cache, v_cache, table, q_start, kv_lens, None, scale, n, starts - 25, bits)
+    with pytest.raises(ValueError, match=r"\[tokens, words\]"):
+        run(q, k_cache, v_cache, table, q_start, kv_lens, None, scale, n, starts, bits[:4])
+    with pytest.raises(ValueError, match="disagree in heads"):
+        run(q, k_cache, v_cache, table, q_start[:1], kv_lens, None, scale, n)
+
+
+def test_c_backend_leaves_long_prefills_to_sdpa(monkeypatch):
+    monkeypatch.setenv(attention.BACKEND_ENV, "c")
+    ops = attention.select_kernels(torch.device("cpu"), torch.float32)
+    calls = []
+    monkeypatch.setattr(paged_cpu, "prefill_attention_c", lambda *a: calls.append("c"))
+    monkeypatch.setattr(attention.kernels, "prefill_attention_ref",
+                        lambda *a: calls.append("sdpa"))
+    for max_q_len in (1, 64, attention.C_PREFILL_MAX, attention.C_PREFILL_MAX + 1):
+        ops.prefill(None, None, None, None, None, None, None, 1.0, max_q_len)
+    assert calls == ["c", "c", "c", "sdpa"]
 
 
 def test_store_kv_c():

@@ -38,6 +38,31 @@ def _decode_c(
     return paged_cpu.decode_attention_c(q, k_cache, v_cache, *plan, scale)
 
 
+# Query tokens per sequence up to which the C kernel beats gathering K/V for SDPA: measured
+# 1.1x to 3x faster on 2 cores at head_dim 32 to 128 up to 1024 (most for short chunks over
+# a long context), while SDPA won fresh prefills of 2048 at head_dim 128.
+C_PREFILL_MAX = 1024
+
+
+def _prefill_c(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    q_start: torch.Tensor,
+    kv_lens: torch.Tensor,
+    excluded: torch.Tensor | None,
+    scale: float,
+    max_q_len: int,
+    tree_start: torch.Tensor | None = None,
+    tree_bits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    prefill = (paged_cpu.prefill_attention_c if max_q_len <= C_PREFILL_MAX
+               else kernels.prefill_attention_ref)
+    return prefill(q, k_cache, v_cache, page_table, q_start, kv_lens, excluded, scale,
+                   max_q_len, tree_start, tree_bits)
+
+
 def _default_backend(device: torch.device, dtype: torch.dtype) -> str:
     if device.type == "cuda":
         return "triton"
@@ -67,7 +92,7 @@ def select_kernels(device: torch.device, dtype: torch.dtype) -> SimpleNamespace:
         return SimpleNamespace(
             name="c",
             store_kv=paged_cpu.store_kv_c,
-            prefill=kernels.prefill_attention_ref,
+            prefill=_prefill_c,
             plan_decode=_plan_tables,
             decode=_decode_c,
         )
