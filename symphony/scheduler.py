@@ -169,12 +169,14 @@ class Scheduler:
         running = self.running is not None and self.running.computes(guess)
         return guess.keep_logits or not (guess.done or running)
 
-    def _resampled(self, job: PredJob, logits: torch.Tensor) -> Output:
-        """A guess's kept logits sampled with the controls of the pred that took it, with
-        the fresh generator the pred would have had."""
-        control = job.controls[0]
-        result = resample(logits, job.params, job.params.generator(self.engine.device), control)
-        return output_of(job, job.rows[0], result, 0, control)
+    @staticmethod
+    def _resample(taken: list[tuple[PredJob, torch.Tensor]]) -> None:
+        """Guesses' kept logits sampled with the controls of the preds that took them,
+        their outputs set."""
+        jobs, logits = [job for job, _ in taken], [row for _, row in taken]
+        result = resample(jobs, logits)
+        for i, job in enumerate(jobs):
+            job.outputs = [output_of(job, job.rows[0], result, i, job.controls[0])]
 
     def _take(self, guess: PredJob) -> asyncio.Future:
         """The pred computed ahead arrived: it owns the work from now on."""
@@ -182,7 +184,7 @@ class Scheduler:
         self._arrive(guess.proc)
         self._enqueue(guess)
         if guess.done and guess.controls is not None:
-            guess.outputs = [self._resampled(guess, guess.logits)]
+            self._resample([(guess, guess.logits)])
         guess.logits = None
         if guess.done:  # already computed: answer now
             self._charge(guess, guess.done, guess.seconds)
@@ -418,15 +420,18 @@ class Scheduler:
         commits and is answered, work given up meanwhile is rolled back, and each process
         is charged its tokens and its share of the step's time."""
         self.running = None
+        taken = []  # guesses masked preds took during the step, with their kept logits
         for i, (job, row) in enumerate(plan.samples):
             kept = result.kept.get(i)
             if kept is not None and job.state in (JobState.AHEAD, JobState.DROPPED):
                 job.logits = kept  # for a masked pred to take
-            elif kept is not None and job.controls is not None:  # taken during the step
-                job.outputs.append(self._resampled(job, kept))
+            elif kept is not None and job.controls is not None:
+                taken.append((job, kept))
                 continue
             job.outputs.append(output_of(job, row, result, i, None if plan.controls is None
                                          else plan.controls[i]))
+        if taken:
+            self._resample(taken)
         total = plan.tokens
         prefill = decode = 0
         for c in plan.chunks:

@@ -119,7 +119,10 @@ def forward(engine: Engine, plan: StepPlan) -> StepResult:
     return result
 
 
-def resample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-             control: RowControl) -> StepResult:
-    """A kept logit row sampled again, with the controls of the pred that took its guess."""
-    return _result(sample(logits[None], [params], [generator], [control]))
+def resample(jobs: list[PredJob], logits: list[torch.Tensor]) -> StepResult:
+    """Kept logit rows sampled again, one per job, with the controls of the pred that took
+    the job's guess and the fresh generator that pred would have had: in one batch, as a
+    step's rows are."""
+    return _result(sample(torch.stack(logits), [j.params for j in jobs],
+                          [j.params.generator(logits[0].device) for j in jobs],
+                          [j.controls[0] for j in jobs]))

@@ -830,6 +830,21 @@ async def test_a_masked_pred_takes_its_guess_in_the_running_step_and_is_sampled_
 
 
 @in_loop
+async def test_masked_preds_taking_guesses_in_one_step_are_sampled_together_each_with_its_mask():
+    w = World(ahead=True)
+    (p, f), (q, g) = w.process(), w.process()
+    for tokens, sampled in (([1, 2, 3], SAMPLE), ([SAMPLE], 9)):  # both decode masked
+        for proc, file in ((p, f), (q, g)):
+            w.submit(proc, file, tokens, controls=[only(sampled)])
+        w.step([sampled] * 2, model_logprobs=[-1.5, -1.5])
+    plan = w.sched.schedule()
+    assert plan.kept == [0, 1]
+    answers = [w.submit(p, f, [9], controls=[only(7)]), w.submit(q, g, [9], controls=[only(40)])]
+    w.sched.finish(plan, result(plan, [319, 319]))
+    assert [a.result()[0].token for a in answers] == [7, 40]
+
+
+@in_loop
 async def test_a_masked_pred_takes_a_guess_not_yet_computed_with_its_mask_in_the_step():
     w = World(ahead=True)
     p, f = w.process()
