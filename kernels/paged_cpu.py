@@ -88,6 +88,15 @@ def store_kv_c(
         raise ValueError("store_kv: a slot outside the pool")
 
 
+def _excluded(excluded: torch.Tensor | None, batch: int) -> tuple[torch.Tensor | None, int]:
+    """The excluded ranges as the C code reads them, and how many a sequence has."""
+    if excluded is None or excluded.shape[1] == 0:
+        return None, 0
+    if excluded.shape != (batch, excluded.shape[1], 2):
+        raise ValueError("excluded must be [batch, ranges, 2]")
+    return excluded.to(torch.int32).contiguous(), excluded.shape[1]
+
+
 def decode_attention_c(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -111,12 +120,7 @@ def decode_attention_c(
             or page_table.shape[0] != batch):
         raise ValueError("q, page_table, kv_lens and the cache disagree in heads, head_dim "
                          "or batch")
-    num_ranges = 0
-    if excluded is not None and excluded.shape[1] > 0:
-        if excluded.shape != (batch, excluded.shape[1], 2):
-            raise ValueError("excluded must be [batch, ranges, 2]")
-        excluded = excluded.to(torch.int32).contiguous()
-        num_ranges = excluded.shape[1]
+    excluded, num_ranges = _excluded(excluded, batch)
     out = torch.empty(q.shape, dtype=torch.float32)
     err = library().decode_attention_f32(
         ctypes.byref(cache), q.data_ptr(), *q.stride()[:2], page_table.data_ptr(),
@@ -161,12 +165,7 @@ def prefill_attention_c(
             or page_table.dim() != 2 or page_table.shape[0] != batch):
         raise ValueError("q, page_table, q_start, kv_lens and the cache disagree in heads, "
                          "head_dim or batch")
-    num_ranges = 0
-    if excluded is not None and excluded.shape[1] > 0:
-        if excluded.shape != (batch, excluded.shape[1], 2):
-            raise ValueError("excluded must be [batch, ranges, 2]")
-        excluded = excluded.to(torch.int32).contiguous()
-        num_ranges = excluded.shape[1]
+    excluded, num_ranges = _excluded(excluded, batch)
     trees = (None, None, 0)  # tree_start, tree_bits, words
     if tree_bits is not None:
         tree_start = tree_start.to(torch.int32).contiguous()
