@@ -123,6 +123,9 @@ BAD_CHAT = [
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
      "response_format.json_schema.schema"),
+    # JSON can carry a lone surrogate; UTF-8 text (the kernel's tokenizer) cannot
+    ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content"),
+    ({"stop": ["ok", "\udfff"]}, "stop[1]"),
 ]
 BAD_COMPLETION = [
     ({"prompt": ["one", "two"]}, "prompt"),
@@ -132,14 +135,24 @@ BAD_COMPLETION = [
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 2}, "best_of"),
     ({"top_k": -2}, "top_k"),
+    ({"top_k": 2**70}, "top_k"),
     ({"min_p": 2}, "min_p"),
+    ({"prompt": "\ud800"}, "prompt"),
+    ({"model": "m\ud800"}, "model"),
 ]
+
+
+def post_json(http: httpx.Client, path: str, body: dict) -> httpx.Response:
+    """As http.post(json=body), but with JSON's escapes: a lone surrogate stays "\\ud800"
+    (httpx would fail to encode it as UTF-8)."""
+    return http.post(path, content=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
 
 
 @pytest.mark.parametrize("fields,param", BAD_CHAT, ids=[p for _, p in BAD_CHAT])
 def test_a_bad_chat_field_is_400_naming_it(http, server, model_name, fields, param):
-    r = http.post("/v1/chat/completions",
-                  json={"model": model_name, "messages": MESSAGES, "max_tokens": 2, **fields})
+    r = post_json(http, "/v1/chat/completions",
+                  {"model": model_name, "messages": MESSAGES, "max_tokens": 2, **fields})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", param), error
@@ -149,8 +162,8 @@ def test_a_bad_chat_field_is_400_naming_it(http, server, model_name, fields, par
 
 @pytest.mark.parametrize("fields,param", BAD_COMPLETION, ids=[p for _, p in BAD_COMPLETION])
 def test_a_bad_completion_field_is_400_naming_it(http, server, model_name, fields, param):
-    r = http.post("/v1/completions",
-                  json={"model": model_name, "prompt": "Hi", "max_tokens": 2, **fields})
+    r = post_json(http, "/v1/completions",
+                  {"model": model_name, "prompt": "Hi", "max_tokens": 2, **fields})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
     assert_alive(server, model_name)

@@ -21,6 +21,8 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
     ):
+        # A message may quote the request; JSON out must be valid UTF-8.
+        message = message.encode(errors="backslashreplace").decode()
         super().__init__(message)
         self.status = status
         self.message = message

@@ -29,15 +29,35 @@ def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
         raise bad_field(field, f"token ids must be in 0..{vocab_size - 1}")
 
 
+def _unencodable(value: Any, path: str = "") -> str | None:
+    """The path of the first string in `value` that is not valid Unicode text (JSON lets a
+    lone surrogate such as "\\ud800" through; UTF-8 cannot carry it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    return next((bad for p, v in items if (bad := _unencodable(v, p)) is not None), None)
+
+
 class Body(BaseModel):
-    """A request body: unknown fields ignored, and a null field taken as left out (clients
-    send null for "the default")."""
+    """A request body: unknown fields ignored, a null field taken as left out (clients send
+    null for "the default"), and text that is not valid Unicode a 400 naming its field."""
 
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_absent(cls, data: Any) -> Any:
+        if (bad := _unencodable(data)) is not None:
+            raise bad_field(bad, "not valid Unicode text (a lone surrogate)")
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
         return data
@@ -53,7 +73,7 @@ class SamplingRequest(Body):
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)  # vLLM extra; -1 or 0: no limit
+    top_k: int = Field(0, ge=-1, le=2**31 - 1)  # vLLM extra; -1 or 0: no limit
     min_p: float = Field(0.0, ge=0, le=1)  # vLLM extra
     n: int = Field(1, ge=1, le=128)
     stop: Any = ()  # a string or a list of them, as a tuple (Any: errors name "stop")
