@@ -77,8 +77,15 @@ def schema_grammar(schema: Any) -> str:
     if not isinstance(schema, dict | bool):
         raise GrammarError(f"bad schema: a JSON Schema is an object or a boolean, "
                            f"not {type(schema).__name__}")
-    return _checked(llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_DEFAULTS),
-                    "schema")
+    if schema is False:
+        raise GrammarError("bad schema: false allows no value at all")
+    if schema is True:  # any value: the empty schema (llguidance takes options on objects)
+        schema = {}
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_DEFAULTS)
+    except ValueError as e:
+        raise GrammarError(f"bad schema: {e}") from e
+    return _checked(grammar, "schema")
 
 
 def regex_grammar(regex: str) -> str:

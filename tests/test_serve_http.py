@@ -123,6 +123,10 @@ BAD_CHAT = [
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
      "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": False}}},
+     "response_format.json_schema.schema"),
+    ({"top_k": 100000}, "top_k"),  # past the vocabulary
     # JSON can carry a lone surrogate; UTF-8 text (the kernel's tokenizer) cannot
     ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content"),
     ({"stop": ["ok", "\udfff"]}, "stop[1]"),

@@ -99,6 +99,8 @@ class SamplingRequest(Body):
 
     def check(self, vocab_size: int) -> None:
         """What needs more than one field, or the model, to check."""
+        if self.top_k > vocab_size:
+            raise bad_field("top_k", f"must be at most the vocabulary's {vocab_size} tokens")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0):
                 raise bad_field(name, "not supported by this server (only 0)")
