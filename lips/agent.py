@@ -53,8 +53,9 @@ from syscalls.convert import proc_fields
 from syscalls.flags import (
     add_sampling_flags,
     add_text_flags,
+    at_least_one,
     kv_path,
-    report,
+    lip_main,
     sampling_kwargs,
 )
 
@@ -345,14 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Action] | None:
-    """Bad flags end the program with usage and status 2, before the kernel is asked;
-    the script's actions otherwise."""
-    for flag, value in (("--tries", args.tries), ("--max-turns", args.max_turns),
-                        ("--max-observation", args.max_observation),
-                        ("--max-new-tokens", args.max_new_tokens)):
-        if value < 1:
-            p.error(f"{flag} must be >= 1, got {value}")
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Bad flags end the program with usage and status 2, before the kernel is asked; the
+    script's actions go to args.actions."""
+    at_least_one(p, args, "tries", "max_turns", "max_observation", "max_new_tokens")
     if not args.tool_timeout > 0:
         p.error(f"--tool-timeout must be > 0, got {args.tool_timeout}")
     if not Path(args.root).is_dir():
@@ -367,12 +364,13 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Act
     if args.resend and args.save:
         p.error("--resend keeps no KV file to --save")
     try:
-        return None if args.script is None else read_script(args.script)
+        args.actions = None if args.script is None else read_script(args.script)
     except ValueError as e:
         p.error(str(e))
 
 
-def run(k: Kernel, args: argparse.Namespace, script: list[Action] | None) -> int:
+def run(k: Kernel, args: argparse.Namespace) -> int:
+    script = args.actions
     start = time.perf_counter()
     if not k.model_info().has_tokenizer:
         raise ValueError("the model has no tokenizer")
@@ -398,14 +396,7 @@ def run(k: Kernel, args: argparse.Namespace, script: list[Action] | None) -> int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    script = check_args(parser, args)
-    try:
-        with Kernel.connect() as k:
-            return run(k, args, script)
-    except (OSError, ValueError) as e:
-        return report("agent", e)
+    return lip_main("agent", build_parser(), run, argv, check_args)
 
 
 if __name__ == "__main__":

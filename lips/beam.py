@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from syscalls.aio import AsyncFile, AsyncKernel
 from syscalls.convert import proc_fields
-from syscalls.flags import add_prompt_flags, alip_main, check_flags
+from syscalls.flags import add_prompt_flags, alip_main, at_least_one, check_flags
 
 
 @dataclass
@@ -65,10 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Bad flags end the program with usage and status 2, before the kernel is asked."""
-    if args.width < 1:
-        p.error(f"--width must be >= 1, got {args.width}")
-    if args.max_new_tokens < 1:
-        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    at_least_one(p, args, "width", "max_new_tokens")
     if not math.isfinite(args.length_penalty) or args.length_penalty < 0:
         p.error(f"--length-penalty must be a finite number >= 0, got {args.length_penalty}")
 

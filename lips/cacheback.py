@@ -39,8 +39,9 @@ from syscalls.convert import PredOutput
 from syscalls.flags import (
     add_prompt_flags,
     add_sampling_flags,
+    at_least_one,
+    lip_main,
     prompt_of,
-    report,
     sampling_kwargs,
 )
 
@@ -243,17 +244,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_of(p: argparse.ArgumentParser, args: argparse.Namespace) -> Config:
-    """The drafting flags, checked (exit 2 with a message when out of range)."""
-    for name in ("max_new_tokens", "max_depth", "width", "ngram", "table_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    return Config(ngram=args.ngram, width=args.width, max_depth=args.max_depth,
-                  start_depth=min(Config.start_depth, args.max_depth),
-                  table_size=args.table_size)
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The drafting flags, checked (exit 2 with a message when out of range), as
+    args.config."""
+    at_least_one(p, args, "max_new_tokens", "max_depth", "width", "ngram", "table_size")
+    args.config = Config(ngram=args.ngram, width=args.width, max_depth=args.max_depth,
+                         start_depth=min(Config.start_depth, args.max_depth),
+                         table_size=args.table_size)
 
 
-def run(k: Kernel, args: argparse.Namespace, config: Config) -> int:
+def run(k: Kernel, args: argparse.Namespace) -> int:
+    config = args.config
     info = k.model_info()
     if args.prompt is not None and not info.has_tokenizer:
         raise ValueError("the model has no tokenizer; use --prompt-ids")
@@ -291,14 +292,7 @@ def run(k: Kernel, args: argparse.Namespace, config: Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
-    config = config_of(p, args)
-    try:
-        with Kernel.connect() as k:
-            return run(k, args, config)
-    except (OSError, ValueError) as e:
-        return report("cacheback", e)
+    return lip_main("cacheback", build_parser(), run, argv, check_args)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from syscalls.convert import LogitControl, PredOutput
 from syscalls.flags import (
     add_sampling_flags,
     add_text_flags,
+    at_least_one,
     parse_ids,
     prompt_of,
     report,
@@ -275,8 +276,7 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
-        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    at_least_one(parser, args, "max_new_tokens")
     try:
         with Kernel.connect() as k:
             return run(k, args)

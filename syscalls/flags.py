@@ -41,6 +41,15 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def at_least_one(p: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+    """Exit 2 with usage (parser.error) when one of the integer flags `names` (attribute
+    names, max_new_tokens for --max-new-tokens) is below 1."""
+    for name in names:
+        value = getattr(args, name)
+        if value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
 def check_flags(args: argparse.Namespace, has_tokenizer: bool) -> None:
     """Refuse what cannot run: no new tokens, or a text prompt for a model without a
     tokenizer (as `symphony generate` does)."""
