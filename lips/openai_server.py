@@ -425,9 +425,12 @@ def bind(host: str, port: int) -> tuple[socket.socket, str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError:
+    except socket.gaierror as e:  # its errno is the resolver's, not an OS one
         sock.close()
-        raise
+        raise ValueError(f"--host {host}: {e.strerror}") from e
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     return sock, f"http://{shown}:{sock.getsockname()[1]}"
 
@@ -495,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prefix_cache_pages is not None and args.prefix_cache_pages < 0:
         parser.error("--prefix-cache-pages must be >= 0")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in 0..65535, got {args.port}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     try:
         return uvloop.run(serve(args))

@@ -299,6 +299,19 @@ def test_serve_help_is_the_programs():
     assert "--api-key" in out.stdout and "/v1/chat/completions" in out.stdout
 
 
+def test_a_port_out_of_range_or_taken_is_refused_by_name(daemon):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        for flags, status, words in ((["--port", "70000"], 2, "--port must be in 0..65535"),
+                                     (["--port", str(busy)], 1, f"127.0.0.1:{busy}")):
+            out = subprocess.run([*SYMPHONY, "serve", "--socket", str(daemon.socket), *flags],
+                                 capture_output=True, text=True, cwd=ROOT, timeout=60)
+            assert out.returncode == status and words in out.stderr, out.stderr
+            assert "Traceback" not in out.stderr
+
+
 def test_sigterm_ends_streams_with_done_answers_the_rest_503_and_exits_0(daemon, k):
     s = start_server(daemon, "--model-name", "served-name")
     try:
