@@ -386,8 +386,10 @@ def bench_decode(args: argparse.Namespace, tmp: Path, engine, which: list[str]) 
     if args.model:
         flags += ["--model", args.model]
     # A second kernel with decoding ahead off shows what it buys, in the same run.
-    with KernelDaemon(tmp, "decode", flags) as kd, \
-            KernelDaemon(tmp, "decode-ahead-off", [*flags, "--decode-ahead", "off"]) as koff:
+    env = {"OMP_NUM_THREADS": str(args.engine_threads)} if args.engine_threads else None
+    with KernelDaemon(tmp, "decode", flags, env) as kd, \
+            KernelDaemon(tmp, "decode-ahead-off", [*flags, "--decode-ahead", "off"],
+                         env) as koff:
         opts = {"prompt_len": args.prompt_len, "tokens": args.tokens}
         if "tax" in which:
             print(f"\n## 1. syscall tax: decode at batch 1, {args.tokens} tokens after a "
@@ -838,6 +840,10 @@ def main() -> int:
     ap.add_argument("--batch-modes", default="procs,asyncio",
                     help="procs: one process per LIP; asyncio: one process, a session each")
     ap.add_argument("--kv-pages", type=int, default=2048)
+    ap.add_argument("--engine-threads", type=int,
+                    help="tax and batching: torch threads of the kernel's engine and of "
+                         "generate (default: torch's, one a core); 1 leaves the other "
+                         "cores to the kernel's loop and the LIPs, as a GPU would")
     ap.add_argument("--fair-seconds", type=float, default=10.0)
     ap.add_argument("--fair-inflight", default="1,2",
                     help="preds each fairness LIP keeps in flight (one file each)")
@@ -875,6 +881,12 @@ def main() -> int:
     bad = set(which) - set(BENCHES)
     if bad:
         ap.error(f"--only: unknown {', '.join(sorted(bad))}")
+    if args.engine_threads is not None and args.engine_threads < 1:
+        ap.error(f"--engine-threads: {args.engine_threads} is not a positive count")
+    if args.engine_threads:
+        import torch
+
+        torch.set_num_threads(args.engine_threads)
     print(machine_line())
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="symphony-bench-") as tmp:
