@@ -53,6 +53,10 @@ class Reservation:
     # still table_moves.
     cutting: bool = False
     table_moves: int = -1
+    # Stacked reservations (reserve_after): the one made right after this, and the one this
+    # was made after, while they are open.
+    follower: Reservation | None = None
+    leader: Reservation | None = None
 
 
 @dataclass
@@ -610,8 +614,33 @@ class FileSystem:
             table.extend(p.slot for p in res.new_pages)
         inode.table, inode.table_moves = table, store.moves
         res.page_table = list(table)  # the file's own goes on changing
-        inode.busy = True
+        inode.reserved = 1
         return res
+
+    def reserve_after(self, res: Reservation, count: int) -> Reservation:
+        """Room for `count` entries right after those of `res`, an appending reservation
+        not committed yet (decoding ahead guesses the pred after a guess). Reservations so
+        stacked commit in order and roll back in reverse; the file stays busy until the
+        last of them ends. EAGAIN when a page of the file moved since `res` was made."""
+        inode, store = self._live(res.handle), self.store
+        if (res.cutting or res.follower is not None or inode.table is None
+                or inode.table_moves != store.moves):
+            raise FSError(errno.EAGAIN, "append: not the file's last appending reservation, "
+                          "or its pages moved")
+        if count <= 0:
+            raise FSError(errno.EINVAL, f"append: {count} entries")
+        start = res.start + res.count
+        new = self._pages_for(start + count) - len(inode.pages)
+        if new:
+            self._room(inode, new, new)
+        after = Reservation(res.handle, start, count, store.new(new, inode.uid),
+                            excluded=res.excluded, leader=res)
+        inode.pages.extend(after.new_pages)
+        inode.table.extend(p.slot for p in after.new_pages)
+        after.page_table = list(inode.table)
+        res.follower = after
+        inode.reserved += 1
+        return after
 
     def _reserve_cut(self, handle: Handle, count: int, cut: int) -> Reservation:
         """reserve after entry `cut` < length: the new entries go into fresh pages (the page
@@ -636,7 +665,7 @@ class FileSystem:
         page_table = (table[: len(kept)] if table is not None else store.device_ids(kept))
         page_table += [p.slot for p in new_pages]
         excluded = [(s, min(e, cut)) for s, e in inode.excluded if s < cut]
-        inode.busy = True
+        inode.reserved = 1
         return Reservation(handle, cut, count, new_pages, page_table, excluded, cutting=True,
                            table_moves=store.moves)
 
@@ -644,6 +673,10 @@ class FileSystem:
         inode = res.handle.inode
         if len(tokens) != res.count or len(positions) != res.count:
             raise FSError(errno.EINVAL, "commit: entries do not match the reservation")
+        if res.leader is not None:
+            raise FSError(errno.EBUSY, "commit: the reservation before it is still open")
+        if res.follower is not None:
+            res.follower.leader = None
         if res.cutting:
             first = res.start // self.page_size
             old = inode.pages[first:]
@@ -653,17 +686,21 @@ class FileSystem:
             inode.table, inode.table_moves = list(res.page_table), res.table_moves
         inode.tokens.extend(tokens)
         inode.positions.extend(positions)
-        inode.busy = False
+        inode.reserved -= 1
         inode.touch()
 
     def rollback(self, res: Reservation) -> None:
         inode = res.handle.inode
+        if res.follower is not None:
+            raise FSError(errno.EBUSY, "rollback: a reservation after it is still open")
+        if res.leader is not None:
+            res.leader.follower = None
         if not res.cutting:  # a cutting reservation's pages never joined the file
             del inode.pages[len(inode.pages) - len(res.new_pages):]
             if inode.table is not None:
                 del inode.table[len(inode.pages):]
         self.store.unref(res.new_pages)
-        inode.busy = False
+        inode.reserved -= 1
 
     def _cut_entries(self, inode: Inode, length: int) -> None:
         """Drop the entries from `length` on (tokens, positions, excluded ranges)."""

@@ -41,7 +41,7 @@ class Inode:
     table: list[int] | None = None
     table_moves: int = -1
     opens: int = 0  # open handles: an unlinked file lives until the last close
-    busy: bool = False  # a forward pass is writing into the file's pages
+    reserved: int = 0  # reservations not yet committed or rolled back (fs.reserve)
     dirty: bool = False  # changed since it was last saved
 
     @property
@@ -51,6 +51,11 @@ class Inode:
     @property
     def perm(self) -> int:
         return stat.S_IMODE(self.mode)
+
+    @property
+    def busy(self) -> bool:
+        """A forward pass may be writing into the file's pages."""
+        return self.reserved > 0
 
     @property
     def length(self) -> int:

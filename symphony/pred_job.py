@@ -74,6 +74,8 @@ class PredJob:
     # next pred will carry a mask the guess could not know, and samples them again.
     keep_logits: bool = False
     logits: torch.Tensor | None = None
+    # A computed guess's own guess: the pred after the one this guess is (decode_ahead.py).
+    following: PredJob | None = None
 
     @property
     def remaining(self) -> int:

@@ -180,7 +180,8 @@ class Scheduler:
 
     def _take(self, guess: PredJob) -> asyncio.Future:
         """The pred computed ahead arrived: it owns the work from now on."""
-        self.ahead.take(guess)
+        if self.ahead.take(guess):
+            self._wake.set()
         self._arrive(guess.proc)
         self._enqueue(guess)
         if guess.done and guess.controls is not None:

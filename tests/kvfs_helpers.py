@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels import store_kv_ref
-from kvfs.fs import FileSystem, Handle
+from kvfs.fs import FileSystem, Handle, Reservation
 from kvfs.pages import PageStore
 from symphony.engine.config import ModelConfig
 from symphony.engine.kv_pool import KVPool
@@ -40,14 +40,18 @@ def append(fs: FileSystem, handle: Handle, tokens: list[int], positions=None) ->
     start = handle.inode.length
     positions = positions or list(range(start, start + len(tokens)))
     res = fs.reserve(handle, len(tokens))
-    idx = torch.arange(start, start + len(tokens))
-    table = torch.tensor(res.page_table)
-    slots = table[idx // PAGE] * PAGE + idx % PAGE
+    write_kv(fs, res, tokens, positions)
+    fs.commit(res, tokens, positions)
+
+
+def write_kv(fs: FileSystem, res: Reservation, tokens: list[int], positions: list[int]) -> None:
+    """The forward pass's part of a pred: the K/V of `tokens` through res's page table."""
+    idx = torch.arange(res.start, res.start + len(tokens))
+    slots = torch.tensor(res.page_table)[idx // PAGE] * PAGE + idx % PAGE
     k, v = kv_for(tokens, positions)
     pool = fs.store.pool
     for layer in range(TINY.num_layers):
         store_kv_ref(k[layer], v[layer], pool.k[layer], pool.v[layer], slots)
-    fs.commit(res, tokens, positions)
 
 
 def attended(fs: FileSystem, handle: Handle) -> list[int]:

@@ -14,6 +14,7 @@ import sys
 import pytest
 from daemon import ROOT, meminfo, prompt, sched, start_daemon, wait_for
 
+from symphony.decode_ahead import DEPTH
 from syscalls.convert import LogitControl
 
 DAEMON_FLAGS = ("--kv-pages", "64", "--host-pages", "0")
@@ -58,9 +59,11 @@ def test_a_decoding_lip_gets_its_preds_computed_ahead_and_the_same_samples(daemo
                 made, used = (a - b for a, b in zip(guesses(k), before, strict=True))
                 tokens = [t for t, _ in out]
                 # Pred i (i >= 1) continues pred i-1; a guess follows every such pred unless
-                # it sampled an end of sequence.
+                # it sampled an end of sequence, and one computed before its pred came is
+                # guessed on (DEPTH guesses a file at most).
                 expect = sum(t not in eos for t in tokens[:-1])
-                assert made == expect + (tokens[-1] not in eos)
+                least = expect + (tokens[-1] not in eos)
+                assert least <= made <= least * DEPTH
                 assert used == (0 if drop else expect)
                 # the file holds what was fed, not the guess of the last sample
                 assert f.read()[0] == ids + [first.token] + tokens[:-1]
@@ -94,7 +97,8 @@ def test_any_other_call_on_the_file_drops_the_guess_first(daemon):
                 entries.extend([last] + [t for t, _ in out[:-1]])
                 last = out[-1][0]
                 pending = (guesses(k)[0] - made) - (guesses(k)[1] - used)
-                assert pending == (last not in eos)
+                # a guess of the next pred, and one after it if that was computed in time
+                assert 1 <= pending <= DEPTH if last not in eos else pending == 0
                 return last
 
             guessed = decode_with_a_guess_pending()

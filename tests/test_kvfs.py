@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from kvfs_helpers import PAGE, append, assert_kv, kv_for, make_fs
+from kvfs_helpers import PAGE, append, assert_kv, kv_for, make_fs, write_kv
 
 from kernels import store_kv_ref
 from kvfs.errors import FSError
@@ -349,6 +349,52 @@ def test_rollback_leaves_the_file_as_it_was(fs):
     assert (list(h.inode.tokens), len(h.inode.pages),
             fs.store.pool.free_in("device")) == before
     assert_kv(fs, h)
+
+
+def test_stacked_reservations_commit_in_order_and_roll_back_last_first(fs):
+    h = fs.open(ALICE, "", RW_CREAT)
+    append(fs, h, list(range(3)))
+    free = fs.store.pool.free_in("device")
+    first = fs.reserve(h, 1)  # entry 3: the first page's last row
+    second = fs.reserve_after(first, 1)  # entry 4: a new page
+    third = fs.reserve_after(second, 1)
+    assert (second.start, third.start) == (4, 5) and third.page_table[:1] == first.page_table
+    assert len(h.inode.pages) == 2 and fs.store.pool.free_in("device") == free - 1
+    for res, t in ((first, 30), (second, 40), (third, 50)):
+        write_kv(fs, res, [t], [res.start])
+    # out of order: refused, nothing changed
+    raises(errno.EAGAIN, fs.reserve_after, first, 1)
+    raises(errno.EBUSY, fs.commit, second, [40], [4])
+    raises(errno.EBUSY, fs.rollback, second)
+    raises(errno.EBUSY, fs.truncate, h, 1)
+    fs.commit(first, [30], [3])
+    assert h.inode.busy and h.inode.tokens == [0, 1, 2, 30]
+    fs.rollback(third)
+    assert h.inode.busy and len(h.inode.pages) == 2
+    fs.commit(second, [40], [4])
+    assert not h.inode.busy and h.inode.tokens == [0, 1, 2, 30, 40]
+    assert_kv(fs, h)
+    before = (list(h.inode.tokens), len(h.inode.pages), fs.store.pool.free_in("device"))
+    a = fs.reserve(h, 3)  # entries 5-7
+    b = fs.reserve_after(a, 2)  # 8-9: a third page
+    assert fs.store.pool.free_in("device") == before[2] - 1
+    fs.rollback(b)
+    fs.rollback(a)
+    assert (list(h.inode.tokens), len(h.inode.pages),
+            fs.store.pool.free_in("device")) == before and not h.inode.busy
+    assert_kv(fs, h)
+
+
+def test_a_reservation_is_stacked_only_on_an_appending_one(fs):
+    h = fs.open(ALICE, "", RW_CREAT)
+    append(fs, h, list(range(6)))
+    cutting = fs.reserve(h, 1, cut=2)
+    raises(errno.EAGAIN, fs.reserve_after, cutting, 1)
+    fs.rollback(cutting)
+    res = fs.reserve(h, 1)
+    raises(errno.EINVAL, fs.reserve_after, res, 0)
+    fs.rollback(res)
+    assert not h.inode.busy and h.inode.tokens == list(range(6))
 
 
 def test_enospc_and_edquot_change_nothing(tmp_path):

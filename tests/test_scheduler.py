@@ -587,6 +587,85 @@ async def test_cancel_process_fails_its_preds_and_drops_its_guesses():
 
 
 @in_loop
+async def test_a_computed_guess_not_yet_taken_is_guessed_on_up_to_the_depth():
+    w = World(ahead=True)
+    p, f = w.process()
+    guess = await decoding(w, p, f)
+    w.step([11])  # computed; its pred has not come
+    nxt = guess.following
+    assert nxt.state is JobState.AHEAD and nxt.tokens == [11] and nxt.positions == [5]
+    plan = w.step([13])  # the LIP is a step late: the engine goes on without it
+    assert plan.chunks == [Chunk(nxt, 0, 1)] and plan.batch.kv_lens == [6]
+    assert nxt.done == 1 and nxt.following is None  # DEPTH guesses: no third
+    assert w.sched.schedule() is None
+    assert f.inode.tokens == [1, 2, 3, SAMPLE] and p.tokens == 4  # nothing in the file yet
+    first = w.pred(p, f, [9])
+    assert first.result()[0].token == 11 and w.sched.ahead.guesses[f.inode] is nxt
+    last = nxt.following  # taking the first made room for a guess after nxt
+    assert last.tokens == [13] and last.positions == [6] and last.done == 0
+    second = w.pred(p, f, [11])
+    assert second.result()[0].token == 13  # both answered without a step
+    assert f.inode.tokens == [1, 2, 3, SAMPLE, 9, 11] and p.tokens == 6
+    assert w.sched.stats.ahead_used == 2 and w.sched.ahead.guesses[f.inode] is last
+    assert w.step([17]).chunks == [Chunk(last, 0, 1)]
+
+
+@in_loop
+async def test_a_dropped_chain_is_rolled_back_last_first_after_the_step_writing_it():
+    w = World(ahead=True)
+    p, f = w.process()
+    free = w.free
+    guess = await decoding(w, p, f)
+    w.step([11])
+    plan = w.sched.schedule()  # computes the chain's second guess
+    other = w.pred(p, f, [5])  # not the guess: the whole chain goes
+    assert guess.state is JobState.DROPPED and guess.following.state is JobState.DROPPED
+    assert f.inode.busy and not other.done()
+    w.sched.finish(plan, result(plan, [13]))
+    assert guess.res is None and not f.inode.busy and w.free == free - 1
+    w.step([12])
+    assert other.result()[0].token == 12 and f.inode.tokens == [1, 2, 3, SAMPLE, 5]
+    assert p.tokens == 5  # dropped guesses are never charged
+
+
+@in_loop
+async def test_a_failed_step_rolls_back_the_chain_it_was_extending():
+    w = World(ahead=True)
+    p, f = w.process()
+    free = w.free
+    await decoding(w, p, f)
+    w.step([11])
+    plan = w.sched.schedule()
+    w.sched.fail_step(plan, OSError(errno.EIO, "the forward pass failed"))
+    assert not w.sched.ahead.guesses and not f.inode.busy and w.free == free - 1
+    assert f.inode.tokens == [1, 2, 3, SAMPLE]
+
+
+@in_loop
+async def test_no_guess_on_after_an_end_of_sequence_or_a_masked_pred():
+    w = World(ahead=True)
+    p, f = w.process()
+    guess = await decoding(w, p, f)
+    w.step([EOS])
+    assert guess.done == 1 and guess.following is None
+    q, g = w.process()
+    masked = await masked_decoding(w, q, g)
+    w.step([319])
+    assert masked.done == 1 and masked.following is None
+
+
+@in_loop
+async def test_cancel_process_drops_its_chains():
+    w = World(ahead=True)
+    p, f = w.process()
+    free = w.free
+    await decoding(w, p, f)
+    w.step([11])
+    w.sched.cancel_process(p)
+    assert not w.sched.ahead.guesses and not f.inode.busy and w.free == free - 1
+
+
+@in_loop
 async def test_a_seeded_guess_draws_from_a_fresh_generator_as_its_pred_would():
     w = World(ahead=True)
     p, f = w.process()
