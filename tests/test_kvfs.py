@@ -9,7 +9,6 @@ import pytest
 import torch
 from kvfs_helpers import PAGE, append, assert_kv, kv_for, make_fs, write_kv
 
-from kernels import store_kv_ref
 from kvfs.errors import FSError
 from kvfs.fs import Reservation
 from kvfs.perm import ROOT, Cred
@@ -580,12 +579,7 @@ def written(fs, h, tokens: list[int], positions: list[int], cut=None) -> Reserva
     """A pred's reservation after the first `cut` entries (None: all), its K/V written
     through the page table as a forward pass writes it; not committed yet."""
     res = fs.reserve(h, len(tokens), cut)
-    idx = torch.arange(res.start, res.start + len(tokens))
-    slots = torch.tensor(res.page_table)[idx // PAGE] * PAGE + idx % PAGE
-    k, v = kv_for(tokens, positions)
-    pool = fs.store.pool
-    for layer in range(pool.k.shape[0]):
-        store_kv_ref(k[layer], v[layer], pool.k[layer], pool.v[layer], slots)
+    write_kv(fs, res, tokens, positions)
     return res
 
 

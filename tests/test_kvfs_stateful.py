@@ -22,7 +22,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from kvfs_helpers import append, assert_kv, kv_for, make_fs
+from kvfs_helpers import append, assert_kv, kv_for, make_fs, write_kv
 from test_kvfs import excluded_runs, written
 
 from kvfs.errors import FSError
@@ -129,6 +129,43 @@ class KVFSMachine(RuleBasedStateMachine):
         m.tokens += tokens
         m.positions += positions
         m.excluded = [(s, min(e, cut)) for s, e in m.excluded if s < cut]
+
+    @rule(h=handles, first=st.lists(st.integers(0, 99), min_size=1, max_size=6),
+          second=st.lists(st.integers(0, 99), min_size=1, max_size=6),
+          commits=st.integers(0, 2), commit_first=st.booleans())
+    def stacked_preds(self, h, first, second, commits, commit_first):
+        """Decoding ahead: a pred, and one more reserved after it before it commits; the
+        first `commits` of them commit, in order, and the rest roll back, last first (with
+        one of each, the commit first or the rollback first)."""
+        if id(h) not in self.open:
+            return
+        m = self.model_of(h)
+        start = m.positions[-1] + 1 if m.positions else 0
+        entries = [(first, list(range(start, start + len(first))))]
+        start += len(first)
+        entries.append((second, list(range(start, start + len(second)))))
+        reservations = []
+        try:
+            reservations.append(written(self.fs, h, *entries[0]))
+            reservations.append(self.fs.reserve_after(reservations[0], len(second)))
+        except FSError as e:
+            assert e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EAGAIN), e
+            for res in reservations:
+                self.fs.rollback(res)
+            return
+        write_kv(self.fs, reservations[1], *entries[1])
+        # (reservation, its entries to commit, or None: roll it back), in the order done
+        ends = list(zip(reservations[:commits], entries[:commits], strict=True))
+        ends += [(res, None) for res in reversed(reservations[commits:])]
+        if commits == 1 and not commit_first:
+            ends.reverse()
+        for res, entry in ends:
+            if entry is None:
+                self.fs.rollback(res)
+            else:
+                self.fs.commit(res, *entry)
+                m.tokens += entry[0]
+                m.positions += entry[1]
 
     @rule(h=handles, data=st.data(), punched=st.booleans())
     def keep(self, h, data, punched):
