@@ -708,20 +708,22 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
                     ours.append(preds / secs)
                     cpu.append((kc / preds * 1e6, lc / preds * 1e6))
                     same = sum(o == r for o, r in zip(outs, ref, strict=True))
+                with kernel_client(kd.socket) as k:  # its last seconds: this group's rounds
+                    loop = sched(k)["loop_cpu_us_per_pred"]
             finally:
                 for lip in lips:
                     lip.close()
-            results.append((name, n, ours, peer, cpu, peer_cpu, same,
+            results.append((name, n, ours, peer, cpu, peer_cpu, same, loop,
                             time.monotonic() - started))
     torch.set_num_threads(threads)
     header("LIPs", "generate")
     for name, _, ours, peer, *_ in results:
         row(name, "preds/s", ours, peer, False, "none set")
-    for name, n, _, _, cpu, peer_cpu, same, secs in results:
+    for name, n, _, _, cpu, peer_cpu, same, loop, secs in results:
         kc, lc = (statistics.median(c) for c in zip(*cpu, strict=True))
-        print(f"  {name}: CPU per pred, median: kernel {kc:.0f} + LIP {lc:.0f} us "
-              f"(generate {statistics.median(peer_cpu):.0f} us); sequences with generate's "
-              f"tokens: {same} of {n}; {secs:.0f} s")
+        print(f"  {name}: CPU per pred, median: kernel {kc:.0f} (its loop thread {loop:.0f}, "
+              f"/proc/sched) + LIP {lc:.0f} us (generate {statistics.median(peer_cpu):.0f} us); "
+              f"sequences with generate's tokens: {same} of {n}; {secs:.0f} s")
 
 
 def bench_masked(args: argparse.Namespace, tmp: Path) -> None:

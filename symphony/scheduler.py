@@ -107,6 +107,7 @@ class Scheduler:
                                  eos=set(engine.eos_ids()), context=self.context,
                                  device=engine.device, seq=self._seqs.__next__)
         self.relief = Relief(fs, procs, self.stats)
+        self._masked: list[PredJob] = []  # guesses taken by masked preds, to sample (_take)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -185,7 +186,14 @@ class Scheduler:
         self._arrive(guess.proc)
         self._enqueue(guess)
         if guess.done and guess.controls is not None:
-            self._resample([(guess, guess.logits)])
+            # Sampled with its mask together with the other masked preds that take computed
+            # guesses before the loop turns (their frames come in together): one batch, as a
+            # step's rows are, instead of a sampler call each. It stays queued meanwhile,
+            # with nothing left to compute, so a cancel or an exit still finds it.
+            self._masked.append(guess)
+            if len(self._masked) == 1:
+                asyncio.get_running_loop().call_soon(self._answer_masked)
+            return guess.future
         guess.logits = None
         if guess.done:  # already computed: answer now
             self._charge(guess, guess.done, guess.seconds)
@@ -193,6 +201,19 @@ class Scheduler:
         else:  # queued or in the running step: it goes on as any admitted pred
             self._wake.set()
         return guess.future
+
+    def _answer_masked(self) -> None:
+        """The computed guesses masked preds took since the loop last turned: their kept
+        logits sampled in one batch, and the preds answered (those cancelled meanwhile
+        failed already)."""
+        taken = [j for j in self._masked if j.state is JobState.ADMITTED]
+        self._masked = []
+        if taken:
+            self._resample([(job, job.logits) for job in taken])
+        for job in taken:
+            job.logits = None
+            self._charge(job, job.done, job.seconds)
+            self._complete(job)
 
     async def settle(self, inode: Inode) -> None:
         """Before a call changes inode other than by pred: no work ahead is left on it, nor
@@ -359,6 +380,8 @@ class Scheduler:
                 key = id(j.handle.inode)
                 first[key] = min(first.get(key, j.seq), j.seq)
         for job in sorted(self.queue, key=lambda j: (j.proc.vruntime, j.remaining > 1, j.seq)):
+            if job.remaining == 0:
+                continue  # a masked pred's computed guess, sampled when the loop turns
             if budget == 0 or len(chunks) == self.max_seqs:
                 break
             if job.remaining == 1:

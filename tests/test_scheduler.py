@@ -21,6 +21,7 @@ from kvfs_helpers import make_fs
 from kvfs.fs import Handle
 from kvfs.pages import DEVICE, HOST
 from kvfs.perm import Cred
+from symphony import scheduler
 from symphony.engine.sampler import GREEDY, SamplingParams
 from symphony.engine.tree import ancestor_bits
 from symphony.pred_job import JobState, Output
@@ -37,10 +38,22 @@ ENGINE = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT,
 
 
 def in_loop(test):
-    """Run an async test body in a fresh event loop (futures need a running one)."""
+    """Run an async test body in a fresh event loop (futures need a running one); an error
+    raised in one of the loop's callbacks fails the test too (an exception a test leaves
+    in a future it does not read is no error)."""
     @functools.wraps(test)
     def run(*args, **kwargs) -> None:
-        asyncio.run(test(*args, **kwargs))
+        errors = []
+
+        def handler(_, context: dict) -> None:
+            if "handle" in context:  # "Exception in callback ..."
+                errors.append(context)
+
+        async def body() -> None:
+            asyncio.get_running_loop().set_exception_handler(handler)
+            await test(*args, **kwargs)
+        asyncio.run(body())
+        assert not errors, errors
     return run
 
 
@@ -886,7 +899,8 @@ async def test_a_masked_pred_takes_its_computed_guess_and_samples_its_kept_logit
     plan = w.step([319])  # computed unmasked: the last id
     assert plan.kept == [0] and guess.logits is not None and guess.done == 1
     answer = w.submit(p, f, [9], controls=[only(5)])
-    assert answer.done()  # without another step
+    assert not answer.done() and w.sched.schedule() is None  # nothing left to compute
+    await asyncio.sleep(0)  # answered when the loop turns, without another step
     (out,) = answer.result()
     assert out.token == 5 and out.logprob == 0.0  # the only allowed token
     # the model's own logprob of 5, from the kept logits
@@ -894,6 +908,41 @@ async def test_a_masked_pred_takes_its_computed_guess_and_samples_its_kept_logit
         torch.arange(VOCAB, dtype=torch.float32), 0)[5].item())
     assert f.inode.tokens[-1] == 9 and w.sched.stats.ahead_used == 1 and guess.logits is None
     assert w.sched.ahead.guesses[f.inode].tokens == [5]  # the loop goes on ahead
+
+
+@in_loop
+async def test_masked_preds_taking_computed_guesses_together_are_sampled_in_one_batch(
+        monkeypatch):
+    w = World(ahead=True)
+    files = [w.process() for _ in range(3)]
+    for p, f in files:
+        await masked_decoding(w, p, f)
+    w.step([319, 319, 319])  # the three guesses, computed unmasked
+    batches = []
+    real = scheduler.resample
+    monkeypatch.setattr(scheduler, "resample",
+                        lambda jobs, logits: batches.append(len(jobs)) or real(jobs, logits))
+    answers = [w.submit(p, f, [9], controls=[only(t)])
+               for (p, f), t in zip(files, (5, 6, 7), strict=True)]
+    await asyncio.sleep(0)
+    assert batches == [3] and [a.result()[0].token for a in answers] == [5, 6, 7]
+    assert all(f.inode.tokens[-1] == 9 for _, f in files)
+    assert [w.sched.ahead.guesses[f.inode].tokens for _, f in files] == [[5], [6], [7]]
+
+
+@in_loop
+async def test_a_masked_pred_cancelled_before_its_guess_is_sampled_leaves_its_file():
+    w = World(ahead=True)
+    p, f = w.process()
+    free = w.free
+    await masked_decoding(w, p, f)
+    w.step([319])
+    answer = w.submit(p, f, [9], controls=[only(5)])
+    await w.sched.cancel(answer)
+    await asyncio.sleep(0)
+    assert answer.exception().errno == errno.ECANCELED
+    assert f.inode.tokens == [1, 2, 3, SAMPLE] and not f.inode.busy and w.free == free - 1
+    assert p.pending == 0 and w.sched.queue == []
 
 
 @in_loop
