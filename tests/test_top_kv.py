@@ -199,7 +199,8 @@ def test_frame_sorts_by_rate_and_shows_what_it_lacks_as_a_dash():
         102.0,
         [*before.procs[:1], proc(3, 400, "fast"), proc(4, 20, "new")],
         meminfo,
-        {"run_queue": "1", "tokens_per_s": "210.0"},
+        {"run_queue": "1", "tokens_per_s": "210.0", "loop_cpu_us_per_pred": "61.5",
+         "decode_ahead": "on", "ahead_guesses": "40", "ahead_used": "38"},
     )
     assert rates(before, after) == {2: 0.0, 3: 200.0, 4: 10.0}  # 4 attached in between
     screen = frame(after, rates(before, after))
@@ -209,6 +210,7 @@ def test_frame_sorts_by_rate_and_shows_what_it_lacks_as_a_dash():
     assert screen[2].startswith(
         "Sched: run queue 1, waiting for memory -, - steps/s, 210.0 tokens/s"
     )
+    assert "       loop CPU 61.5 us a pred, decoding ahead on: 38 of 40 guesses taken" in screen
     assert "Quota (pages used / limit): alice 2 / 10" in screen
     assert [p[-1] for p in process_lines("\n".join(screen))] == ["fast", "new", "slow"]
     assert (
@@ -228,6 +230,7 @@ def test_top_once_shows_the_busy_lip_first_with_its_rate(daemon, busy):
     screen = ok(symphony(daemon, "top", "--once", "--interval", "0.5"))
     assert screen.startswith("symphony top - ")
     assert "KV pages: device " in screen and "tokens/s" in screen and "preemptions" in screen
+    assert "us a pred, decoding ahead on: " in screen
     procs = process_lines(screen)
     # The busiest first: the only process computing tokens.
     pid, user, _state, _nice, rate, tokens, _pages, calls, *_, name = procs[0]
