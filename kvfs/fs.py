@@ -623,7 +623,7 @@ class FileSystem:
         stacked commit in order and roll back in reverse; the file stays busy until the
         last of them ends. EAGAIN when a page of the file moved since `res` was made."""
         inode, store = self._live(res.handle), self.store
-        if (res.cutting or res.follower is not None or inode.table is None
+        if (res.cutting or res.follower is not None or not inode.busy or inode.table is None
                 or inode.table_moves != store.moves):
             raise FSError(errno.EAGAIN, "append: not the file's last appending reservation, "
                           "or its pages moved")

@@ -372,6 +372,7 @@ def test_stacked_reservations_commit_in_order_and_roll_back_last_first(fs):
     assert h.inode.busy and len(h.inode.pages) == 2
     fs.commit(second, [40], [4])
     assert not h.inode.busy and h.inode.tokens == [0, 1, 2, 30, 40]
+    raises(errno.EAGAIN, fs.reserve_after, second, 1)  # ended: nothing to stack on
     assert_kv(fs, h)
     before = (list(h.inode.tokens), len(h.inode.pages), fs.store.pool.free_in("device"))
     a = fs.reserve(h, 3)  # entries 5-7
