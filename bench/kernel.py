@@ -337,19 +337,28 @@ def machine_line() -> str:
 # -- 1 and 2: decode through the kernel against generate --------------------------------
 
 
+def kernel_cpu_seconds(kernel_pid: int) -> float:
+    """CPU seconds of the kernel and of its engine process (symphony/engine_process.py)."""
+    from symphony.process import os_cpu_seconds
+
+    try:
+        children = Path(f"/proc/{kernel_pid}/task/{kernel_pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return os_cpu_seconds(kernel_pid) + sum(os_cpu_seconds(int(c)) for c in children)
+
+
 def decode_round(lips: list[Lip], kernel_pid: int, go: str = "go"
                  ) -> tuple[float, int, list[float], list[list[int]], tuple[float, float]]:
     """Prefill every LIP, then time them all from one barrier: (seconds, tokens,
     kernel-side ms per pred of each, tokens of each, CPU seconds of the kernel and of the
     LIPs meanwhile). The LIPs time their own CPU: /proc counts in clock ticks, too coarse
     for a LIP's few milliseconds a round."""
-    from symphony.process import os_cpu_seconds
-
     for lip in lips:
         lip.send("prep")
     for lip in lips:
         lip.expect("ready")
-    kernel_cpu = os_cpu_seconds(kernel_pid)
+    kernel_cpu = kernel_cpu_seconds(kernel_pid)
     start = time.monotonic()
     for lip in lips:
         lip.send(go)
@@ -362,7 +371,7 @@ def decode_round(lips: list[Lip], kernel_pid: int, go: str = "go"
         lip_cpu += float(cpu)
         outs += [[int(x) for x in one.split(",")] for one in ids.split(";")]
     return (max(ends) - start, tokens, kernel_ms, outs,
-            (os_cpu_seconds(kernel_pid) - kernel_cpu, lip_cpu))
+            (kernel_cpu_seconds(kernel_pid) - kernel_cpu, lip_cpu))
 
 
 def in_process(engine, prompts: list[list[int]], new: int

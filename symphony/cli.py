@@ -54,15 +54,13 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     import torch
 
     from symphony.daemon import default_state_dir, run_kernel
-    from symphony.engine.engine import Engine
-    from symphony.engine_thread import EngineThread
+    from symphony.engine_process import EngineProcess
     from syscalls.session import socket_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    engine_thread = EngineThread()
-    engine = engine_thread.call(
-        Engine, args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages,
+    engine = EngineProcess(
+        args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages,
         host_pages=args.host_pages if args.host_pages is not None else args.kv_pages or 0)
     opts = Options(
         socket=socket_path(args.socket), state_dir=Path(args.state_dir or default_state_dir()),
@@ -70,8 +68,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
         quota=args.quota, decode_ahead=args.decode_ahead == "on",
         max_procs_per_user=args.max_procs_per_user,
     )
-    run_kernel(engine, engine_thread, opts)
-    return 0
+    return run_kernel(engine, opts)
 
 
 def control():

@@ -4,6 +4,7 @@ socket, on uvloop."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import resource
@@ -17,9 +18,8 @@ from kvfs.fs import FileSystem
 from kvfs.pages import PageStore
 from kvfs.perm import Cred
 from kvfs.state import StateDir
-from symphony.engine.engine import Engine
 from symphony.engine.fingerprint import fingerprint
-from symphony.engine_thread import EngineThread
+from symphony.engine_process import EngineProcess
 from symphony.options import Options
 from symphony.process import Process, ProcessTable
 from symphony.procfs import ProcFS
@@ -42,7 +42,7 @@ def pid_path(sock: Path) -> Path:
 
 
 class Kernel:
-    def __init__(self, engine: Engine, engine_thread: EngineThread, opts: Options):
+    def __init__(self, engine: EngineProcess, opts: Options):
         self.engine, self.opts = engine, opts
         self.model_name = engine.model_dir.name
         self.fingerprint = fingerprint(engine.model_dir)
@@ -54,10 +54,11 @@ class Kernel:
         self.state.restore()
         self.procs = ProcessTable()
         self.lifelines: dict[int, asyncio.Transport] = {}
-        self.sched = Scheduler(engine, engine_thread, self.fs, lambda: self.procs,
+        self.sched = Scheduler(engine, self.fs, lambda: self.procs,
                                opts.token_budget, opts.max_seqs, opts.decode_ahead)
         self.procfs = ProcFS(self)
         self._reaping: dict[Process, asyncio.Task] = {}
+        self.engine_lost = False  # the kernel stopped because its engine process exited
 
     # -- processes --------------------------------------------------------------------
 
@@ -139,12 +140,22 @@ class Kernel:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # Either ends early only when the engine process died: the kernel stops then.
         scheduler = loop.create_task(self.sched.run())
+        engine_exit = loop.create_task(self.engine.exited())
+        for task in (scheduler, engine_exit):
+            task.add_done_callback(lambda _: stop.set())
         log.info("serving %s on %s (state in %s)", self.model_name, sock, self.opts.state_dir)
         try:
             await stop.wait()
         finally:
-            log.info("shutting down")
+            self.engine_lost = engine_exit.done() or scheduler.done()
+            if self.engine_lost:
+                log.critical("shutting down: the engine process (pid %s) exited",
+                             self.engine.pid)
+            else:
+                log.info("shutting down")
+            engine_exit.cancel()
             try:
                 hello.close()
                 for lifeline in self.lifelines.values():  # a clean stop, not a crash: the
@@ -170,13 +181,19 @@ def _answers(path: Path) -> bool:
         probe.close()
 
 
-def run_kernel(engine: Engine, engine_thread: EngineThread, opts: Options) -> None:
-    """Serve until SIGTERM or SIGINT, on uvloop; engine_thread built the engine."""
+def run_kernel(engine: EngineProcess, opts: Options) -> int:
+    """Serve until SIGTERM or SIGINT, on uvloop: 0. Or until the engine process dies: 1."""
     import uvloop
 
     # Each session holds descriptors (its lifeline, a pidfd, its gRPC connection): take as
     # many as the OS allows.
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    kernel = Kernel(engine, engine_thread, opts)
-    uvloop.run(kernel.serve())
+    kernel = Kernel(engine, opts)
+    gc.freeze()  # see engine_process.py's main
+    try:
+        uvloop.run(kernel.serve())
+    finally:
+        gc.unfreeze()
+        engine.close()
+    return 1 if kernel.engine_lost else 0

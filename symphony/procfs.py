@@ -103,13 +103,19 @@ class ProcFS:
         pairs: list[tuple[str, object]] = [
             # Which code runs the forward passes: the figures below depend on it.
             ("engine", f"{engine.device.type} {str(engine.dtype).removeprefix('torch.')}, "
-                       f"attention {engine.kernels.name}"),
+                       f"attention {engine.attention}"),
+            # The process that runs them (engine_process.py): its CPU is not the kernel's.
+            ("engine_pid", engine.pid),
             ("run_queue", len(s.queue)),
             ("waiting_for_memory", sum(p.waiting for p in self.k.procs)),
             ("processes", len(self.k.procs)),
             ("steps", st.steps),
             ("steps_per_s", f"{len(recent) / window:.1f}" if window else "0.0"),
             ("tokens_per_s", f"{sum(tokens) / window:.1f}" if window else "0.0"),
+            # The share of the window the engine ran forward passes: below 1 under load, it
+            # waited for the loop (finishing and planning steps) or for the LIPs' preds.
+            ("engine_busy", f"{sum(r.seconds for r in recent) / window:.2f}"
+             if window else "0.00"),
             ("batch_seqs_avg", f"{sum(r.seqs for r in recent) / len(recent):.1f}"
              if recent else "0.0"),
             ("batch_seqs_max", st.max_seqs),
@@ -119,7 +125,7 @@ class ProcFS:
             ("prefill_share", f"{prefill / sum(tokens):.2f}" if sum(tokens) else "0.00"),
             # The event loop thread's CPU time per pred answered, between the window's first
             # and last step: the kernel's own work (transport, checks, scheduling, kvfs,
-            # replies), not the engine thread's forward passes and sampling.
+            # replies), not the engine process's forward passes and sampling.
             ("loop_cpu_us_per_pred", f"{loop_cpu / preds * 1e6:.1f}" if preds else "0.0"),
             ("queue_delay_p50_ms", f"{percentile(delays, 0.5) * 1e3:.2f}"),
             ("queue_delay_p90_ms", f"{percentile(delays, 0.9) * 1e3:.2f}"),

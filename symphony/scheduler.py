@@ -11,10 +11,11 @@ A step is two public functions over plain data, as vLLM v1's schedule() and
 update_from_output(): `schedule()` picks and admits the work and returns a StepPlan;
 `finish(plan, result)` takes the StepResult: outputs to the preds, commit or roll back,
 accounting. `run()` drives them: wait for work, hold for the processes just served,
-schedule, run the forward pass on the engine thread, finish.
+schedule, run the forward pass in the engine process, finish.
 
 Everything here runs on the event loop's thread except the forward pass itself, which
-runs on the engine thread; the loop keeps answering other syscalls meanwhile.
+runs in the engine process (engine_process.py); the loop keeps answering other syscalls
+meanwhile.
 """
 
 from __future__ import annotations
@@ -34,14 +35,13 @@ from kvfs.errors import FSError
 from kvfs.fs import FileSystem, Handle
 from kvfs.inode import Inode
 from symphony.decode_ahead import DecodeAhead
-from symphony.engine.engine import Engine
 from symphony.engine.sampler import RowControl, SamplingParams
-from symphony.engine_thread import EngineThread
+from symphony.engine_process import EngineDied, EngineProcess
 from symphony.pred_job import JobState, Output, PredJob
 from symphony.process import Process
 from symphony.relief import Relief
 from symphony.sched_stats import SchedStats, StepRecord
-from symphony.step import Chunk, StepPlan, StepResult, forward, resample
+from symphony.step import Chunk, StepPlan, StepResult, resample
 
 log = logging.getLogger("symphony.scheduler")
 
@@ -86,15 +86,14 @@ def controlled(output: Output, job: PredJob, control: RowControl, result: StepRe
 class Scheduler:
     def __init__(
         self,
-        engine: Engine,
-        engine_thread: EngineThread,
+        engine: EngineProcess,
         fs: FileSystem,
         procs: Callable[[], Iterable[Process]],
         token_budget: int,
         max_seqs: int,
         decode_ahead: bool,
     ):
-        self.engine, self.engine_thread, self.fs = engine, engine_thread, fs
+        self.engine, self.fs = engine, fs
         self.token_budget, self.max_seqs = token_budget, max_seqs
         self.context = engine.config.max_position_embeddings
         self.queue: list[PredJob] = []  # the run queue, in arrival order
@@ -305,7 +304,10 @@ class Scheduler:
             self._wake.set()  # more may be runnable after this step
             start = time.monotonic()
             try:
-                result = await self.engine_thread.run(forward, self.engine, plan)
+                result = await self.engine.step(plan.work)
+            except EngineDied as e:  # no step can run any more: the kernel stops
+                self.fail_step(plan, e)
+                raise
             except Exception as e:  # the step failed as a whole: so does every pred in it
                 log.exception("forward pass failed")
                 self.fail_step(plan, FSError(errno.EIO, f"pred: the forward pass failed: {e}"))

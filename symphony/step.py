@@ -1,6 +1,6 @@
-"""One engine step as plain data: what the scheduler plans (StepPlan), what the forward pass
-and the sampler give back (StepResult), and the function that turns one into the other on
-the engine thread."""
+"""One engine step as plain data: what the scheduler plans (StepPlan), what the engine
+process is sent of it (StepWork), what the forward pass and the sampler give back
+(StepResult), and the function that turns the work into the result in the engine process."""
 
 from __future__ import annotations
 
@@ -68,12 +68,10 @@ class StepPlan:
                    samples, controls, kept)
 
     @property
-    def params(self) -> list[SamplingParams]:
-        return [job.params for job, _ in self.samples]
-
-    @property
-    def generators(self) -> list[torch.Generator | None]:
-        return [job.generator for job, _ in self.samples]
+    def work(self) -> StepWork:
+        """What the engine process computes: the batch and its rows' sampling, no jobs."""
+        return StepWork(self.batch, [job.params for job, _ in self.samples],
+                        [job.generator for job, _ in self.samples], self.controls, self.kept)
 
     @property
     def tokens(self) -> int:
@@ -81,6 +79,18 @@ class StepPlan:
 
     def computes(self, job: PredJob) -> bool:
         return any(c.job is job for c in self.chunks)
+
+
+@dataclass
+class StepWork:
+    """A plan as the engine process takes it: plain data that pickles. Per logit row: its
+    sampler, its seeded generator (None: unseeded), its control."""
+
+    batch: Batch
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    controls: list[RowControl | None] | None
+    kept: list[int]
 
 
 @dataclass
@@ -98,6 +108,8 @@ class StepResult:
     model_logprobs: list[float] | None = None
     scores: list[list[float]] | None = None
     kept: dict[int, torch.Tensor] = field(default_factory=dict)  # plan.kept's logits, by row
+    # The work's generators after sampling: the engine process drew from copies of them.
+    generators: list[torch.Generator | None] = field(default_factory=list)
 
 
 def _result(s: Samples) -> StepResult:
@@ -108,14 +120,15 @@ def _result(s: Samples) -> StepResult:
                       scores=None if s.scores is None else s.scores.tolist())
 
 
-def forward(engine: Engine, plan: StepPlan) -> StepResult:
-    """On the engine thread: the plan's forward pass and the sampling of its logit rows."""
-    logits = engine.forward(plan.batch)
-    if not plan.samples:
+def forward(engine: Engine, work: StepWork) -> StepResult:
+    """In the engine process: the forward pass and the sampling of its logit rows."""
+    logits = engine.forward(work.batch)
+    if not work.params:
         return StepResult([], [], [], [])
-    result = _result(sample(logits, plan.params, plan.generators, plan.controls))
-    if plan.kept:
-        result.kept = dict(zip(plan.kept, logits[plan.kept].float(), strict=True))
+    result = _result(sample(logits, work.params, work.generators, work.controls))
+    if work.kept:
+        result.kept = dict(zip(work.kept, logits[work.kept].float(), strict=True))
+    result.generators = work.generators
     return result
 
 

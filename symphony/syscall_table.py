@@ -419,7 +419,7 @@ async def sys_shift(k: Kernel, proc: Process, cred: Cred, req: pb.ShiftRequest) 
     # The keys are rotated here, on the loop's thread, as splice copies K/V rows: the pool
     # rows a shift writes are no running step's (a file with a pred in flight is busy, and
     # shared pages are made private first), and kvfs's state and every other change of the
-    # pool are the loop's alone, in order. On the engine thread the rotation would wait
+    # pool are the loop's alone, in order. In the engine process the rotation would wait
     # for the step, with fs.shift half done.
     await _room_made(k, lambda: k.fs.shift(handle, req.start, req.end, req.delta,
                                            k.engine.config.max_position_embeddings,

@@ -77,7 +77,8 @@ def frame(s: Sample, rate: Mapping[int, float]) -> list[str]:
         f"{q['queue_delay_p90_ms']} p99 {q['queue_delay_p99_ms']} ms",
         f"       preemptions {q['preemptions']}, pages swapped out {q['pages_swapped_out']}, "
         f"admission waits {q['admission_waits']}",
-        f"       loop CPU {q['loop_cpu_us_per_pred']} us a pred, decoding ahead "
+        f"       engine busy {q['engine_busy']}, loop CPU {q['loop_cpu_us_per_pred']} us a pred, "
+        f"decoding ahead "
         f"{q['decode_ahead']}: {q['ahead_used']} of {q['ahead_guesses']} guesses taken",
         *([f"Quota (pages used / limit): {', '.join(quotas)}"] if quotas else []),
         "",

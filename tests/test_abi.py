@@ -184,6 +184,25 @@ def paths(parents: list[int]) -> list[list[int]]:
     return out
 
 
+def test_a_seeded_pred_over_several_steps_draws_on_where_its_last_step_left_off(k):
+    """Rows in three steps (token budget 16) sample from one generator, as rows in one step
+    do: the engine process sends it back advanced each step. Here each row's draw is redone
+    from its returned distribution with one generator of the same seed."""
+    import torch
+
+    from symphony.engine.sampler import SamplingParams, pick
+
+    rows = [5, 20, 39]
+    with k.open("", 2) as f:
+        outs = f.pred(prompt(40, salt=9), outputs=rows, temperature=2.0, seed=7,
+                      top_logprobs=VOCAB)
+    params = SamplingParams(temperature=2.0, seed=7)
+    gen = params.generator(torch.device("cpu"))
+    want = [pick(torch.tensor(dist(o), dtype=torch.float32)[None], [params], [gen]).item()
+            for o in outs]
+    assert [o.token for o in outs] == want
+
+
 def test_a_tree_pred_equals_each_of_its_paths_run_as_a_file_and_keep_makes_that_file(k, base,
                                                                                      tol):
     parents = random_tree(20, seed=3)  # over the token budget: computed in two steps

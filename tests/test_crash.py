@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from daemon import ROOT, meminfo, prompt, start_daemon, wait_for
+from daemon import ROOT, meminfo, prompt, sched, start_daemon, wait_for
 
 from symphony.daemon import pid_path
 
@@ -221,3 +221,49 @@ def test_reaping_and_stop_free_everything_when_a_save_fails(model):
     # The stop saves all it can, says what it could not, and leaves nothing behind.
     assert code == 1 and f"not saved: inode {ino}" in d.log_text(), d.log_text()
     assert not d.socket.exists() and not pid_path(d.socket).exists()
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie has exited: its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_dead_engine_process_stops_the_kernel_and_loses_no_saved_file(model):
+    d = start_daemon(model)
+    try:
+        with d.connect() as k:
+            x = k.home + "/x"
+            with k.open(x, os.O_CREAT | os.O_RDWR) as f:
+                f.pred(prompt(40), no_outputs=True)
+                f.fsync()
+            engine = int(sched(k)["engine_pid"])
+            assert engine != d.process.pid and alive(engine)
+            os.kill(engine, signal.SIGKILL)
+            # The pred in flight, or the next, fails: the kernel stops, it does not hang.
+            with pytest.raises(OSError), k.open(x, os.O_RDWR) as f:
+                for _ in range(100):
+                    f.pred([7], no_outputs=True)
+        assert d.process.wait(30) == 1, d.log_text()
+        assert f"the engine process (pid {engine}) exited" in d.log_text()
+        assert not d.socket.exists() and not pid_path(d.socket).exists()
+        d = start_daemon(model, d.socket.parent)
+        with d.connect() as k:
+            assert k.stat(x).tokens == 40
+    finally:
+        d.stop()
+
+
+def test_a_killed_kernel_takes_its_engine_process_with_it(model):
+    d = start_daemon(model)
+    try:
+        with d.connect() as k:
+            engine = int(sched(k)["engine_pid"])
+        d.process.kill()
+        d.process.wait(30)
+        wait_for(lambda: not alive(engine), timeout=10, what="the engine process to exit")
+    finally:
+        d.stop()

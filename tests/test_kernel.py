@@ -80,6 +80,7 @@ def test_sixteen_concurrent_lips_get_what_they_get_alone(daemon, alone):
         stats = sched(k)
     assert int(stats["batch_seqs_max"]) > 1, "the LIPs never shared a forward pass"
     assert float(stats["loop_cpu_us_per_pred"]) > 0  # the loop thread's CPU, per pred
+    assert 0 < float(stats["engine_busy"]) <= 1  # a share of the window
     # fp32 on the CPU runs the C kernels (this machine has a C compiler).
     assert stats["engine"] == "cpu float32, attention c"
     for ids, (out, _) in zip(prompts, outs, strict=True):
@@ -489,8 +490,9 @@ def test_only_a_real_sleep_costs_a_process_its_lead(model, tmp_path):
     from symphony.scheduler import SLEEP_GRACE
     from symphony.syscall_table import TABLE
 
-    # The engine thread only runs steps; submitting, all this test does, never reaches it.
-    k = Kernel(Engine(model, kv_pages=16), None,
+    # The engine process only runs steps; submitting, all this test does, never reaches
+    # it: an in-process Engine stands for it.
+    k = Kernel(Engine(model, kv_pages=16),
                Options(socket=tmp_path / "k.sock", state_dir=tmp_path / "state"))
 
     async def lead_after(away: float | None) -> float:

@@ -73,7 +73,7 @@ class World:
                  pages: int = 64, host: int = 16):
         self.fs = make_fs(pages=pages, host=host)
         self.procs: list[Process] = []
-        self.sched = Scheduler(ENGINE, None, self.fs, lambda: self.procs, budget, max_seqs,
+        self.sched = Scheduler(ENGINE, self.fs, lambda: self.procs, budget, max_seqs,
                                ahead)
 
     def process(self, nice: int = 0) -> tuple[Process, Handle]:

@@ -200,6 +200,7 @@ def test_frame_sorts_by_rate_and_shows_what_it_lacks_as_a_dash():
         [*before.procs[:1], proc(3, 400, "fast"), proc(4, 20, "new")],
         meminfo,
         {"run_queue": "1", "tokens_per_s": "210.0", "loop_cpu_us_per_pred": "61.5",
+         "engine_busy": "0.93",
          "decode_ahead": "on", "ahead_guesses": "40", "ahead_used": "38"},
     )
     assert rates(before, after) == {2: 0.0, 3: 200.0, 4: 10.0}  # 4 attached in between
@@ -210,7 +211,8 @@ def test_frame_sorts_by_rate_and_shows_what_it_lacks_as_a_dash():
     assert screen[2].startswith(
         "Sched: run queue 1, waiting for memory -, - steps/s, 210.0 tokens/s"
     )
-    assert "       loop CPU 61.5 us a pred, decoding ahead on: 38 of 40 guesses taken" in screen
+    assert ("       engine busy 0.93, loop CPU 61.5 us a pred, decoding ahead on: 38 of 40 "
+            "guesses taken") in screen
     assert "Quota (pages used / limit): alice 2 / 10" in screen
     assert [p[-1] for p in process_lines("\n".join(screen))] == ["fast", "new", "slow"]
     assert (

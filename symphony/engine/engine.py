@@ -77,18 +77,23 @@ class Engine:
         kv_memory_fraction: float = 0.25,
         page_size: int = 16,
         host_pages: int = 0,
+        pool: KVPool | None = None,
     ):
+        """`pool`: the KV pool to compute in (the kernel's, shared with its engine process);
+        else one of `kv_pages` (or `kv_memory_fraction` of free memory) is made."""
         self.model_dir = Path(model_dir) if model_dir else default_model_dir()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model = load_model(self.model_dir, self.device, self.dtype)
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        if kv_pages is None:
-            kv_pages = pages_for_fraction(
-                self.config, page_size, self.dtype, self.device, kv_memory_fraction
-            )
-        self.pool = KVPool(self.config, kv_pages, page_size, self.dtype, self.device, host_pages)
+        if pool is None:
+            if kv_pages is None:
+                kv_pages = pages_for_fraction(
+                    self.config, page_size, self.dtype, self.device, kv_memory_fraction
+                )
+            pool = KVPool(self.config, kv_pages, page_size, self.dtype, self.device, host_pages)
+        self.pool = pool
         self.kernels = select_kernels(self.device, self.dtype)
         # The C attention kernels come with their per-token layer work and packed matmuls.
         self.ops = CpuOps(matmul_weights(self.model)) if self.kernels.name == "c" else TORCH_OPS

@@ -50,7 +50,11 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         host_pages: int = 0,
+        *,
+        arrays: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
+        """`arrays`: the device tier's K and V, zeroed, in memory of the caller's (shared
+        with the engine process: engine_process.py); else they are allocated here."""
         if num_pages < 1 or page_size < 1 or host_pages < 0:
             raise ValueError(
                 f"kv pool needs pages >= 1, page size >= 1, host pages >= 0; "
@@ -59,8 +63,13 @@ class KVPool:
         self.num_pages, self.page_size, self.host_pages = num_pages, page_size, host_pages
         self.config, self.dtype = cfg, dtype
         shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if arrays is not None:
+            self.k, self.v = arrays
+            if self.k.shape != shape or self.v.shape != shape:
+                raise ValueError(f"kv pool arrays of shape {tuple(self.k.shape)}, want {shape}")
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         host_shape = (cfg.num_layers, host_pages, *shape[2:])
         pin = torch.device(device).type == "cuda"  # pinned host memory copies asynchronously
         self.host_k = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)

@@ -1,0 +1,297 @@
+"""The engine process: the forward passes run in a process of their own, beside the kernel.
+
+Why not a thread of the kernel: the GIL. torch releases it for every op, so while a step
+runs, the event loop's thread takes it whenever a pred, a reply or any syscall wants Python,
+and the forward pass then waits for the loop's work to finish before its next op. With 32
+LIPs the loop runs Python for about 3 ms of a 10 ms decode step, and a step on a thread took
+40% more CPU and wall time than the same step alone (docs/architecture.md, "The GIL"). In a
+process of its own the engine has a GIL to itself: the loop's work runs beside the forward
+pass instead of inside it, as vLLM v1's engine core runs apart from its API server.
+
+What the two share is the KV pool's device tier: on the CPU an anonymous shared file
+(memfd) that both map, on a GPU device memory shared by CUDA IPC. The kernel allocates,
+copies, moves and rotates pages there (kvfs), and the engine writes the running step's K/V
+rows there. Nothing else is shared. A step goes over a socket pair as a pickled StepWork,
+and its StepResult comes back the same way. The kernel never touches the rows of the
+running step, as before (scheduler.py: quiesce and settle wait for the step).
+
+The engine process is the kernel's child (`python -m symphony.engine_process`): it exits
+when its socket closes (the kernel's close()) or, killed or crashed, when the kernel dies
+(PR_SET_PDEATHSIG). If it dies first, the step it ran fails with EIO and the kernel stops
+(daemon.py), as a kernel whose accelerator is gone must.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import gc
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import torch
+import torch.multiprocessing  # noqa: F401  (CUDA tensors pickle as IPC handles)
+
+from kvfs.errors import FSError
+from symphony.engine.config import ModelConfig
+from symphony.engine.engine import Engine, default_model_dir
+from symphony.engine.kv_pool import KVPool, pages_for_fraction
+from symphony.engine.rope import Rotary, rotate_keys
+from symphony.engine.tokenizer import Tokenizer
+from symphony.step import StepResult, StepWork, forward
+
+LENGTH = struct.Struct("<Q")  # each message: its pickle's length, then the pickle
+KV_MEMORY_FRACTION = 0.25  # of free memory, when no page count is given (as Engine's)
+
+
+class EngineDied(FSError):
+    """The engine process exited: no step can run any more."""
+
+
+class EngineProcess:
+    """The kernel's view of its engine: what the model is (config, tokenizer, device, dtype),
+    the KV pool, and step() to run a StepWork in the engine process. Built before the event
+    loop starts; it raises what building the Engine raised there (ModelError, ...)."""
+
+    def __init__(self, model_dir: str | Path | None = None, *, device: str | None = None,
+                 dtype: torch.dtype | None = None, kv_pages: int | None = None,
+                 host_pages: int = 0, page_size: int = 16):
+        self.model_dir = Path(model_dir) if model_dir else default_model_dir()
+        self.config = ModelConfig.from_file(self.model_dir / "config.json")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        if kv_pages is None:
+            kv_pages = pages_for_fraction(self.config, page_size, self.dtype, self.device,
+                                          KV_MEMORY_FRACTION)
+        shape = (self.config.num_layers, kv_pages, page_size, self.config.num_kv_heads,
+                 self.config.head_dim)
+        self._memfd, arrays = _device_tier(shape, self.dtype, self.device)
+        self.pool = KVPool(self.config, kv_pages, page_size, self.dtype, self.device,
+                           host_pages, arrays=arrays)
+        self._rotary = Rotary(self.config.head_dim, self.config.rope_theta,
+                              self.config.rope_scaling)
+        # The loop's own torch work (page copies, sampling a kept row) is small: one thread,
+        # so that it never forms an OpenMP team that competes with the engine's.
+        torch.set_num_threads(1)
+        ours, theirs = socket.socketpair()
+        self._sock, self._buf = ours, bytearray()
+        fds = [theirs.fileno()] + ([self._memfd] if self._memfd is not None else [])
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "symphony.engine_process", str(theirs.fileno())],
+            pass_fds=fds, stdin=subprocess.DEVNULL)
+        theirs.close()
+        try:
+            # The pool's device tier: on the CPU the memfd's number there (the same), on
+            # a GPU the tensors, which pickle as CUDA IPC handles.
+            tier = self._memfd if self._memfd is not None else arrays
+            ours.sendall(_message(ForkingPickler.dumps(
+                (os.getpid(), self.model_dir, self.device, self.dtype, shape, tier))))
+            self.attention = self._reply(_recv(ours))  # the attention kernels' name
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.tokenizer.eos_ids if self.tokenizer else self.config.eos_token_ids
+
+    @torch.inference_mode()
+    def rotate_keys(self, rows: torch.Tensor, delta: int) -> None:
+        """Move the keys at device pool rows `rows` (page * page_size + offset) by `delta`
+        positions, in every layer (kvfs's shift; docs/syscalls.md)."""
+        rows = rows.to(self.device)
+        for k_cache in self.pool.k:
+            rotate_keys(k_cache, rows, delta, self._rotary)
+
+    async def step(self, work: StepWork) -> StepResult:
+        """Run one step in the engine process; the event loop goes on meanwhile. The work's
+        seeded generators come back advanced, as if sampled here."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        try:
+            _send(self._sock, work)
+        except OSError as e:
+            raise self._died() from e
+        loop.add_reader(self._sock, self._readable, answer)
+        try:
+            result = self._reply(await answer)
+        finally:
+            loop.remove_reader(self._sock)
+        for mine, theirs in zip(work.generators, result.generators, strict=True):
+            if mine is not None:
+                mine.set_state(theirs.get_state())
+        return result
+
+    async def exited(self) -> int:
+        """Wait until the engine process exits: its exit status."""
+        loop = asyncio.get_running_loop()
+        gone = loop.create_future()
+        pidfd = os.pidfd_open(self._proc.pid)  # readable once the process has exited
+        loop.add_reader(pidfd, lambda: gone.done() or gone.set_result(None))
+        try:
+            await gone
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        return self._proc.wait()
+
+    def _readable(self, answer: asyncio.Future) -> None:
+        try:
+            data = self._sock.recv(1 << 20, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            if not answer.done():
+                answer.set_exception(self._died())
+            return
+        self._buf += data
+        if len(self._buf) >= LENGTH.size:
+            (size,) = LENGTH.unpack_from(self._buf)
+            if len(self._buf) >= LENGTH.size + size and not answer.done():
+                message = pickle.loads(self._buf[LENGTH.size:LENGTH.size + size])
+                del self._buf[:LENGTH.size + size]
+                answer.set_result(message)
+
+    @staticmethod
+    def _reply(message: tuple[str, object]) -> object:
+        kind, value = message
+        if kind == "error":
+            raise value
+        return value
+
+    def _died(self) -> EngineDied:
+        try:
+            status = self._proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            status = None
+        return EngineDied(errno.EIO, f"the engine process (pid {self._proc.pid}) exited with "
+                          f"status {status}")
+
+    def close(self) -> None:
+        """Stop the engine process: it exits when its socket closes."""
+        self._sock.close()
+        try:
+            self._proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._memfd is not None:
+            os.close(self._memfd)
+            self._memfd = None
+
+
+def _device_tier(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+                 ) -> tuple[int | None, tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed K and V of `shape` that the engine process can map: on the CPU in a memfd
+    (returned, to pass on), on a GPU in device memory (CUDA IPC shares it)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if device.type == "cuda":
+        return None, (torch.zeros(shape, dtype=dtype, device=device),
+                      torch.zeros(shape, dtype=dtype, device=device))
+    fd = os.memfd_create("symphony-kv-pool")
+    os.ftruncate(fd, 2 * numel * dtype.itemsize)
+    return fd, _mapped(fd, shape, dtype)
+
+
+def _mapped(fd: int, shape: tuple[int, ...], dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    numel = 1
+    for n in shape:
+        numel *= n
+    both = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=2 * numel, dtype=dtype)
+    return both[:numel].view(shape), both[numel:].view(shape)
+
+
+def _message(data: bytes) -> bytes:
+    return LENGTH.pack(len(data)) + data
+
+
+def _send(sock: socket.socket, message: object) -> None:
+    sock.sendall(_message(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)))
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket) -> object:
+    """The next message; EOFError when the other end has closed."""
+    head = _recv_exactly(sock, LENGTH.size)
+    body = None if head is None else _recv_exactly(sock, LENGTH.unpack(head)[0])
+    if body is None:
+        raise EOFError("the other end of the engine's socket closed")
+    return pickle.loads(body)
+
+
+def _picklable(e: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def main(sock: socket.socket) -> None:
+    """The engine process: build the Engine over the kernel's pool, then run steps until
+    the kernel closes the socket."""
+    kernel, model_dir, device, dtype, shape, tier = _recv(sock)
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != kernel:  # the kernel died before prctl: nobody would stop us
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the kernel, which stops us
+    try:
+        arrays = _mapped(tier, shape, dtype) if isinstance(tier, int) else tier
+        cfg = ModelConfig.from_file(Path(model_dir) / "config.json")
+        pool = KVPool(cfg, shape[1], shape[2], dtype, device, arrays=arrays)
+        engine = Engine(model_dir, device=str(device), dtype=dtype, pool=pool)
+    except BaseException as e:  # handed to the kernel, which reports it
+        _send(sock, ("error", _picklable(e)))
+        return
+    # What is built by now lives as long as the process: out of the collector's sight, so
+    # that the collections the steps' garbage sets off do not walk torch's and the model's
+    # objects each time (in the kernel, collecting was 19% of the loop thread's CPU).
+    gc.freeze()
+    _send(sock, ("ready", engine.kernels.name))
+    try:
+        while True:
+            try:
+                work = _recv(sock)
+            except (EOFError, OSError):
+                return
+            try:
+                _send(sock, ("done", forward(engine, work)))
+            except Exception as e:  # this step failed, as a whole; the next may not
+                _send(sock, ("error", _picklable(e)))
+    finally:
+        gc.unfreeze()  # collected at exit as usual (else triton's bindings report leaks)
+
+
+if __name__ == "__main__":
+    main(socket.socket(fileno=int(sys.argv[1])))
