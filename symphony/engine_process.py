@@ -17,7 +17,7 @@ running step, as before (scheduler.py: quiesce and settle wait for the step).
 
 The engine process is the kernel's child (`python -m symphony.engine_process`): it exits
 when its socket closes (the kernel's close()) or, killed or crashed, when the kernel dies
-(PR_SET_PDEATHSIG). If it dies first, the step it ran fails with EIO and the kernel stops
+(PR_SET_PDEATHSIG); it ignores SIGINT and SIGTERM. If it dies first, the step it ran fails with EIO and the kernel stops
 (daemon.py), as a kernel whose accelerator is gone must.
 """
 
@@ -124,6 +124,8 @@ class EngineProcess:
         seeded generators come back advanced, as if sampled here."""
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
+        if self.device.type == "cuda":  # the kernel's page copies done before the step reads
+            torch.cuda.synchronize()
         try:
             _send(self._sock, work)
         except OSError as e:
@@ -265,7 +267,10 @@ def main(sock: socket.socket) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != kernel:  # the kernel died before prctl: nobody would stop us
         return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the kernel, which stops us
+    # A Ctrl-C, or a SIGTERM sent to the kernel's whole process group, reaches the kernel,
+    # which stops cleanly and then stops us: we do not stop first.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         arrays = _mapped(tier, shape, dtype) if isinstance(tier, int) else tier
         cfg = ModelConfig.from_file(Path(model_dir) / "config.json")
@@ -286,9 +291,15 @@ def main(sock: socket.socket) -> None:
             except (EOFError, OSError):
                 return
             try:
-                _send(sock, ("done", forward(engine, work)))
+                answer = ("done", forward(engine, work))
+                if device.type == "cuda":  # the step's K/V written before the kernel reads
+                    torch.cuda.synchronize()
             except Exception as e:  # this step failed, as a whole; the next may not
-                _send(sock, ("error", _picklable(e)))
+                answer = ("error", _picklable(e))
+            try:
+                _send(sock, answer)
+            except OSError:  # the kernel closed its end while the step ran: it is stopping
+                return
     finally:
         gc.unfreeze()  # collected at exit as usual (else triton's bindings report leaks)
 

@@ -267,3 +267,22 @@ def test_a_killed_kernel_takes_its_engine_process_with_it(model):
         wait_for(lambda: not alive(engine), timeout=10, what="the engine process to exit")
     finally:
         d.stop()
+
+
+def test_the_engine_process_leaves_stopping_to_its_kernel(model):
+    """A SIGTERM to the kernel's process group (a service manager's stop) reaches the engine
+    process too: it ignores it, and the kernel stops cleanly and then stops it."""
+    d = start_daemon(model)
+    try:
+        with d.connect() as k:
+            engine = int(sched(k)["engine_pid"])
+            os.kill(engine, signal.SIGTERM)
+            time.sleep(0.5)
+            with k.open("", os.O_RDWR) as f:
+                f.pred(prompt(8), no_outputs=True)
+            assert alive(engine)
+        assert d.stop() == 0, d.log_text()
+        assert "the engine process" not in d.log_text()
+        wait_for(lambda: not alive(engine), timeout=10, what="the engine process to exit")
+    finally:
+        d.stop()
