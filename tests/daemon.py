@@ -112,6 +112,15 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     return [(7 * i + 13 * salt) % 290 + 6 for i in range(n)]
 
 
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie has exited: its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

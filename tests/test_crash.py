@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from daemon import ROOT, meminfo, prompt, sched, start_daemon, wait_for
+from daemon import ROOT, alive, meminfo, prompt, sched, start_daemon, wait_for
 
 from symphony.daemon import pid_path
 
@@ -221,15 +221,6 @@ def test_reaping_and_stop_free_everything_when_a_save_fails(model):
     # The stop saves all it can, says what it could not, and leaves nothing behind.
     assert code == 1 and f"not saved: inode {ino}" in d.log_text(), d.log_text()
     assert not d.socket.exists() and not pid_path(d.socket).exists()
-
-
-def alive(pid: int) -> bool:
-    """Whether pid runs (a zombie has exited: its parent has not reaped it yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_dead_engine_process_stops_the_kernel_and_loses_no_saved_file(model):

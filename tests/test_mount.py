@@ -15,6 +15,7 @@ from daemon import (
     NEEDS_MOUNT,
     ROOT,
     SYMPHONY,
+    alive,
     as_user,
     errno_of,
     make,
@@ -295,11 +296,3 @@ def test_a_killed_kernel_leaves_eio_and_umount_works(model):
             wait_for(lambda: not alive(pid), what="the mount process to exit")
     finally:
         d.stop()
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

@@ -13,7 +13,6 @@ from symphony.engine.attention import PagedAttention, PagedMetadata, select_kern
 from symphony.engine.kv_pool import KVPool, pages_for_fraction
 from symphony.engine.loader import load_model
 from symphony.engine.ops import TORCH_OPS, CpuOps, matmul_weights
-from symphony.engine.rope import rotate_keys
 from symphony.engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
@@ -105,14 +104,6 @@ class Engine:
 
     def eos_ids(self) -> tuple[int, ...]:
         return self.tokenizer.eos_ids if self.tokenizer else self.config.eos_token_ids
-
-    @torch.inference_mode()
-    def rotate_keys(self, rows: torch.Tensor, delta: int) -> None:
-        """Move the keys at device pool rows `rows` (page * page_size + offset) by `delta`
-        positions, in every layer (kvfs's shift; docs/syscalls.md)."""
-        rows = rows.to(self.device)
-        for k_cache in self.pool.k:
-            rotate_keys(k_cache, rows, delta, self.model.rotary)
 
     def check(self, batch: Batch) -> None:
         """Raise ValueError, naming the field, for a batch the forward pass cannot take."""
