@@ -102,7 +102,7 @@ class EngineProcess:
             raise
 
     @property
-    def pid(self) -> int | None:
+    def pid(self) -> int:
         return self._proc.pid
 
     @property
