@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
+    for flag in ("batch", "repeat"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag}: {getattr(args, flag)} is not a positive count")
     torch.set_num_threads(1)
     engine = Engine(args.model, kv_pages=2048)
     vocab = engine.config.vocab_size

@@ -28,6 +28,7 @@ import ctypes
 import errno
 import gc
 import io
+import math
 import os
 import pickle
 import signal
@@ -205,22 +206,17 @@ def _device_tier(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
                  ) -> tuple[int | None, tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed K and V of `shape` that the engine process can map: on the CPU in a memfd
     (returned, to pass on), on a GPU in device memory (CUDA IPC shares it)."""
-    numel = 1
-    for n in shape:
-        numel *= n
     if device.type == "cuda":
         return None, (torch.zeros(shape, dtype=dtype, device=device),
                       torch.zeros(shape, dtype=dtype, device=device))
     fd = os.memfd_create("symphony-kv-pool")
-    os.ftruncate(fd, 2 * numel * dtype.itemsize)
+    os.ftruncate(fd, 2 * math.prod(shape) * dtype.itemsize)
     return fd, _mapped(fd, shape, dtype)
 
 
 def _mapped(fd: int, shape: tuple[int, ...], dtype: torch.dtype
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     both = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=2 * numel, dtype=dtype)
     return both[:numel].view(shape), both[numel:].view(shape)
 

@@ -484,16 +484,14 @@ def test_only_a_real_sleep_costs_a_process_its_lead(model, tmp_path):
     its last answer keeps its virtual runtime; after a longer sleep, or on its first pred,
     it keeps at most one token budget of lead over min_vruntime."""
     from symphony.daemon import Kernel
-    from symphony.engine.engine import Engine
     from symphony.engine.sampler import GREEDY
+    from symphony.engine_process import EngineProcess
     from symphony.options import Options
     from symphony.scheduler import SLEEP_GRACE
     from symphony.syscall_table import TABLE
 
-    # The engine process only runs steps; submitting, all this test does, never reaches
-    # it: an in-process Engine stands for it.
-    k = Kernel(Engine(model, kv_pages=16),
-               Options(socket=tmp_path / "k.sock", state_dir=tmp_path / "state"))
+    engine = EngineProcess(model, kv_pages=16)
+    k = Kernel(engine, Options(socket=tmp_path / "k.sock", state_dir=tmp_path / "state"))
 
     async def lead_after(away: float | None) -> float:
         s = k.sched
@@ -506,9 +504,12 @@ def test_only_a_real_sleep_costs_a_process_its_lead(model, tmp_path):
         await s.cancel(future)
         return s.min_vruntime - p.vruntime
 
-    assert asyncio.run(lead_after(SLEEP_GRACE / 10)) == 100_000.0
-    assert asyncio.run(lead_after(SLEEP_GRACE * 10)) == k.sched.token_budget
-    assert asyncio.run(lead_after(None)) == k.sched.token_budget
+    try:
+        assert asyncio.run(lead_after(SLEEP_GRACE / 10)) == 100_000.0
+        assert asyncio.run(lead_after(SLEEP_GRACE * 10)) == k.sched.token_budget
+        assert asyncio.run(lead_after(None)) == k.sched.token_budget
+    finally:
+        engine.close()
 
 
 def test_a_prefill_is_not_starved_by_decodes_that_fill_every_step(model):
