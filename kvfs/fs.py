@@ -1,7 +1,8 @@
 """The KV file system: namespace, open files, and the operations on KV files.
 
 Every operation checks everything first and changes state only once nothing can fail, so
-a refused call leaves files, pages and counts as they were.
+a refused call leaves files, pages and counts as they were. The pred hook (reserve, then
+commit or rollback) is in reservation.py; FileSystem offers it as methods.
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ import errno
 import os
 import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from kvfs import reservation
 from kvfs.errors import FSError, enoent
 from kvfs.format import Imported, Incoming, Layout, export_bytes, parse, read_range
 from kvfs.inode import Inode, now_ns
 from kvfs.pages import Page, PageStore
 from kvfs.perm import ROOT, Cred, R, W, X, allowed, check, check_sticky
 from kvfs.ranges import covered, merge_ranges
+from kvfs.reservation import Reservation  # what reserve returns: importable from here too
 
 O_ACCMODE = os.O_ACCMODE
 NAME_MAX = 255
@@ -35,28 +38,6 @@ class Handle:
     writable: bool
     cred: Cred
     closed: bool = False
-
-
-@dataclass
-class Reservation:
-    """Room for `count` new entries made before a forward pass writes their K/V."""
-
-    handle: Handle
-    start: int  # where the new entries go: the file's length, or the cut
-    count: int
-    new_pages: list[Page] = field(default_factory=list)
-    page_table: list[int] = field(default_factory=list)  # device ids, covering start + count
-    # What the forward pass attends around: the file's excluded ranges before `start`.
-    excluded: list[tuple[int, int]] = field(default_factory=list)
-    # A cutting reservation: new_pages take the place of the file's pages from the one
-    # holding entry `start` on, at commit; page_table is good while the store's moves are
-    # still table_moves.
-    cutting: bool = False
-    table_moves: int = -1
-    # Stacked reservations (reserve_after): the one made right after this, and the one this
-    # was made after, while they are open.
-    follower: Reservation | None = None
-    leader: Reservation | None = None
 
 
 @dataclass
@@ -576,132 +557,6 @@ class FileSystem:
             raise FSError(errno.ENOSPC, f"kv pool: {extra_device} device pages needed, "
                           f"{free} free")
 
-    def reserve(self, handle: Handle, count: int, cut: int | None = None) -> Reservation:
-        """Room for `count` entries, every page of the file on the device, and the page
-        table the forward pass writes through. Commit or roll back when it is done.
-
-        With `cut`, the new entries go after the first `cut` entries (only the pages
-        before it brought up) and replace the rest at commit: until then those and their
-        K/V stay as they are."""
-        inode = self._writable(handle, "append")
-        if count <= 0:
-            raise FSError(errno.EINVAL, f"append: {count} entries")
-        if cut is not None and not 0 <= cut <= inode.length:
-            raise FSError(errno.EINVAL, f"append: truncate {cut} is outside "
-                          f"[0, {inode.length}]")
-        if cut is not None and cut < inode.length:
-            return self._reserve_cut(handle, count, cut)
-        length, store = inode.length, self.store
-        tail = self._needs_private_tail(inode, length)
-        new = self._pages_for(length + count) - len(inode.pages)
-        # The table kept from the last reserve, while no page has moved since: then every
-        # page is still on the device where it says.
-        table = inode.table if inode.table_moves == store.moves else None
-        down = 0 if table is not None else sum(p is not None and p.tier != "device"
-                                               for p in inode.pages)
-        if down + new + tail:  # else nothing to charge or to find room for
-            self._room(inode, down + new + tail, new + tail)
-        if table is None:
-            store.bring_up(inode.pages)
-        if tail:
-            self._private(inode, length // self.page_size)
-        res = Reservation(handle, length, count, store.new(new, inode.uid),
-                          excluded=inode.excluded)
-        inode.pages.extend(res.new_pages)
-        if table is None or tail:
-            table = store.device_ids(inode.pages)
-        elif res.new_pages:
-            table.extend(p.slot for p in res.new_pages)
-        inode.table, inode.table_moves = table, store.moves
-        res.page_table = list(table)  # the file's own goes on changing
-        inode.reserved = 1
-        return res
-
-    def reserve_after(self, res: Reservation, count: int) -> Reservation:
-        """Room for `count` entries right after those of `res`, an appending reservation
-        not committed yet (decoding ahead guesses the pred after a guess). Reservations so
-        stacked commit in order and roll back in reverse; the file stays busy until the
-        last of them ends. EAGAIN when a page of the file moved since `res` was made."""
-        inode, store = self._live(res.handle), self.store
-        if (res.cutting or res.follower is not None or not inode.busy or inode.table is None
-                or inode.table_moves != store.moves):
-            raise FSError(errno.EAGAIN, "append: not the file's last appending reservation, "
-                          "or its pages moved")
-        if count <= 0:
-            raise FSError(errno.EINVAL, f"append: {count} entries")
-        start = res.start + res.count
-        new = self._pages_for(start + count) - len(inode.pages)
-        if new:
-            self._room(inode, new, new)
-        after = Reservation(res.handle, start, count, store.new(new, inode.uid),
-                            excluded=res.excluded, leader=res)
-        inode.pages.extend(after.new_pages)
-        inode.table.extend(p.slot for p in after.new_pages)
-        after.page_table = list(inode.table)
-        res.follower = after
-        inode.reserved += 1
-        return after
-
-    def _reserve_cut(self, handle: Handle, count: int, cut: int) -> Reservation:
-        """reserve after entry `cut` < length: the new entries go into fresh pages (the page
-        holding entry `cut` copied, its first rows kept), so the old ones stay intact for a
-        rollback; the file's page list changes at commit."""
-        inode, store, size = handle.inode, self.store, self.page_size
-        kept = inode.pages[: cut // size]
-        partial = inode.pages[cut // size] if cut % size else None
-        copies = int(cut % size != 0)
-        fresh = self._pages_for(cut + count) - len(kept) - copies
-        table = inode.table if inode.table_moves == store.moves else None
-        down = 0 if table is not None else sum(p is not None and p.tier != "device"
-                                               for p in kept)
-        self._room(inode, down + copies + fresh, copies + fresh)
-        if table is None:
-            store.bring_up(kept)
-        new_pages = []
-        if copies:  # a punched hole has no rows to keep: a fresh page will do
-            new_pages = ([store.copy(partial, inode.uid)] if partial is not None
-                         else store.new(1, inode.uid))
-        new_pages += store.new(fresh, inode.uid)
-        page_table = (table[: len(kept)] if table is not None else store.device_ids(kept))
-        page_table += [p.slot for p in new_pages]
-        excluded = [(s, min(e, cut)) for s, e in inode.excluded if s < cut]
-        inode.reserved = 1
-        return Reservation(handle, cut, count, new_pages, page_table, excluded, cutting=True,
-                           table_moves=store.moves)
-
-    def commit(self, res: Reservation, tokens: list[int], positions: list[int]) -> None:
-        inode = res.handle.inode
-        if len(tokens) != res.count or len(positions) != res.count:
-            raise FSError(errno.EINVAL, "commit: entries do not match the reservation")
-        if res.leader is not None:
-            raise FSError(errno.EBUSY, "commit: the reservation before it is still open")
-        if res.follower is not None:
-            res.follower.leader = None
-        if res.cutting:
-            first = res.start // self.page_size
-            old = inode.pages[first:]
-            inode.pages[first:] = res.new_pages
-            self.store.unref(old)
-            self._cut_entries(inode, res.start)
-            inode.table, inode.table_moves = list(res.page_table), res.table_moves
-        inode.tokens.extend(tokens)
-        inode.positions.extend(positions)
-        inode.reserved -= 1
-        inode.touch()
-
-    def rollback(self, res: Reservation) -> None:
-        inode = res.handle.inode
-        if res.follower is not None:
-            raise FSError(errno.EBUSY, "rollback: a reservation after it is still open")
-        if res.leader is not None:
-            res.leader.follower = None
-        if not res.cutting:  # a cutting reservation's pages never joined the file
-            del inode.pages[len(inode.pages) - len(res.new_pages):]
-            if inode.table is not None:
-                del inode.table[len(inode.pages):]
-        self.store.unref(res.new_pages)
-        inode.reserved -= 1
-
     def _cut_entries(self, inode: Inode, length: int) -> None:
         """Drop the entries from `length` on (tokens, positions, excluded ranges)."""
         del inode.tokens[length:], inode.positions[length:]
@@ -916,3 +771,21 @@ class FileSystem:
                 pool.write_rows(d.pages[dst_page].slot, dst_off,
                                 k[:, src_off:src_off + n], v[:, src_off:src_off + n])
             i += n
+
+    # -- the pred hook (reservation.py) -------------------------------------------------
+
+    def reserve(self, handle: Handle, count: int, cut: int | None = None) -> Reservation:
+        """reservation.reserve: room for `count` entries (after the first `cut`)."""
+        return reservation.reserve(self, handle, count, cut)
+
+    def reserve_after(self, res: Reservation, count: int) -> Reservation:
+        """reservation.reserve_after: room for `count` entries right after those of `res`."""
+        return reservation.reserve_after(self, res, count)
+
+    def commit(self, res: Reservation, tokens: list[int], positions: list[int]) -> None:
+        """reservation.commit: the entries of `res` join the file."""
+        reservation.commit(self, res, tokens, positions)
+
+    def rollback(self, res: Reservation) -> None:
+        """reservation.rollback: give back the room of `res`."""
+        reservation.rollback(self, res)
