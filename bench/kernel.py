@@ -15,7 +15,9 @@
 5. the pred path, this system's getpid(): preds/s of one kernel with 1, 32 (also as one
    asyncio process) and 128 decoding LIPs, against generate at the same batch, on a
    random-weight model of one layer and hidden 64, where a forward pass costs next to
-   nothing; with the kernel's and the LIPs' CPU per pred.
+   nothing; with the kernel's and the LIPs' CPU per pred. With --path-engine sleep:MS the
+   kernel's engine is a simulated accelerator whose steps take MS (`symphony kernel
+   --engine`): also the preds it delivered per step time against the ideal, N.
 6. one long prefill: time to the first token of a 512-token prompt, generate against one
    pred of a LIP, with the same token budget, on a random Llama of a matmul-heavy shape
    (or Llama-3.2-1B's), with the kernel's steps and engine time for the pred.
@@ -678,6 +680,7 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_la
 def bench_path(args: argparse.Namespace, tmp: Path) -> None:
     import torch
 
+    from symphony.cli import parse_engine
     from symphony.engine.engine import Engine
 
     context = args.prompt_len + args.path_preds + 1
@@ -697,7 +700,12 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
     if 32 in counts:
         groups.insert(counts.index(32) + 1, ("1 asyncio LIP, 32 sessions", 32, "adecode"))
     results = []
-    flags = ["--model", str(model), "--kv-pages", str(args.kv_pages)]
+    flags = ["--model", str(model), "--kv-pages", str(args.kv_pages),
+             "--engine", args.path_engine]
+    sleep_ms = parse_engine(args.path_engine)
+    if sleep_ms is not None:
+        print(f"# the kernel's engine: {args.path_engine}, a simulated accelerator (its tokens "
+              f"are not generate's)")
     with KernelDaemon(tmp, "path", flags, {"OMP_NUM_THREADS": str(args.path_threads)}) as kd:
         for name, n, mode in groups:
             started, tokens = time.monotonic(), args.path_preds // n + 1
@@ -718,21 +726,26 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
                     cpu.append((kc / preds * 1e6, lc / preds * 1e6))
                     same = sum(o == r for o, r in zip(outs, ref, strict=True))
                 with kernel_client(kd.socket) as k:  # its last seconds: this group's rounds
-                    loop = sched(k)["loop_cpu_us_per_pred"]
+                    figures = sched(k)
+                    loop, engine_busy = figures["loop_cpu_us_per_pred"], figures["engine_busy"]
             finally:
                 for lip in lips:
                     lip.close()
-            results.append((name, n, ours, peer, cpu, peer_cpu, same, loop,
+            results.append((name, n, ours, peer, cpu, peer_cpu, same, loop, engine_busy,
                             time.monotonic() - started))
     torch.set_num_threads(threads)
     header("LIPs", "generate")
     for name, _, ours, peer, *_ in results:
         row(name, "preds/s", ours, peer, False, "none set")
-    for name, n, _, _, cpu, peer_cpu, same, loop, secs in results:
+    for name, n, ours, _, cpu, peer_cpu, same, loop, engine_busy, secs in results:
         kc, lc = (statistics.median(c) for c in zip(*cpu, strict=True))
         print(f"  {name}: CPU per pred, median: kernel {kc:.0f} (its loop thread {loop:.0f}, "
               f"/proc/sched) + LIP {lc:.0f} us (generate {statistics.median(peer_cpu):.0f} us); "
               f"sequences with generate's tokens: {same} of {n}; {secs:.0f} s")
+        if sleep_ms is not None:  # at best every LIP gets its pred in every step: N per MS
+            per_step = statistics.median(ours) * sleep_ms / 1e3
+            print(f"    {args.path_engine}: {per_step:.1f} preds per {sleep_ms:g} ms step time, "
+                  f"{per_step / n:.2f} of the ideal {n}; engine_busy {engine_busy:.2f}")
 
 
 def bench_masked(args: argparse.Namespace, tmp: Path) -> None:
@@ -868,6 +881,9 @@ def main() -> int:
                     help="the pred path: preds a round, shared by the LIPs")
     ap.add_argument("--path-threads", type=int, default=1,
                     help="the pred path: torch threads of the kernel and of generate")
+    ap.add_argument("--path-engine", default="model",
+                    help="the pred path: the kernel's --engine (sleep:MS: a simulated "
+                    "accelerator whose steps take MS)")
     ap.add_argument("--prefill-shape", choices=sorted(PREFILL_SHAPES), default="mid",
                     help="the long prefill: the random model's shape (1b: 20 GB in all)")
     ap.add_argument("--prefill-len", type=int, default=512)
@@ -894,6 +910,12 @@ def main() -> int:
         ap.error(f"--only: unknown {', '.join(sorted(bad))}")
     if args.engine_threads is not None and args.engine_threads < 1:
         ap.error(f"--engine-threads: {args.engine_threads} is not a positive count")
+    from symphony.cli import parse_engine  # not before: a LIP imports only syscalls
+
+    try:
+        parse_engine(args.path_engine)
+    except ValueError as e:
+        ap.error(f"--path-engine: {e}")
     if args.engine_threads:
         import torch
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from symphony import kv, mount, top
@@ -61,7 +62,8 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     engine = EngineProcess(
         args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages,
-        host_pages=args.host_pages if args.host_pages is not None else args.kv_pages or 0)
+        host_pages=args.host_pages if args.host_pages is not None else args.kv_pages or 0,
+        sleep_ms=parse_engine(args.engine))
     opts = Options(
         socket=socket_path(args.socket), state_dir=Path(args.state_dir or default_state_dir()),
         token_budget=args.token_budget, max_seqs=args.max_seqs, disk_pages=args.disk_pages,
@@ -79,7 +81,7 @@ def control():
 
 KERNEL_OPTIONS = ("model", "state_dir", "device", "dtype", "kv_pages", "host_pages",
                   "disk_pages", "token_budget", "max_seqs", "quota", "decode_ahead",
-                  "max_procs_per_user")
+                  "max_procs_per_user", "engine")
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -97,6 +99,32 @@ def positive(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a positive count")
     return n
+
+
+def parse_engine(text: str) -> float | None:
+    """An --engine value: None for "model" (the model's forward passes), the milliseconds a
+    step takes for "sleep:MS" (a simulated accelerator, engine_process.py's SleepEngine);
+    ValueError for anything else."""
+    if text == "model":
+        return None
+    kind, _, ms = text.partition(":")
+    try:
+        value = float(ms) if kind == "sleep" else math.nan
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{text!r} is neither model nor sleep:MS with MS a positive number "
+                         "of milliseconds")
+    return value
+
+
+def engine_mode(text: str) -> str:
+    """An argparse type: --engine's value, as given once parse_engine takes it."""
+    try:
+        parse_engine(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def add_kernel_flags(k: argparse.ArgumentParser) -> None:
@@ -121,6 +149,11 @@ def add_kernel_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument("--max-procs-per-user", type=positive, default=Options.max_procs_per_user,
                    help="processes a user may have at once; more get EAGAIN (root: no "
                    "limit; default %(default)s)")
+    k.add_argument("--engine", type=engine_mode, default="model", metavar="model|sleep:MS",
+                   help="what runs the forward passes: the model (default), or sleep:MS, a "
+                   "simulated accelerator whose every step sleeps MS milliseconds and "
+                   "answers made-up tokens, loading no weights (to measure the kernel's own "
+                   "path)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,11 @@ The engine process is the kernel's child (`python -m symphony.engine_process`): 
 when its socket closes (the kernel's close()) or, killed or crashed, when the kernel dies
 (PR_SET_PDEATHSIG); it ignores SIGINT and SIGTERM. If it dies first, the step it ran fails
 with EIO and the kernel stops (daemon.py), as a kernel whose accelerator is gone must.
+
+With `--engine sleep:MS` the engine process is a simulated accelerator (SleepEngine): it
+loads no weights, and each step sleeps MS and answers tokens from a rule, so that the
+kernel's own path can be measured at a fast accelerator's step time on a machine whose CPU
+would otherwise spend itself on forward passes.
 """
 
 from __future__ import annotations
@@ -36,9 +41,12 @@ import socket
 import struct
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (CUDA tensors pickle as IPC handles)
 
@@ -47,6 +55,7 @@ from symphony.engine.config import ModelConfig
 from symphony.engine.engine import Engine, default_model_dir
 from symphony.engine.kv_pool import KVPool, pages_for_fraction
 from symphony.engine.rope import Rotary, rotate_keys
+from symphony.engine.sampler import mask_words
 from symphony.engine.tokenizer import Tokenizer
 from symphony.step import StepResult, StepWork, forward
 
@@ -58,19 +67,101 @@ class EngineDied(FSError):
     """The engine process exited: no step can run any more."""
 
 
+LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class SleepEngine:
+    """A simulated accelerator (--engine sleep:MS): a step sleeps `seconds` and answers
+    each logit row with a token from a rule, doing no math, and writes no K/V.
+
+    The token of a row whose input is token x at position p is (31 x + p + 1) mod `tokens`,
+    moved up past the special ids (EOS among them), so that a decode loop runs to its length;
+    with a mask, the first allowed id from there on (wrapping round). Its "distribution" is
+    log p(id) = -(1 + (id - token) mod vocab) ln 2: what top-n, scores and a kept row show.
+    The sampler's temperature, seed and cut-offs and the controls' biases change nothing."""
+
+    seconds: float
+    vocab: int  # the logit rows' width: the model's vocab_size
+    tokens: int  # the rule's tokens are below this: ids the tokenizer knows
+    special: frozenset[int]  # ids the rule skips
+
+    def token(self, last: int, position: int) -> int:
+        t = (31 * last + position + 1) % self.tokens
+        while t in self.special:
+            t = (t + 1) % self.tokens
+        return t
+
+    def logprob(self, token: int, other: int) -> float:
+        return -(1 + (other - token) % self.vocab) * LN2
+
+    def logits(self, token: int) -> torch.Tensor:
+        """A kept row: sampled again with a mask, greedily, it gives what the rule does."""
+        return (-(1 + (torch.arange(self.vocab) - token) % self.vocab) * LN2).float()
+
+    def allowed(self, mask: torch.Tensor, token: int) -> int:
+        """The first id at or after `token`, wrapping round, that `mask` allows."""
+        words = mask[:mask_words(self.vocab)].cpu().numpy().view(np.uint8)
+        ids = np.flatnonzero(np.unpackbits(words, bitorder="little")[:self.vocab])
+        i = int(np.searchsorted(ids, token))
+        return int(ids[i] if i < len(ids) else ids[0])
+
+    def forward(self, work: StepWork) -> StepResult:
+        """A step's result, returned `seconds` after the step began (or when it is ready)."""
+        done_at = time.monotonic() + self.seconds
+        b = work.batch
+        controls = work.controls or [None] * len(work.params)
+        tokens = []
+        for r, c in zip(b.logit_rows, controls, strict=True):
+            t = self.token(b.token_ids[r], b.positions[r])
+            tokens.append(t if c is None or c.allowed is None else self.allowed(c.allowed, t))
+        n_top = max((p.top_logprobs for p in work.params), default=0)
+        top = [-(j + 1) * LN2 for j in range(n_top)]
+        result = StepResult(tokens, [-LN2] * len(tokens),
+                            [[(t + j) % self.vocab for j in range(n_top)] for t in tokens],
+                            [list(top) for _ in tokens], generators=work.generators)
+        if any(c is not None and (c.allowed is not None or c.bias_ids) for c in controls):
+            result.model_logprobs = list(result.logprobs)  # no mask or bias changes them
+        width = max((len(c.score_ids) for c in controls if c is not None), default=0)
+        if width:
+            result.scores = [
+                [self.logprob(t, s) for s in c.score_ids] + [math.nan] * (width - len(c.score_ids))
+                if c is not None else [math.nan] * width
+                for t, c in zip(tokens, controls, strict=True)]
+        result.kept = {i: self.logits(tokens[i]) for i in work.kept}
+        time.sleep(max(0.0, done_at - time.monotonic()))
+        return result
+
+
+def sleep_engine(config: ModelConfig, tokenizer: Tokenizer | None, seconds: float
+                 ) -> SleepEngine:
+    """The simulated accelerator of a model: its rule's tokens are the tokenizer's ids but
+    for the special ones and EOS."""
+    tokens = min(config.vocab_size, tokenizer.vocab_size) if tokenizer else config.vocab_size
+    special = set(tokenizer.eos_ids) | set(tokenizer.special_ids()) if tokenizer else set()
+    special |= set(config.eos_token_ids)
+    if not set(range(tokens)) - special:
+        raise ValueError(f"--engine sleep: every token of {tokens} is special")
+    return SleepEngine(seconds, config.vocab_size, tokens, frozenset(special))
+
+
 class EngineProcess:
     """The kernel's view of its engine: what the model is (config, tokenizer, device, dtype),
     the KV pool, and step() to run a StepWork in the engine process. Built before the event
-    loop starts; it raises what building the Engine raised there (ModelError, ...)."""
+    loop starts; it raises what building the Engine raised there (ModelError, ...).
+    `sleep_ms`: a simulated accelerator (SleepEngine) whose steps take that long."""
 
     def __init__(self, model_dir: str | Path | None = None, *, device: str | None = None,
                  dtype: torch.dtype | None = None, kv_pages: int | None = None,
-                 host_pages: int = 0, page_size: int = 16):
+                 host_pages: int = 0, page_size: int = 16, sleep_ms: float | None = None):
         self.model_dir = Path(model_dir) if model_dir else default_model_dir()
         self.config = ModelConfig.from_file(self.model_dir / "config.json")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.mode = "model" if sleep_ms is None else f"sleep:{sleep_ms:g}"  # as --engine
+        simulated = None if sleep_ms is None else sleep_engine(self.config, self.tokenizer,
+                                                                sleep_ms / 1e3)
         if kv_pages is None:
             kv_pages = pages_for_fraction(self.config, page_size, self.dtype, self.device,
                                           KV_MEMORY_FRACTION)
@@ -93,10 +184,12 @@ class EngineProcess:
         theirs.close()
         try:
             # The pool's device tier: on the CPU the memfd's number there (the same), on
-            # a GPU the tensors, which pickle as CUDA IPC handles.
+            # a GPU the tensors, which pickle as CUDA IPC handles. A simulated accelerator
+            # writes no K/V: it gets none (nor sets up CUDA for them).
             tier = self._memfd if self._memfd is not None else arrays
             ours.sendall(_message(ForkingPickler.dumps(
-                (os.getpid(), self.model_dir, self.device, self.dtype, shape, tier))))
+                (os.getpid(), self.model_dir, self.device, self.dtype, shape,
+                 None if simulated else tier, simulated))))
             self.attention = self._reply(_recv(ours))  # the attention kernels' name
         except BaseException:
             self.close()
@@ -281,9 +374,9 @@ def _picklable(e: BaseException) -> BaseException:
 
 
 def main(sock: socket.socket) -> None:
-    """The engine process: build the Engine over the kernel's pool, then run steps until
-    the kernel closes the socket."""
-    kernel, model_dir, device, dtype, shape, tier = _recv(sock)
+    """The engine process: build the Engine over the kernel's pool (or take the simulated
+    accelerator the kernel sent), then run steps until the kernel closes the socket."""
+    kernel, model_dir, device, dtype, shape, tier, simulated = _recv(sock)
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != kernel:  # the kernel died before prctl: nobody would stop us
@@ -292,19 +385,23 @@ def main(sock: socket.socket) -> None:
     # which stops cleanly and then stops us: we do not stop first.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    try:
-        arrays = _mapped(tier, shape, dtype) if isinstance(tier, int) else tier
-        cfg = ModelConfig.from_file(Path(model_dir) / "config.json")
-        pool = KVPool(cfg, shape[1], shape[2], dtype, device, arrays=arrays)
-        engine = Engine(model_dir, device=str(device), dtype=dtype, pool=pool)
-    except BaseException as e:  # handed to the kernel, which reports it
-        _send(sock, ("error", _picklable(e)))
-        return
+    if simulated is not None:  # no weights to load
+        step, attention = simulated.forward, "none"
+    else:
+        try:
+            arrays = _mapped(tier, shape, dtype) if isinstance(tier, int) else tier
+            cfg = ModelConfig.from_file(Path(model_dir) / "config.json")
+            pool = KVPool(cfg, shape[1], shape[2], dtype, device, arrays=arrays)
+            engine = Engine(model_dir, device=str(device), dtype=dtype, pool=pool)
+        except BaseException as e:  # handed to the kernel, which reports it
+            _send(sock, ("error", _picklable(e)))
+            return
+        step, attention = (lambda work: forward(engine, work)), engine.kernels.name
     # What is built by now lives as long as the process: out of the collector's sight, so
     # that the collections the steps' garbage sets off do not walk torch's and the model's
     # objects each time (in the kernel, collecting was 19% of the loop thread's CPU).
     gc.freeze()
-    _send(sock, ("ready", engine.kernels.name))
+    _send(sock, ("ready", attention))
     try:
         while True:
             try:
@@ -312,9 +409,9 @@ def main(sock: socket.socket) -> None:
             except (EOFError, OSError):
                 return
             try:
-                answer = ("done", forward(engine, work))
-                if device.type == "cuda":  # the step's K/V written before the kernel reads
-                    torch.cuda.synchronize()
+                answer = ("done", step(work))
+                if device.type == "cuda" and simulated is None:
+                    torch.cuda.synchronize()  # the step's K/V written before the kernel reads
             except Exception as e:  # this step failed, as a whole; the next may not
                 answer = ("error", _picklable(e))
             try:

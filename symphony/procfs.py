@@ -104,6 +104,8 @@ class ProcFS:
             # Which code runs the forward passes: the figures below depend on it.
             ("engine", f"{engine.device.type} {str(engine.dtype).removeprefix('torch.')}, "
                        f"attention {engine.attention}"),
+            # --engine: "model", or "sleep:MS", a simulated accelerator (no forward passes).
+            ("engine_mode", engine.mode),
             # The process that runs them (engine_process.py): its CPU is not the kernel's.
             ("engine_pid", engine.pid),
             ("run_queue", len(s.queue)),
@@ -113,7 +115,8 @@ class ProcFS:
             ("steps_per_s", f"{len(recent) / window:.1f}" if window else "0.0"),
             ("tokens_per_s", f"{sum(tokens) / window:.1f}" if window else "0.0"),
             # The share of the window the engine ran forward passes: below 1 under load, it
-            # waited for the loop (finishing and planning steps) or for the LIPs' preds.
+            # waited for the loop (finishing and planning steps) or for the LIPs' preds. With
+            # --engine sleep:MS the same: a step takes MS there, and its round trip.
             ("engine_busy", f"{sum(r.seconds for r in recent) / window:.2f}"
              if window else "0.00"),
             ("batch_seqs_avg", f"{sum(r.seqs for r in recent) / len(recent):.1f}"
