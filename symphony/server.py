@@ -8,6 +8,7 @@ argument. Each call is charged to the process its session token names.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import inspect
@@ -31,8 +32,8 @@ from symphony.process import Process
 from symphony.scheduler import taken_back
 from symphony.syscall_table import TABLE, pred_reply, submit_pred
 from symphony.users import user_name
+from syscalls import ring, wire
 from syscalls import symphony_pb2 as pb
-from syscalls import wire
 from syscalls.session import AS_KEY, SESSION_KEY, refusal
 
 if TYPE_CHECKING:
@@ -279,13 +280,19 @@ def peer_pidfd(sock: socket.socket, pid: int) -> int | None:
 
 class Hello(asyncio.Protocol):
     """One connection of the hello socket: a process's identity and its lifeline, which
-    then carries its fast-path preds (syscalls/wire.py)."""
+    then carries its fast-path preds (syscalls/wire.py), and, once asked, its syscall
+    rings (syscalls/ring.py)."""
 
     def __init__(self, kernel: Kernel, front: Front):
         self.kernel, self.front, self.proc = kernel, front, None
         self.frames = wire.Frames()
         self.calls: dict[int, asyncio.Future] = {}  # preds in flight, by call id
         self.taking_back: set[asyncio.Task] = set()
+        self.ring: ring.KernelRing | None = None
+        # Ring records not taken yet: after a FRAMED record whose frame has not come.
+        self.backlog: list[tuple[int, int, bytes]] = []
+        self.framed: dict[int, bytes] = {}  # a pred frame read, its FRAMED record not yet
+        self.bell_due = False  # the process's bell rings once per loop turn of completions
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -305,14 +312,95 @@ class Hello(asyncio.Protocol):
         try:
             frames = self.frames.feed(data)
         except wire.FrameError as e:
-            log.warning("pid %d: lifeline dropped: %s", self.proc.pid, e)
-            self.transport.close()  # the process is reaped, as if it had died
+            self.drop(f"lifeline dropped: {e}")
             return
         for kind, call, payload in frames:
             if kind == wire.CANCEL:
                 self.cancel(call)
+            elif kind == wire.RING_SETUP:
+                self.setup_ring()
+            elif kind == wire.PRED and self.ring is not None:
+                # Its FRAMED record was written before it was sent: take the ring up to it.
+                self.framed[call] = payload
+                self.drain()
+                if call in self.framed:  # no FRAMED record: it goes in arrival order
+                    self.pred(kind, call, self.framed.pop(call))
             else:
                 self.pred(kind, call, payload)
+
+    def drop(self, why: str) -> None:
+        """The process broke its lifeline or its ring: it is reaped, as if it had died."""
+        log.warning("pid %d: %s", self.proc.pid, why)
+        self.transport.close()
+
+    def setup_ring(self) -> None:
+        """RING_SETUP: make the rings and send their memfd and bells (SCM_RIGHTS) in a RING
+        frame; the error in a REPLY frame of call id 0 when they cannot be made."""
+        if self.ring is not None or self.transport.get_write_buffer_size():
+            why = ("the process has its rings already" if self.ring is not None else
+                   "the lifeline has replies waiting to be sent")
+            self.reply(0, pb.PredReply(error=pb.Error(errno=errno.EINVAL,
+                                                      message=f"ring setup: {why}")))
+            return
+        try:
+            made = ring.KernelRing()
+        except OSError as e:
+            self.reply(0, error_reply(pb.PredReply, e))
+            return
+        sock = self.transport.get_extra_info("socket")
+        data = wire.frame(wire.RING, 0, ring.GEOMETRY.pack(made.mem.sq_bytes, made.mem.cq_bytes))
+        try:
+            with socket.socket(fileno=os.dup(sock.fileno())) as raw:
+                sent = socket.send_fds(raw, [data], made.fds())
+        except OSError as e:
+            made.close()
+            self.drop(f"ring setup failed: {e}")
+            return
+        made.sent()
+        if sent != len(data):  # a fresh lifeline's buffer takes a frame whole
+            made.close()
+            self.drop(f"ring setup: {sent} of {len(data)} bytes sent")
+            return
+        self.ring = made
+        asyncio.get_running_loop().add_reader(made.kernel_bell, self.rung)
+        self.kernel.rings[self.proc.pid] = self
+
+    def quiet(self, running: bool) -> None:
+        """Not rung while a step runs (the kernel drains the ring when it ends); rung
+        again, and drained, after."""
+        if self.transport.is_closing():
+            return
+        self.ring.waking(not running)
+        if not running:
+            self.drain()
+
+    def rung(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.ring.kernel_bell)
+        self.drain()
+
+    def drain(self) -> None:
+        """Take every record submitted to the ring, in order; stop at a FRAMED record whose
+        frame has not come (it resumes when the frame comes)."""
+        if self.ring is None or self.transport.is_closing():
+            return
+        try:
+            self.backlog += self.ring.take()
+        except ring.RingError as e:
+            self.drop(f"ring dropped: {e}")
+            return
+        taken = 0
+        for kind, call, payload in self.backlog:
+            if kind == ring.FRAMED:
+                if call not in self.framed:
+                    break
+                kind, payload = wire.PRED, self.framed.pop(call)
+            taken += 1
+            if kind == wire.CANCEL:
+                self.cancel(call)
+            else:
+                self.pred(kind, call, payload)
+        del self.backlog[:taken]
 
     def pred(self, kind: int, call: int, payload: bytes) -> None:
         request = (pred_request(payload) if kind == wire.PRED
@@ -337,9 +425,28 @@ class Hello(asyncio.Protocol):
         self.reply(call, error_reply(pb.PredReply, taken_back()))
 
     def reply(self, call: int, reply: pb.PredReply) -> None:
+        """On the ring when it has room, else as a frame on the lifeline."""
         self.calls.pop(call, None)  # answered: the client may use the call id again
+        if self.transport.is_closing():
+            return
+        payload = reply.SerializeToString()
+        if self.ring is not None:
+            try:
+                posted = self.ring.post(wire.REPLY, call, payload)
+            except ring.RingError as e:
+                self.drop(f"ring dropped: {e}")
+                return
+            if posted:
+                if not self.bell_due:
+                    self.bell_due = True
+                    asyncio.get_running_loop().call_soon(self.ring_bell)
+                return
+        self.transport.write(wire.frame(wire.REPLY, call, payload))
+
+    def ring_bell(self) -> None:
+        self.bell_due = False
         if not self.transport.is_closing():
-            self.transport.write(wire.frame(wire.REPLY, call, reply.SerializeToString()))
+            self.ring.ring_process()
 
     def caller(self) -> tuple[Process, Cred]:
         if not self.proc.alive:
@@ -347,6 +454,10 @@ class Hello(asyncio.Protocol):
         return self.proc, self.proc.cred
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.ring is not None:
+            self.kernel.rings.pop(self.proc.pid, None)
+            asyncio.get_running_loop().remove_reader(self.ring.kernel_bell)
+            self.ring.close()
         if self.proc is not None:
             self.kernel.lifelines.pop(self.proc.pid, None)
             self.kernel.spawn_reap(self.proc)

@@ -22,6 +22,7 @@ from syscalls import symphony_pb2 as pb
 from syscalls.client import CHANNEL_OPTIONS, OpenFile, Session
 from syscalls.convert import Fd, KvPath, LogitControl, PredOutput, Sampling, Target
 from syscalls.lifeline import AsyncLifeline
+from syscalls.ring_line import AsyncRingLine
 from syscalls.usys import AsyncFileCalls, AsyncKernelCalls
 
 T = TypeVar("T")
@@ -42,6 +43,7 @@ class AsyncKernel(AsyncKernelCalls, Session):
     """A session with the kernel, as syscalls.client.Kernel, for asyncio."""
 
     LINE = AsyncLifeline
+    RING_LINE = AsyncRingLine
 
     @classmethod
     async def connect(
@@ -50,15 +52,17 @@ class AsyncKernel(AsyncKernelCalls, Session):
         name: str | None = None,
         argv: Sequence[str] | None = None,
         lifeline_pred: bool = True,
+        rings: bool = True,
     ) -> AsyncKernel:
         sock = session.socket_path(socket)
         try:
             # The handshake is one short blocking exchange; a thread keeps the loop free.
-            lifeline, token = await asyncio.to_thread(session.hello, sock)
+            lifeline, token, shared = await asyncio.to_thread(
+                session.open_session, sock, lifeline_pred and rings)
         except OSError as e:
             raise convert.connect_error(e, sock) from e
         channel = grpc.aio.insecure_channel(session.grpc_target(sock), options=CHANNEL_OPTIONS)
-        k = cls(sock, lifeline, token, channel)
+        k = cls(sock, lifeline, token, channel, shared)
         if not lifeline_pred:
             k._line = None
         try:
@@ -77,6 +81,7 @@ class AsyncKernel(AsyncKernelCalls, Session):
         await self._channel.close()
         if self._line is None:
             self._lifeline.close()
+        self._close_rings()
 
     async def __aenter__(self) -> AsyncKernel:
         return self

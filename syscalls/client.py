@@ -27,6 +27,8 @@ from syscalls import convert, errors, session
 from syscalls import symphony_pb2_grpc as pb_grpc
 from syscalls.convert import Fd, Identity, KvPath, LogitControl, PredOutput, Sampling, Target
 from syscalls.lifeline import Lifeline
+from syscalls.ring import ProcessRing
+from syscalls.ring_line import RingLine
 from syscalls.usys import FileCalls, KernelCalls
 from syscalls.wire import MAX_PAYLOAD
 
@@ -44,11 +46,15 @@ class Session:
     identity the kernel gave at attach."""
 
     LINE: type = Lifeline  # pred's fast path on the lifeline (syscalls/wire.py)
+    RING_LINE: type = RingLine  # and through syscall rings, when the session has them
 
-    def __init__(self, sock: os.PathLike, lifeline: socket.socket, token: str, channel):
+    def __init__(self, sock: os.PathLike, lifeline: socket.socket, token: str, channel,
+                 rings: ProcessRing | None = None):
         self.socket = sock
         self._lifeline = lifeline
-        self._line = self.LINE(lifeline, str(sock))
+        self._rings = rings
+        self._line = (self.LINE(lifeline, str(sock)) if rings is None
+                      else self.RING_LINE(lifeline, str(sock), rings))
         self._opener = os.getpid()  # a forked child holds the same connection
         self._channel = channel
         self._stub = pb_grpc.KernelStub(channel)
@@ -95,6 +101,18 @@ class Session:
         view._line = None  # the lifeline speaks for the session's own uid only
         return view
 
+    def _close_rings(self) -> None:
+        """Unmap the rings and close their bells (the session has ended)."""
+        if self._rings is not None and os.getpid() == self._opener:
+            self._rings.close()
+            self._rings = None
+
+    def transport(self) -> str:
+        """How this session's preds travel: "ring", "lifeline" (frames) or "grpc"."""
+        if self._line is None:
+            return "grpc"
+        return "ring" if self._rings is not None else "lifeline"
+
     def lifeline(self) -> socket.socket:
         """The hello connection: the kernel sends a SHUTDOWN frame (syscalls/wire.py) on it
         when it stops cleanly, and it reads end-of-file when the kernel dies."""
@@ -111,17 +129,19 @@ class Kernel(KernelCalls, Session):
         name: str | None = None,
         argv: Sequence[str] | None = None,
         lifeline_pred: bool = True,
+        rings: bool = True,
     ) -> Kernel:
         """Open a session (socket: the argument, else $SYMPHONY_SOCKET, else the default)
-        and attach as `name` (default: this program's file name) with `argv`.
-        lifeline_pred=False sends pred over gRPC like every other call."""
+        and attach as `name` (default: this program's file name) with `argv`. Preds go
+        through syscall rings in shared memory; rings=False sends them as frames on the
+        lifeline, lifeline_pred=False over gRPC like every other call."""
         sock = session.socket_path(socket)
         try:
-            lifeline, token = session.hello(sock)
+            lifeline, token, shared = session.open_session(sock, lifeline_pred and rings)
         except OSError as e:
             raise convert.connect_error(e, sock) from e
         channel = grpc.insecure_channel(session.grpc_target(sock), options=CHANNEL_OPTIONS)
-        k = cls(sock, lifeline, token, channel)
+        k = cls(sock, lifeline, token, channel, shared)
         if not lifeline_pred:
             k._line = None
         try:
@@ -143,6 +163,7 @@ class Kernel(KernelCalls, Session):
             with contextlib.suppress(OSError):  # wakes a thread reading it; the kernel reaps
                 self._lifeline.shutdown(socket.SHUT_RDWR)
         self._lifeline.close()
+        self._close_rings()
 
     def __enter__(self) -> Kernel:
         return self

@@ -142,21 +142,26 @@ class Lifeline:
             raise
         with self._lock:
             self._reading = False
-            frames = []
-            if data:
-                try:
-                    frames = self._frames.feed(data)
-                except wire.FrameError as e:
-                    data, why = b"", _broken(self.where, e)
-                    with contextlib.suppress(OSError):  # nothing more can be trusted: hang up
-                        self.sock.shutdown(socket.SHUT_RDWR)
-            if data == b"":  # end of file, a failed read, or bytes that are not frames
-                self._closed = self._closed or why or _gone(self.where, "the lifeline closed")
-            for kind, call, payload in frames:
-                if kind == wire.REPLY and call in self._calls:
-                    self._calls[call] = payload
-                # SHUTDOWN: the kernel is stopping; the replies of calls it cancels follow.
-            self._state.notify_all()
+            self._received(data, why)
+
+    def _received(self, data: bytes | None, why: Why | None) -> None:
+        """Hand out the replies in what the lifeline had (None: nothing was read; b"": it
+        ended, for `why` or by end of file), then let another waiter read. Holds the lock."""
+        frames = []
+        if data:
+            try:
+                frames = self._frames.feed(data)
+            except wire.FrameError as e:
+                data, why = b"", _broken(self.where, e)
+                with contextlib.suppress(OSError):  # nothing more can be trusted: hang up
+                    self.sock.shutdown(socket.SHUT_RDWR)
+        if data == b"":  # end of file, a failed read, or bytes that are not frames
+            self._closed = self._closed or why or _gone(self.where, "the lifeline closed")
+        for kind, call, payload in frames:
+            if kind == wire.REPLY and call in self._calls:
+                self._calls[call] = payload
+            # SHUTDOWN: the kernel is stopping; the replies of calls it cancels follow.
+        self._state.notify_all()
 
 
 class AsyncLifeline(asyncio.Protocol):
@@ -184,7 +189,7 @@ class AsyncLifeline(asyncio.Protocol):
         call = next(self._ids)
         reply = self._waiting[call] = loop.create_future()
         try:
-            self._transport.write(wire.frame(wire.PRED, call, payload))
+            self._write(wire.PRED, call, payload)
             return await reply
         except asyncio.CancelledError:
             # Cancelling the task cancelled `reply`, unless the answer had come (it stands).
@@ -198,9 +203,12 @@ class AsyncLifeline(asyncio.Protocol):
         """As Lifeline's: CANCEL, then the pred's reply, CANCEL_WAIT at most; cancelling the
         task again ends the wait."""
         reply = self._waiting[call] = asyncio.get_running_loop().create_future()
-        self._transport.write(wire.frame(wire.CANCEL, call))
+        self._write(wire.CANCEL, call, b"")
         with contextlib.suppress(OSError):  # TimeoutError; or the session ended meanwhile
             await asyncio.wait_for(reply, CANCEL_WAIT)
+
+    def _write(self, kind: int, call: int, payload: bytes) -> None:
+        self._transport.write(wire.frame(kind, call, payload))
 
     def end(self, code: int, message: str) -> None:
         """The session ends: close the socket, or the transport that has taken it over;

@@ -14,7 +14,7 @@ import os
 import socket
 from pathlib import Path
 
-from syscalls import errors
+from syscalls import errors, ring, wire
 
 DEFAULT_SOCKET = "/tmp/symphony/kernel.sock"
 SESSION_KEY = "symphony-session"  # gRPC metadata: the token
@@ -65,3 +65,53 @@ def hello(sock: Path) -> tuple[socket.socket, str]:
         raise
     lifeline.set_inheritable(False)
     return lifeline, token
+
+
+def ring_setup(lifeline: socket.socket) -> ring.ProcessRing | None:
+    """Ask for syscall rings on a lifeline that carries nothing else yet (syscalls/ring.py);
+    None when the kernel says no (its error is in a REPLY frame of call id 0). Raises
+    ConnectionResetError when the kernel hangs up meanwhile."""
+    lifeline.sendall(wire.frame(wire.RING_SETUP, 0))
+    size = wire.HEADER.size + ring.GEOMETRY.size
+    data, fds = b"", []
+    while len(data) < wire.HEADER.size or (len(data) < size and data[8] == wire.RING):
+        chunk, got, _, _ = socket.recv_fds(lifeline, size - len(data), 3)
+        if not chunk:
+            for fd in fds + got:
+                os.close(fd)
+            raise ConnectionResetError("the kernel hung up in the ring setup")
+        data, fds = data + chunk, fds + got
+    payload, _, kind = wire.HEADER.unpack_from(data)
+    if kind != wire.RING or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        if kind == wire.REPLY:  # its error, which there is nothing to do about: read it off
+            while payload > len(data) - wire.HEADER.size:
+                data += lifeline.recv(payload + wire.HEADER.size - len(data))
+            return None
+        raise ConnectionResetError(f"the kernel answered the ring setup with a frame of kind "
+                                   f"{kind} and {len(fds)} descriptors")
+    memfd, kernel_bell, process_bell = fds
+    sq_bytes, cq_bytes = ring.GEOMETRY.unpack_from(data, wire.HEADER.size)
+    try:
+        mem = ring.RingMemory(memfd, sq_bytes, cq_bytes)
+    finally:
+        os.close(memfd)
+    if mem.get(ring.MAGIC_AT) != ring.MAGIC:
+        mem.close()
+        for fd in (kernel_bell, process_bell):
+            os.close(fd)
+        raise ConnectionResetError("the kernel's ring memory is not a ring")
+    for fd in (kernel_bell, process_bell):
+        os.set_inheritable(fd, False)
+    return ring.ProcessRing(mem, kernel_bell, process_bell)
+
+
+def open_session(sock: Path, rings: bool) -> tuple[socket.socket, str, ring.ProcessRing | None]:
+    """hello, then the rings when asked for (None when the kernel has none to give)."""
+    lifeline, token = hello(sock)
+    try:
+        return lifeline, token, ring_setup(lifeline) if rings else None
+    except BaseException:
+        lifeline.close()
+        raise

@@ -8,7 +8,11 @@ accounts them as it does the rpc: only the transport differs. A process may have
 preds in flight; replies come in the order they finish. A CANCEL frame takes back the pred
 of its call id: that pred's one reply is then ECANCELED, sent once its file is as before
 (or its answer, when the CANCEL came too late). The kernel sends SHUTDOWN when it stops
-cleanly, so that a client can tell a clean stop from a crash (end of file).
+cleanly, so that a client can tell a clean stop from a crash (end of file). RING_SETUP
+(the process's, call id 0, no payload) asks for syscall rings: the kernel answers with a
+RING frame whose payload is their geometry and whose ancillary data (SCM_RIGHTS) holds the
+ring's memfd and its two eventfds (syscalls/ring.py), or with a REPLY frame of call id 0
+holding the error.
 
 Why a second transport for one call: a LIP makes one pred per token. A gRPC round trip
 costs about 1 ms of Python on each side on a small CPU, which is most of a decode step of
@@ -22,7 +26,7 @@ import errno
 import struct
 
 HEADER = struct.Struct("<IIB")  # payload bytes, call id, kind
-PRED, REPLY, SHUTDOWN, CANCEL = 1, 2, 3, 4
+PRED, REPLY, SHUTDOWN, CANCEL, RING_SETUP, RING = 1, 2, 3, 4, 5, 6
 # A longer frame means the stream is not frames: drop the connection. It is also the most a
 # gRPC message may carry either way (syscalls.client.CHANNEL_OPTIONS, the kernel's server), so
 # every message has the same limit whichever transport takes it.

@@ -24,6 +24,7 @@ from daemon import ROOT, meminfo, prompt, wait_for
 from syscalls import lifeline, wire
 from syscalls import symphony_pb2 as pb
 from syscalls.aio import AsyncKernel
+from syscalls.client import Kernel
 from syscalls.lifeline import AsyncLifeline, Lifeline
 
 REQUEST = pb.PredRequest(fd=3, tokens=[1]).SerializeToString()
@@ -159,8 +160,9 @@ def state(f):
     return {{"tokens": f.stat().tokens, "pages": f.stat().pages, "read": f.read()}}
 
 ids = [(7 * i) % 290 + 6 for i in range({LONG})]
-lifeline = sys.argv[1] == "lifeline"
-with Kernel.connect(name="victim", lifeline_pred=lifeline) as k, k.open() as f:
+lifeline = sys.argv[1] != "grpc"  # the ring or frames on the lifeline: CANCEL has a reply
+with Kernel.connect(name="victim", lifeline_pred=lifeline, rings=sys.argv[1] == "ring") as k, \
+        k.open() as f:
     f.pred(ids[:{PREFIX}], no_outputs=True)
     before = state(f)
     used = proc_fields(k.procfs("meminfo"))["device_used"]
@@ -188,7 +190,7 @@ def proc(k, pid: int):
 def blocking(daemon):
     """Another process's long pred runs meanwhile, holding most of the device pool, until
     it is taken back at the end (raw frames on its lifeline)."""
-    with daemon.connect("blocker") as b, b.open() as f:
+    with Kernel.connect(daemon.socket, "blocker", rings=False) as b, b.open() as f:
         life = b.lifeline()
         request = pb.PredRequest(fd=f.fd, tokens=prompt(BLOCK, salt=1), no_outputs=True)
         life.sendall(wire.frame(wire.PRED, 1, request.SerializeToString()))
@@ -212,7 +214,7 @@ def started(k, pid: int, when: str) -> None:
 
 
 @pytest.mark.parametrize("when", ["queued", "running"])
-@pytest.mark.parametrize("transport", ["lifeline", "grpc"])
+@pytest.mark.parametrize("transport", ["ring", "lifeline", "grpc"])
 def test_a_lip_interrupted_mid_pred_finds_its_file_as_before(daemon, transport, when):
     """Ctrl-C (a real SIGINT) to a sync LIP in a long pred: it catches KeyboardInterrupt
     and truncates at once; the file, its pages and the pool are as before the pred."""
@@ -247,7 +249,7 @@ def test_a_lip_interrupted_mid_pred_finds_its_file_as_before(daemon, transport, 
 
 
 @pytest.mark.parametrize("when", ["queued", "running"])
-@pytest.mark.parametrize("transport", ["lifeline", "grpc"])
+@pytest.mark.parametrize("transport", ["ring", "lifeline", "grpc"])
 def test_a_cancelled_task_finds_its_file_as_before(daemon, transport, when):
     async def state(f) -> tuple:
         stat = await f.stat()
@@ -263,7 +265,7 @@ def test_a_cancelled_task_finds_its_file_as_before(daemon, transport, when):
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            if transport == "lifeline":  # the CANCEL's reply came: nothing is left already
+            if transport != "grpc":  # the CANCEL's reply came: nothing is left already
                 assert await state(f) == before
             await f.truncate(CUT)  # over gRPC, after the kernel has rolled the pred back
             assert proc(probe, k.pid).state == "sleeping"
@@ -273,8 +275,8 @@ def test_a_cancelled_task_finds_its_file_as_before(daemon, transport, when):
         await f.close()
 
     async def main() -> None:
-        async with await AsyncKernel.connect(daemon.socket,
-                                             lifeline_pred=transport == "lifeline") as k:
+        async with await AsyncKernel.connect(daemon.socket, lifeline_pred=transport != "grpc",
+                                             rings=transport == "ring") as k:
             await run(k)
 
     with daemon.connect() as probe:
@@ -284,7 +286,7 @@ def test_a_cancelled_task_finds_its_file_as_before(daemon, transport, when):
 def test_a_cancel_that_crosses_the_answer_or_names_no_pred_changes_nothing(daemon):
     """Raw frames: a CANCEL after the reply, or naming no call, gets no reply and undoes
     nothing; a CANCEL right behind its PRED drops it, with one reply: ECANCELED."""
-    with daemon.connect() as k, k.open() as f:
+    with Kernel.connect(daemon.socket, rings=False) as k, k.open() as f:
         life = k.lifeline()  # k itself sends no pred: the frames here are the only ones
         life.settimeout(60)
         frames = wire.Frames()

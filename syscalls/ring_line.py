@@ -1,0 +1,167 @@
+"""Syscall rings (syscalls/ring.py) as pred's transport, for each client.
+
+They take and give the same serialized PredRequest and PredReply as the lifeline's frames
+(syscalls/lifeline.py), whose classes they extend: a pred goes into the submission ring,
+or, too large for it or when it is full, as a frame on the lifeline behind a FRAMED record
+that keeps its place in line; its reply comes in the completion ring, or as a frame when
+that is full. The lifeline still tells a clean stop (SHUTDOWN) from a crash (end of file).
+
+The synchronous client looks at its completions for a moment (SPIN seconds) before it
+sleeps on its bell, so an answer the kernel had at hand costs no system call; the asyncio
+client never spins: its bell is in the event loop, and one ring of it hands out every
+completion of a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import select
+import socket
+import time
+
+from syscalls import errors, ring, wire
+from syscalls.lifeline import AsyncLifeline, Lifeline, _gone, _left
+
+SPIN = 20e-6  # seconds the sync client looks at its completions before it sleeps
+# The longest sleep on the bell before looking again: a wake-up a reordered store delayed
+# (ring.fence) costs at most this.
+NAP = 0.05
+
+
+def _not_ours(where: str, opener: int) -> OSError:
+    return errors.error(errno.EPERM, f"{where}: pred from a forked child: the session's "
+                        f"ring belongs to process {opener}; open a session of its own")
+
+
+class RingLine(Lifeline):
+    """The sync client's ring: calls from any number of threads; one thread sends at a
+    time, one waiting thread at a time reads the completions and the lifeline."""
+
+    def __init__(self, sock: socket.socket, where: str, rings: ring.ProcessRing):
+        super().__init__(sock, where)
+        self.rings = rings
+        self._opener = os.getpid()
+
+    def call(self, payload: bytes) -> bytes:
+        if os.getpid() != self._opener:
+            raise _not_ours(self.where, self._opener)
+        return super().call(payload)
+
+    def _send(self, data: bytes) -> None:
+        """A PRED or CANCEL frame (wire.frame) goes into the ring if it fits, else on the
+        lifeline behind a FRAMED record."""
+        size, call, kind = wire.HEADER.unpack_from(data)
+        payload = data[wire.HEADER.size:]
+        with self._sending:
+            if self._closed:
+                raise errors.error(*self._closed)
+            if size <= ring.MAX_RECORD and self.rings.room(size):
+                self.rings.submit(kind, call, payload)
+                return
+            if kind == wire.CANCEL:  # tiny: the ring is full of preds; wait for the kernel
+                while not self.rings.room(0):
+                    time.sleep(0.001)
+                self.rings.submit(kind, call)
+                return
+            self.rings.submit(ring.FRAMED, call)
+            try:
+                self.sock.sendall(data)
+            except OSError as e:
+                raise errors.error(*_gone(self.where, e.strerror or str(e))) from e
+
+    def _read(self, deadline: float | None) -> None:
+        """Take the completions that have come; if none, spin, then sleep on the bell and
+        the lifeline (until the deadline at most), then hand out what came."""
+        data, why, done = None, None, []
+        try:
+            done = self.rings.completions()
+            spin_until = time.perf_counter() + SPIN
+            while not done and time.perf_counter() < spin_until:
+                done = self.rings.completions()
+            if not done:
+                self.rings.sleeping(True)
+                try:
+                    done = self.rings.completions()
+                    if not done:
+                        data, why = self._sleep(deadline)
+                        done = self.rings.completions()
+                finally:
+                    self.rings.sleeping(False)
+        except ring.RingError as e:
+            data, why = b"", (errno.EPROTO, f"{self.where}: the ring is broken: {e}")
+        except BaseException:  # KeyboardInterrupt: another waiter must take over reading
+            with self._lock:
+                self._reading = False
+                self._state.notify_all()
+            raise
+        with self._lock:
+            self._reading = False
+            for kind, call, payload in done:
+                if kind == wire.REPLY and call in self._calls:
+                    self._calls[call] = payload
+            self._received(data, why)
+
+    def _sleep(self, deadline: float | None) -> tuple[bytes | None, tuple[int, str] | None]:
+        """Wait for the bell or the lifeline; what the lifeline had (None: nothing read)."""
+        nap = NAP if deadline is None else min(NAP, _left(deadline))
+        try:
+            ready = select.select([self.rings.process_bell, self.sock], [], [], nap)[0]
+            if self.rings.process_bell in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self.rings.process_bell)
+            if self.sock in ready:
+                return self.sock.recv(1 << 16), None
+        except OSError as e:
+            return b"", _gone(self.where, e.strerror or str(e))
+        return None, None
+
+
+class AsyncRingLine(AsyncLifeline):
+    """The asyncio client's ring: preds from many tasks; the process's bell is a reader of
+    the event loop, rung once per batch of completions."""
+
+    def __init__(self, sock: socket.socket, where: str, rings: ring.ProcessRing):
+        super().__init__(sock, where)
+        self.rings = rings
+        self._opener = os.getpid()
+        self._bell_loop: asyncio.AbstractEventLoop | None = None
+        rings.sleeping(True)  # the loop sleeps on the bell whenever it has nothing to do
+
+    async def call(self, payload: bytes) -> bytes:
+        if os.getpid() != self._opener:
+            raise _not_ours(self.where, self._opener)
+        loop = asyncio.get_running_loop()
+        if self._bell_loop is None and not self._closed:
+            self._bell_loop = loop
+            loop.add_reader(self.rings.process_bell, self._rung)
+        return await super().call(payload)
+
+    def _write(self, kind: int, call: int, payload: bytes) -> None:
+        if len(payload) <= ring.MAX_RECORD and self.rings.room(len(payload)):
+            self.rings.submit(kind, call, payload)
+            return
+        self.rings.submit(ring.FRAMED, call)  # room() keeps room for it
+        self._transport.write(wire.frame(kind, call, payload))
+
+    def _rung(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.rings.process_bell)
+        try:
+            done = self.rings.completions()
+        except ring.RingError as e:
+            self._fail((errno.EPROTO, f"{self.where}: the ring is broken: {e}"))
+            self._transport.close()
+            return
+        for kind, call, payload in done:
+            reply = self._waiting.get(call) if kind == wire.REPLY else None
+            if reply is not None and not reply.done():
+                reply.set_result(payload)
+
+    def _fail(self, why: tuple[int, str]) -> None:
+        super()._fail(why)
+        if self._bell_loop is not None:
+            self._bell_loop.remove_reader(self.rings.process_bell)
+            self._bell_loop = None

@@ -1,0 +1,348 @@
+"""Syscall rings (syscalls/ring.py): the records, a kernel end that copies before it checks,
+and, on a real kernel daemon, preds through both clients, preds too large for the ring
+keeping their place in line, cancellation, and processes that scribble on their ring or
+die in the middle of a record, which only they notice."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+from daemon import meminfo, prompt, wait_for
+
+from syscalls import ring, session, wire
+from syscalls import symphony_pb2 as pb
+from syscalls.aio import AsyncKernel
+from syscalls.client import Kernel
+
+# -- the records, both ends in this process ----------------------------------------------
+
+
+@pytest.fixture()
+def ends():
+    kernel = ring.KernelRing()
+    mem = ring.RingMemory(os.dup(kernel.memfd))
+    proc = ring.ProcessRing(mem, os.dup(kernel.kernel_bell), os.dup(kernel.process_bell))
+    yield kernel, proc
+    proc.close()
+    kernel.close()
+
+
+def test_records_go_around_the_ring_end_in_order(ends):
+    kernel, proc = ends
+    payloads = [bytes([i % 256]) * (1000 + 37 * (i % 50)) for i in range(400)]  # 3 laps
+    got = []
+    for i, payload in enumerate(payloads):
+        if not proc.room(len(payload)):
+            got += kernel.take()
+        proc.submit(ring.PRED, i, payload)
+    got += kernel.take()
+    assert got == [(ring.PRED, i, p) for i, p in enumerate(payloads)]
+    assert kernel.take() == []
+
+
+def test_completions_go_around_and_a_full_ring_says_so(ends):
+    kernel, proc = ends
+    payload = b"x" * 5000
+    n = 0
+    while kernel.post(wire.REPLY, n, payload):
+        n += 1
+    assert n == ring.CQ_BYTES // ring.record_bytes(len(payload))
+    assert len(proc.completions()) == n
+    assert kernel.post(wire.REPLY, n, payload)  # room again, past the ring's end
+    assert proc.completions() == [(wire.REPLY, n, payload)]
+
+
+def test_the_kernel_checks_its_copy_not_the_shared_memory(ends):
+    kernel, proc = ends
+    proc.submit(ring.PRED, 1, b"abcdefgh")
+    records = kernel.take()
+    proc.mem.sq[ring.RECORD.size:ring.RECORD.size + 8] = b"XXXXXXXX"  # written after
+    assert records == [(ring.PRED, 1, b"abcdefgh")]
+
+
+@pytest.mark.parametrize("damage", ["tail past the ring", "tail behind the head",
+                                    "payload past the tail", "header cut short",
+                                    "reserved field set"])
+def test_a_ring_that_is_not_a_ring_is_refused(ends, damage):
+    kernel, proc = ends
+    mem = proc.mem
+    if damage == "tail past the ring":
+        mem.set(ring.SQ_TAIL, ring.SQ_BYTES + 16)
+    elif damage == "tail behind the head":
+        proc.submit(ring.PRED, 1, b"x")
+        kernel.take()
+        mem.set(ring.SQ_TAIL, 0)
+    elif damage == "payload past the tail":
+        mem.sq[:ring.RECORD.size] = ring.RECORD.pack(1000, 1, ring.PRED, 0)
+        mem.set(ring.SQ_TAIL, 64)
+    elif damage == "header cut short":
+        mem.set(ring.SQ_TAIL, 8)
+    else:
+        mem.sq[:ring.RECORD.size] = ring.RECORD.pack(0, 1, ring.PRED, 7)
+        mem.set(ring.SQ_TAIL, ring.RECORD.size)
+    with pytest.raises(ring.RingError):
+        kernel.take()
+
+
+def test_a_completion_head_that_is_not_possible_is_refused(ends):
+    kernel, proc = ends
+    proc.mem.set(ring.CQ_HEAD, 1 << 40)
+    with pytest.raises(ring.RingError):
+        kernel.post(wire.REPLY, 1, b"")
+
+
+def test_the_memory_cannot_be_shrunk_or_grown(ends):
+    kernel, _ = ends
+    for size in (0, ring.HEADER_BYTES, 1 << 30):
+        with pytest.raises(PermissionError):
+            os.ftruncate(kernel.memfd, size)
+
+
+def test_bells_ring_only_when_the_other_side_asked(ends):
+    kernel, proc = ends
+
+    def rung(fd: int) -> bool:
+        try:
+            return os.eventfd_read(fd) > 0
+        except BlockingIOError:
+            return False
+
+    proc.submit(ring.PRED, 1, b"")
+    assert rung(kernel.kernel_bell)
+    kernel.waking(False)
+    proc.submit(ring.PRED, 2, b"")
+    assert not rung(kernel.kernel_bell)
+    kernel.post(wire.REPLY, 1, b"")
+    kernel.ring_process()
+    assert not rung(kernel.process_bell)
+    proc.sleeping(True)
+    kernel.ring_process()
+    assert rung(kernel.process_bell)
+
+
+# -- a real kernel --------------------------------------------------------------------------
+
+
+def greedy(f, first: list[int], n: int) -> list[int]:
+    out = [f.pred(first)[0].token]
+    for _ in range(n - 1):
+        out.append(f.pred([out[-1]])[0].token)
+    return out
+
+
+def test_both_clients_take_rings_and_answer_as_the_lifeline_and_grpc(daemon):
+    answers = {}
+    for transport, kwargs in (("ring", {}), ("lifeline", {"rings": False}),
+                              ("grpc", {"lifeline_pred": False})):
+        with Kernel.connect(daemon.socket, **kwargs) as k:
+            assert k.transport() == transport
+            with k.open("", os.O_RDWR) as f:
+                answers[transport] = greedy(f, prompt(20), 12)
+
+    async def sessions() -> list[list[int]]:
+        k = await AsyncKernel.connect(daemon.socket)
+        assert k.transport() == "ring"
+
+        async def one() -> list[int]:
+            f = await k.open("", os.O_RDWR)
+            out = [(await f.pred(prompt(20)))[0].token]
+            for _ in range(11):
+                out.append((await f.pred([out[-1]]))[0].token)
+            return out
+
+        try:
+            return await asyncio.gather(*(one() for _ in range(16)))
+        finally:
+            await k.close()
+
+    assert answers["ring"] == answers["lifeline"] == answers["grpc"]
+    assert asyncio.run(sessions()) == [answers["ring"]] * 16
+
+
+def test_ring_errors_are_the_syscalls_errors(daemon):
+    with Kernel.connect(daemon.socket) as k, k.open("", os.O_RDWR) as f:
+        with pytest.raises(OSError) as e:
+            k.pred(99, [1])
+        assert e.value.errno == errno.EBADF
+        with pytest.raises(OSError) as e:
+            f.pred([1 << 20])
+        assert e.value.errno == errno.EINVAL and "1048576" in str(e.value)
+        assert len(f.pred(prompt(4))) == 1  # the session goes on
+
+
+def test_preds_too_large_for_the_ring_keep_their_place_in_line(daemon, monkeypatch):
+    """With the ring taking only small records, every other pred goes as a frame behind a
+    FRAMED record; a file's preds must still be appended in the order they were made."""
+    monkeypatch.setattr(ring, "MAX_RECORD", 16)
+    tokens = prompt(64, salt=3)
+
+    async def main() -> list[int]:
+        k = await AsyncKernel.connect(daemon.socket)
+        try:
+            f = await k.open("", os.O_RDWR)
+            # sizes alternate around the limit: 1 token fits, 9 tokens do not
+            pieces, at = [], 0
+            while at < len(tokens):
+                n = 1 if len(pieces) % 2 == 0 else 9
+                pieces.append(tokens[at:at + n])
+                at += n
+            await asyncio.gather(*(f.pred(p, no_outputs=True) for p in pieces))
+            return (await f.read())[0]
+        finally:
+            await k.close()
+
+    assert list(asyncio.run(main())) == tokens
+
+
+def test_a_cancelled_ring_pred_leaves_its_file_as_it_was(daemon):
+    async def main() -> None:
+        k = await AsyncKernel.connect(daemon.socket)
+        try:
+            f = await k.open("", os.O_RDWR)
+            await f.pred(prompt(8), no_outputs=True)
+            task = asyncio.ensure_future(f.pred(prompt(900, salt=1)))
+            await asyncio.sleep(0)  # submitted
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert (await f.stat()).tokens in (8, 908)  # taken back, or answered first
+            await f.truncate(8)
+            assert len(await f.pred(prompt(2))) == 1
+        finally:
+            await k.close()
+
+    asyncio.run(main())
+
+
+def rung_session(sock) -> tuple[socket.socket, str, ring.ProcessRing]:
+    lifeline, token, rings = session.open_session(sock, True)
+    assert rings is not None
+    return lifeline, token, rings
+
+
+def pred_payload(fd: int, tokens: list[int]) -> bytes:
+    return pb.PredRequest(fd=fd, tokens=tokens).SerializeToString()
+
+
+def test_a_process_that_scribbles_on_its_ring_is_dropped_and_nobody_else_notices(daemon):
+    with Kernel.connect(daemon.socket, name="bystander") as k, k.open("", os.O_RDWR) as f:
+        before = greedy(f, prompt(10), 4)
+        free = meminfo(k)["device_free"]
+        lifeline, _, rings = rung_session(daemon.socket)
+        try:
+            rings.mem.set(ring.SQ_TAIL, 1 << 50)  # garbage, then the bell
+            os.eventfd_write(rings.kernel_bell, 1)
+            lifeline.settimeout(30)
+            assert lifeline.recv(1 << 16) == b""  # the kernel hung up on it
+        finally:
+            lifeline.close()
+            rings.close()
+        wait_for(lambda: meminfo(k)["device_free"] == free, what="its pages freed")
+        f.truncate(0)
+        assert greedy(f, prompt(10), 4) == before
+
+
+def test_a_record_of_an_unknown_kind_gets_einval_and_the_ring_goes_on(daemon):
+    lifeline, _, rings = rung_session(daemon.socket)
+    try:
+        rings.submit(9, 1, b"")
+        rings.submit(ring.PRED, 2, b"\xff\xff\xff")  # not a PredRequest
+        rings.submit(ring.PRED, 3, pred_payload(5, [1]))  # fd 5: not open
+        got = {}
+        rings.sleeping(True)
+        while len(got) < 3:
+            assert select.select([rings.process_bell], [], [], 30)[0], "no completion"
+            os.eventfd_read(rings.process_bell)
+            for _, call, payload in rings.completions():
+                got[call] = pb.PredReply.FromString(payload).error.errno
+    finally:
+        lifeline.close()
+        rings.close()
+    assert got == {1: errno.EINVAL, 2: errno.EINVAL, 3: errno.EBADF}
+
+
+def test_a_framed_record_whose_frame_never_comes_stalls_only_its_own_ring(daemon):
+    with Kernel.connect(daemon.socket, name="bystander") as k, k.open("", os.O_RDWR) as f:
+        lifeline, _, rings = rung_session(daemon.socket)
+        try:
+            rings.submit(ring.FRAMED, 1)
+            rings.submit(ring.PRED, 2, pred_payload(0, [1]))
+            assert len(greedy(f, prompt(6), 3)) == 3
+        finally:
+            lifeline.close()
+            rings.close()
+
+
+DIES_MID_RECORD = """
+import os, sys
+from syscalls import ring, session, symphony_pb2 as pb
+from syscalls.client import Kernel
+k = Kernel.connect(sys.argv[1])
+f = k.open("", os.O_RDWR)
+f.pred(list(range(6, 70)), no_outputs=True)  # pages held
+rings = k._rings
+# half a record: its header, and a tail that says so, then death
+rings.mem.sq[:ring.RECORD.size] = ring.RECORD.pack(500, 99, ring.PRED, 0)
+rings.mem.set(ring.SQ_TAIL, rings.sq_tail + ring.RECORD.size)
+os.eventfd_write(rings.kernel_bell, 1)
+print(k.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_process_killed_mid_record_is_reaped_and_its_pages_freed(daemon):
+    with Kernel.connect(daemon.socket) as k:
+        free = meminfo(k)["device_free"]
+        lip = subprocess.Popen([sys.executable, "-c", DIES_MID_RECORD, str(daemon.socket)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               env=daemon.env())
+        try:
+            pid = int(lip.stdout.readline())
+            lip.send_signal(signal.SIGKILL)
+            lip.wait(30)
+        finally:
+            lip.kill()
+        wait_for(lambda: pid not in {p.pid for p in k.ps()}, what="the process reaped")
+        wait_for(lambda: meminfo(k)["device_free"] == free, what="its pages freed")
+
+
+def test_threads_share_one_ring(daemon):
+    with Kernel.connect(daemon.socket) as k:
+        results: dict[int, list[int]] = {}
+
+        def run(i: int) -> None:
+            with k.open("", os.O_RDWR) as f:
+                results[i] = greedy(f, prompt(12), 8)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(results) == 6 and all(r == results[0] for r in results.values())
+
+
+def test_a_forked_child_may_not_use_its_parents_ring(daemon):
+    with Kernel.connect(daemon.socket) as k, k.open("", os.O_RDWR) as f:
+        r, w = os.pipe()
+        child = os.fork()
+        if child == 0:
+            try:
+                f.pred([1])
+                code = 0
+            except PermissionError:
+                code = 7
+            os.write(w, bytes([code]))
+            os._exit(0)
+        os.waitpid(child, 0)
+        assert os.read(r, 1) == bytes([7])
+        assert len(f.pred([1])) == 1
