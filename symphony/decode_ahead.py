@@ -16,7 +16,8 @@ or a truncation is not what a guess computed without them would answer, and the 
 it will carry its own (the scheduler's submit decides). A grammar-constrained loop sends a
 mask the guess cannot know: so a guess made after a masked pred keeps its row's logits, and
 the pred that takes it samples them with its mask (its own seeded generator, so the token
-is the one it would have drawn). A masked pred takes a guess made after a plain one only
+is the one it would have drawn). A pred that takes a guess brings its own PredSpec: the
+guessed one but for the controls. A masked pred takes a guess made after a plain one only
 while it is not computed yet.
 
 A LIP whose round trip outlasts a step (32 processes sharing two cores with the forward
@@ -42,8 +43,7 @@ import torch
 from kvfs.errors import FSError
 from kvfs.fs import FileSystem, Handle, Reservation
 from kvfs.inode import Inode
-from symphony.engine.sampler import SamplingParams
-from symphony.pred_job import JobState, PredJob
+from symphony.pred_job import JobState, PredJob, PredSpec
 from symphony.process import Process
 from symphony.sched_stats import SchedStats
 from symphony.step import StepPlan
@@ -68,23 +68,24 @@ class DecodeAhead:
         """A pred was committed: remember what it sampled for its file's next pred."""
         if job.samples_last:
             self.sampled[job.handle] = (job.outputs[-1].token, job.handle.inode.length,
-                                        job.params)
+                                        job.spec.params)
 
-    def follows(self, handle: Handle, tokens: list[int], positions: list[int] | None,
-                rows: list[int], params: SamplingParams) -> bool:
+    def follows(self, handle: Handle, spec: PredSpec) -> bool:
         """Whether a pred feeds back its file's last sample, next in line (a decode loop)."""
-        inode = handle.inode
-        return (self.sampled.get(handle) == (tokens[0], inode.length, params)
-                and rows == [0] and len(tokens) == 1
-                and positions in (None, [inode.positions[-1] + 1]))
+        inode, tokens = handle.inode, spec.tokens
+        return (self.sampled.get(handle) == (tokens[0], inode.length, spec.params)
+                and spec.rows == [0] and len(tokens) == 1
+                and spec.positions in (None, [inode.positions[-1] + 1]))
 
-    def match(self, handle: Handle, tokens: list[int], positions: list[int] | None,
-              rows: list[int], params: SamplingParams) -> PredJob | None:
-        """The guess on the file if this pred is the one it guessed."""
+    def match(self, handle: Handle, spec: PredSpec) -> PredJob | None:
+        """The guess on the file if this pred is the one it guessed (its controls aside)."""
         guess = self.guesses.get(handle.inode)
-        if (guess is not None and guess.handle is handle and guess.tokens == tokens
-                and rows == guess.rows and positions in (None, guess.positions)
-                and params == guess.params):
+        if guess is None or guess.handle is not handle:
+            return None
+        guessed = guess.spec
+        if (guessed.tokens == spec.tokens and spec.rows == guessed.rows
+                and spec.positions in (None, guess.positions)
+                and spec.params == guessed.params):
             return guess
         return None
 
@@ -115,7 +116,7 @@ class DecodeAhead:
             res = self.fs.reserve(handle, 1)
         except FSError:  # no room: guessing must never cost anyone a page
             return False
-        self.guesses[inode] = self._guess(job, res, keep_logits=job.controls is not None)
+        self.guesses[inode] = self._guess(job, res, keep_logits=job.spec.controls is not None)
         return True
 
     def _go_on(self, guess: PredJob) -> bool:
@@ -140,11 +141,12 @@ class DecodeAhead:
     def _guess(self, after: PredJob, res: Reservation, keep_logits: bool) -> PredJob:
         """The guess of the pred that feeds back `after`'s sample, in `res`."""
         self.stats.ahead += 1
-        return PredJob(after.proc, after.handle, [after.outputs[-1].token],
-                       [after.positions[-1] + 1], [0], after.params,
-                       after.params.generator(self.device),
+        params = after.spec.params
+        spec = PredSpec([after.outputs[-1].token], [after.positions[-1] + 1], [0], params)
+        return PredJob(after.proc, after.handle, spec, params.generator(self.device),
                        asyncio.get_running_loop().create_future(), self.seq(),
-                       state=JobState.AHEAD, res=res, follows=True, keep_logits=keep_logits)
+                       positions=spec.positions, state=JobState.AHEAD, res=res, follows=True,
+                       keep_logits=keep_logits)
 
     @staticmethod
     def _chain(first: PredJob) -> list[PredJob]:

@@ -1,4 +1,5 @@
-"""A pred call's work in the scheduler, and the one state that says where it stands."""
+"""A pred call in the scheduler: what it asked (PredSpec, frozen), the work that answers
+it (PredJob), and the one state that says where that stands."""
 
 from __future__ import annotations
 
@@ -44,17 +45,37 @@ class Output:
     next_logprob: float | None = None  # score_next: of the pred's next token, tokens[row + 1]
 
 
-@dataclass(eq=False)
-class PredJob:
-    proc: Process
-    handle: Handle
+@dataclass(frozen=True, slots=True)
+class PredSpec:
+    """What a pred asked, checked once at the syscall (syscall_table.submit_pred) and never
+    changed after: the job that does the work holds it (PredJob.spec). A guess's spec is
+    the pred it guessed, until the pred that takes it brings its own (decode_ahead.py)."""
+
     tokens: list[int]
     positions: list[int] | None  # None: after the file's last position, read on admission
-    rows: list[int]  # rows of `tokens` to sample at
+    rows: list[int]  # rows of `tokens` to sample at, sorted
     params: SamplingParams
+    # Per entry of rows (None: no control). With score_next, a row's last score id is its
+    # next token, split out as the Output's next_logprob.
+    controls: list[RowControl | None] | None = None
+    score_next: bool = False
+    tree: np.ndarray | None = None  # ancestor bits [len(tokens), W]; None: causal
+    depths: list[int] | None = None  # of a tree's tokens: default positions are last + 1 + depth
+    cut: int | None = None  # truncate the file to this many entries first (None: append)
+
+
+@dataclass(eq=False)
+class PredJob:
+    """A pred's progress: its request is `spec`; the rest is where the work stands."""
+
+    proc: Process
+    handle: Handle
+    spec: PredSpec
     generator: torch.Generator | None
     future: asyncio.Future
     seq: int  # arrival order
+    # Where its tokens go: spec.positions, or, when that is None, read on admission.
+    positions: list[int] | None = None
     state: JobState = JobState.QUEUED
     enqueued: float = field(default_factory=time.monotonic)
     res: Reservation | None = None  # the room its entries are written into, once admitted
@@ -63,13 +84,6 @@ class PredJob:
     follows: bool = False  # its tokens are the sample of its file's last pred, next in line
     seconds: float = 0.0  # accelerator time of work done ahead, charged when a pred takes it
     error: Exception | None = None  # what a CANCELLED job fails with when its step ends
-    # Per entry of rows (None: no control). With score_next, a row's last score id is its
-    # next token, split out as the Output's next_logprob.
-    controls: list[RowControl | None] | None = None
-    score_next: bool = False
-    tree: np.ndarray | None = None  # ancestor bits [len(tokens), W]; None: causal
-    depths: list[int] | None = None  # of a tree's tokens: default positions are last + 1 + depth
-    cut: int | None = None  # truncate the file to this many entries first (None: append)
     # A guess made after a masked pred keeps its row's logits (`logits`, once computed): the
     # next pred will carry a mask the guess could not know, and samples them again.
     keep_logits: bool = False
@@ -79,10 +93,10 @@ class PredJob:
 
     @property
     def remaining(self) -> int:
-        return len(self.tokens) - self.done
+        return len(self.spec.tokens) - self.done
 
     @property
     def samples_last(self) -> bool:
         """Whether it sampled after its last token (what the next pred of a decode loop
         feeds back)."""
-        return bool(self.outputs) and self.outputs[-1].row == len(self.tokens) - 1
+        return bool(self.outputs) and self.outputs[-1].row == len(self.spec.tokens) - 1

@@ -28,16 +28,15 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-import numpy as np
 import torch
 
 from kvfs.errors import FSError
 from kvfs.fs import FileSystem, Handle
 from kvfs.inode import Inode
 from symphony.decode_ahead import DecodeAhead
-from symphony.engine.sampler import RowControl, SamplingParams
+from symphony.engine.sampler import RowControl
 from symphony.engine_process import EngineDied, EngineProcess
-from symphony.pred_job import JobState, Output, PredJob
+from symphony.pred_job import JobState, Output, PredJob, PredSpec
 from symphony.process import Process
 from symphony.relief import Relief
 from symphony.sched_stats import SchedStats, StepRecord
@@ -61,7 +60,7 @@ def taken_back() -> FSError:
 def output_of(job: PredJob, row: int, result: StepResult, i: int,
               control: RowControl | None) -> Output:
     """Logit row i of a step's result, as the Output of job's row `row`."""
-    n = job.params.top_logprobs
+    n = job.spec.params.top_logprobs
     output = Output(row, result.tokens[i], result.logprobs[i],
                     list(zip(result.top_ids[i][:n], result.top_logprobs[i][:n], strict=True)))
     if control is not None:
@@ -78,7 +77,7 @@ def controlled(output: Output, job: PredJob, control: RowControl, result: StepRe
         output.model_logprob = result.model_logprobs[i]
     if control.score_ids:
         scores = result.scores[i][:len(control.score_ids)]
-        if job.score_next and output.row < len(job.tokens) - 1:
+        if job.spec.score_next and output.row < len(job.spec.tokens) - 1:
             output.next_logprob = scores.pop()
         output.scores = scores
 
@@ -117,31 +116,25 @@ class Scheduler:
 
     # -- level 1: submission, fair share, cancellation -----------------------------------
 
-    def submit(self, proc: Process, handle: Handle, tokens: list[int],
-               positions: list[int] | None, rows: list[int], params: SamplingParams, *,
-               controls: list[RowControl | None] | None = None, score_next: bool = False,
-               tree: np.ndarray | None = None, depths: list[int] | None = None,
-               cut: int | None = None) -> asyncio.Future:
-        """Queue a checked pred; the future gets its Outputs, or the error that failed it.
-        The keywords are PredJob's (controls per entry of rows)."""
+    def submit(self, proc: Process, handle: Handle, spec: PredSpec) -> asyncio.Future:
+        """Queue a checked pred; the future gets its Outputs, or the error that failed it."""
         # Decoding ahead guesses the preds of decode loops, plain or masked: a guess
         # computed without this pred's scores, tree or cut is not its answer, and after it
         # the next pred will carry its own. A mask is applied when the pred takes the guess
         # (decode_ahead.py).
-        looping = not score_next and tree is None and cut is None
-        guess = self.ahead.match(handle, tokens, positions, rows, params) if looping else None
-        if guess is not None and (controls is None or self._maskable(guess)):
-            guess.controls = controls
+        looping = not spec.score_next and spec.tree is None and spec.cut is None
+        guess = self.ahead.match(handle, spec) if looping else None
+        if guess is not None and (spec.controls is None or self._maskable(guess)):
+            # The pred owns the guess: its request is the guessed one (match) but for its
+            # controls, which a step still to build or the sampling of kept logits applies.
+            guess.spec = spec
             return self._take(guess)
         self.ahead.drop(handle.inode, self.running)  # any other pred on the file drops it
         self._arrive(proc)
-        job = PredJob(proc, handle, tokens, positions, rows, params,
-                      params.generator(self.engine.device),
+        job = PredJob(proc, handle, spec, spec.params.generator(self.engine.device),
                       asyncio.get_running_loop().create_future(), next(self._seqs),
-                      follows=looping and self.ahead.follows(handle, tokens, positions, rows,
-                                                             params),
-                      controls=controls, score_next=score_next, tree=tree, depths=depths,
-                      cut=cut)
+                      positions=spec.positions,
+                      follows=looping and self.ahead.follows(handle, spec))
         self._enqueue(job)
         self._wake.set()
         return job.future
@@ -176,7 +169,8 @@ class Scheduler:
         jobs, logits = [job for job, _ in taken], [row for _, row in taken]
         result = resample(jobs, logits)
         for i, job in enumerate(jobs):
-            job.outputs = [output_of(job, job.rows[0], result, i, job.controls[0])]
+            spec = job.spec
+            job.outputs = [output_of(job, spec.rows[0], result, i, spec.controls[0])]
 
     def _take(self, guess: PredJob) -> asyncio.Future:
         """The pred computed ahead arrived: it owns the work from now on."""
@@ -184,7 +178,7 @@ class Scheduler:
             self._wake.set()
         self._arrive(guess.proc)
         self._enqueue(guess)
-        if guess.done and guess.controls is not None:
+        if guess.done and guess.spec.controls is not None:
             # Sampled with its mask together with the other masked preds that take computed
             # guesses before the loop turns (their frames come in together): one batch, as a
             # step's rows are, instead of a sampler call each. It stays queued meanwhile,
@@ -408,11 +402,11 @@ class Scheduler:
 
     def _admit(self, job: PredJob, others: bool) -> bool:
         """Reserve the job's pages, making room if need be. False: it waits (or failed)."""
-        handle, proc = job.handle, job.proc
+        handle, proc, spec = job.handle, job.proc, job.spec
         try:
             if handle.closed:
                 raise FSError(errno.EBADF, "pred: the file was closed")
-            inode, cut = handle.inode, job.cut
+            inode, cut = handle.inode, spec.cut
             if cut is not None and cut > inode.length:
                 raise FSError(errno.EINVAL, f"pred: truncate {cut} is past the file's "
                               f"length ({inode.length})")
@@ -420,13 +414,13 @@ class Scheduler:
             if positions is None:  # read now: earlier preds on the file have committed
                 kept = inode.length if cut is None else cut
                 last = inode.positions[kept - 1] if kept else -1
-                positions = ([last + 1 + d for d in job.depths] if job.depths is not None
-                             else list(range(last + 1, last + 1 + len(job.tokens))))
+                positions = ([last + 1 + d for d in spec.depths] if spec.depths is not None
+                             else list(range(last + 1, last + 1 + len(spec.tokens))))
             if max(positions) >= self.context:
                 raise FSError(errno.EOVERFLOW, f"pred: position {max(positions)} is past "
                               f"the model's context ({self.context})")
             # Guesses give way to preds: a guess never costs a pred its pages.
-            res = self.relief.reserve(handle, len(job.tokens), cut=cut, others=others,
+            res = self.relief.reserve(handle, len(spec.tokens), cut=cut, others=others,
                                       give_way=lambda: self.ahead.drop_all(self.running))
         except FSError as e:
             self._fail(job, e)
@@ -451,7 +445,7 @@ class Scheduler:
             kept = result.kept.get(i)
             if kept is not None and job.state in (JobState.AHEAD, JobState.DROPPED):
                 job.logits = kept  # for a masked pred to take
-            elif kept is not None and job.controls is not None:
+            elif kept is not None and job.spec.controls is not None:
                 taken.append((job, kept))
                 continue
             job.outputs.append(output_of(job, row, result, i, None if plan.controls is None
@@ -462,7 +456,7 @@ class Scheduler:
         prefill = decode = 0
         for c in plan.chunks:
             job, seconds = c.job, result.seconds * c.size / total
-            if c.size == 1 and len(job.tokens) == 1:
+            if c.size == 1 and len(job.spec.tokens) == 1:
                 decode += 1
             else:
                 prefill += c.size
@@ -507,7 +501,7 @@ class Scheduler:
 
     def _complete(self, job: PredJob) -> None:
         """Its last chunk is done: the entries join the file and the pred is answered."""
-        self.fs.commit(job.res, job.tokens, job.positions)
+        self.fs.commit(job.res, job.spec.tokens, job.positions)
         job.res, job.state = None, JobState.ANSWERED
         self.stats.preds += 1
         self._leave(job)

@@ -43,13 +43,13 @@ class StepPlan:
         for c in chunks:
             job, start, end = c.job, c.start, c.start + c.size
             base = len(ids)
-            ids += job.tokens[start:end]
+            ids += job.spec.tokens[start:end]
             pos += job.positions[start:end]
             q_lens.append(c.size)
             kv_lens.append(job.res.start + end)
             tables.append(job.res.page_table)
             excluded.append(job.res.excluded)
-            for r in job.rows:
+            for r in job.spec.rows:
                 if start <= r < end:
                     rows.append(base + r - start)
                     if job.keep_logits and job.state is JobState.AHEAD:
@@ -57,20 +57,21 @@ class StepPlan:
                     samples.append((job, r))
         # Only a step with a tree or a control pays for them.
         trees = controls = None
-        if any(c.job.tree is not None for c in chunks):
-            trees = [None if c.job.tree is None
-                     else TreeRows(c.job.res.start, c.job.tree[c.start:c.end]) for c in chunks]
-        if any(c.job.controls is not None for c in chunks):
-            controls = [None if c.job.controls is None else c.job.controls[i]
-                        for c in chunks for i, r in enumerate(c.job.rows)
-                        if c.start <= r < c.end]
+        specs = [c.job.spec for c in chunks]
+        if any(s.tree is not None for s in specs):
+            trees = [None if s.tree is None else TreeRows(c.job.res.start, s.tree[c.start:c.end])
+                     for c, s in zip(chunks, specs, strict=True)]
+        if any(s.controls is not None for s in specs):
+            controls = [None if s.controls is None else s.controls[i]
+                        for c, s in zip(chunks, specs, strict=True)
+                        for i, r in enumerate(s.rows) if c.start <= r < c.end]
         return cls(chunks, Batch(ids, pos, q_lens, kv_lens, tables, rows, excluded, trees=trees),
                    samples, controls, kept)
 
     @property
     def work(self) -> StepWork:
         """What the engine process computes: the batch and its rows' sampling, no jobs."""
-        return StepWork(self.batch, [job.params for job, _ in self.samples],
+        return StepWork(self.batch, [job.spec.params for job, _ in self.samples],
                         [job.generator for job, _ in self.samples], self.controls, self.kept)
 
     @property
@@ -136,6 +137,7 @@ def resample(jobs: list[PredJob], logits: list[torch.Tensor]) -> StepResult:
     """Kept logit rows sampled again, one per job, with the controls of the pred that took
     the job's guess and the fresh generator that pred would have had: in one batch, as a
     step's rows are."""
-    return _result(sample(torch.stack(logits), [j.params for j in jobs],
-                          [j.params.generator(logits[0].device) for j in jobs],
-                          [j.controls[0] for j in jobs]))
+    specs = [j.spec for j in jobs]
+    return _result(sample(torch.stack(logits), [s.params for s in specs],
+                          [s.params.generator(logits[0].device) for s in specs],
+                          [s.controls[0] for s in specs]))

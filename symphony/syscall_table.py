@@ -25,7 +25,7 @@ from kvfs.perm import Cred
 from symphony.engine.sampler import RowControl, SamplingParams
 from symphony.engine.tokenizer import Tokenizer
 from symphony.engine.tree import ancestor_bits, depths
-from symphony.pred_job import Output
+from symphony.pred_job import Output, PredSpec
 from symphony.process import NICE_MAX, NICE_MIN, Process
 from syscalls import symphony_pb2 as pb
 from syscalls import wire
@@ -298,8 +298,9 @@ def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> as
         rows, controls = [rows[i] for i in order], [controls[i] for i in order]
     else:
         rows = sorted(rows)
-    return k.sched.submit(proc, handle, tokens, positions, rows, params, controls=controls,
-                          score_next=req.score_next, tree=tree, depths=tree_depths, cut=cut)
+    spec = PredSpec(tokens, positions, rows, params, controls=controls,
+                    score_next=req.score_next, tree=tree, depths=tree_depths, cut=cut)
+    return k.sched.submit(proc, handle, spec)
 
 
 def pred_reply(outputs: list[Output]) -> pb.PredReply:

@@ -7,6 +7,7 @@ admitted, answered, committed and charged."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import functools
 import os
@@ -24,7 +25,7 @@ from kvfs.perm import Cred
 from symphony import scheduler
 from symphony.engine.sampler import GREEDY, SamplingParams
 from symphony.engine.tree import ancestor_bits
-from symphony.pred_job import JobState, Output
+from symphony.pred_job import JobState, Output, PredSpec
 from symphony.process import Process
 from symphony.scheduler import SLEEP_GRACE, Scheduler
 from symphony.step import Chunk, StepPlan, StepResult
@@ -87,7 +88,7 @@ class World:
 
     def pred(self, p: Process, f: Handle, tokens: list[int],
              params: SamplingParams = GREEDY) -> asyncio.Future:
-        return self.sched.submit(p, f, tokens, None, [len(tokens) - 1], params)
+        return self.sched.submit(p, f, PredSpec(tokens, None, [len(tokens) - 1], params))
 
     def submit(self, p: Process, f: Handle, tokens: list[int], **fields) -> asyncio.Future:
         """A pred through the syscall's checks (submit_pred): `fields` of PredRequest."""
@@ -451,7 +452,7 @@ async def test_a_guess_is_computed_unseen_and_a_matching_pred_takes_it_without_a
     w = World(ahead=True)
     p, f = w.process()
     guess = await decoding(w, p, f)
-    assert guess.state is JobState.AHEAD and guess.tokens == [9] and guess.positions == [4]
+    assert guess.state is JobState.AHEAD and guess.spec.tokens == [9] and guess.positions == [4]
     assert w.sched.stats.ahead == 1
     plan = w.step([11])
     assert plan.chunks == [Chunk(guess, 0, 1)] and plan.batch.kv_lens == [5]
@@ -462,7 +463,7 @@ async def test_a_guess_is_computed_unseen_and_a_matching_pred_takes_it_without_a
     assert f.inode.tokens == [1, 2, 3, SAMPLE, 9] and p.tokens == 5
     assert w.sched.stats.ahead_used == 1 and p.pending == 0
     nxt = w.sched.ahead.guesses[f.inode]  # and the next one is guessed
-    assert nxt.tokens == [11] and nxt.positions == [5]
+    assert nxt.spec.tokens == [11] and nxt.positions == [5]
 
 
 @in_loop
@@ -606,7 +607,7 @@ async def test_a_computed_guess_not_yet_taken_is_guessed_on_up_to_the_depth():
     guess = await decoding(w, p, f)
     w.step([11])  # computed; its pred has not come
     nxt = guess.following
-    assert nxt.state is JobState.AHEAD and nxt.tokens == [11] and nxt.positions == [5]
+    assert nxt.state is JobState.AHEAD and nxt.spec.tokens == [11] and nxt.positions == [5]
     plan = w.step([13])  # the LIP is a step late: the engine goes on without it
     assert plan.chunks == [Chunk(nxt, 0, 1)] and plan.batch.kv_lens == [6]
     assert nxt.done == 1 and nxt.following is None  # DEPTH guesses: no third
@@ -615,7 +616,7 @@ async def test_a_computed_guess_not_yet_taken_is_guessed_on_up_to_the_depth():
     first = w.pred(p, f, [9])
     assert first.result()[0].token == 11 and w.sched.ahead.guesses[f.inode] is nxt
     last = nxt.following  # taking the first made room for a guess after nxt
-    assert last.tokens == [13] and last.positions == [6] and last.done == 0
+    assert last.spec.tokens == [13] and last.positions == [6] and last.done == 0
     second = w.pred(p, f, [11])
     assert second.result()[0].token == 13  # both answered without a step
     assert f.inode.tokens == [1, 2, 3, SAMPLE, 9, 11] and p.tokens == 6
@@ -702,7 +703,7 @@ async def test_a_seeded_guess_draws_from_a_fresh_generator_as_its_pred_would():
 async def test_a_truncating_pred_attends_to_the_kept_entries_and_commits_in_their_place():
     w = World(budget=16)
     p, f = w.process()
-    w.sched.submit(p, f, list(range(1, 11)), list(range(100, 110)), [9], GREEDY)
+    w.sched.submit(p, f, PredSpec(list(range(1, 11)), list(range(100, 110)), [9], GREEDY))
     w.step()
     w.fs.punch(f, 6, 10)
     answer = w.submit(p, f, [20, 21], truncate=7)
@@ -887,7 +888,7 @@ async def masked_decoding(w: World, p: Process, f: Handle):
     w.submit(p, f, [SAMPLE], controls=[only(9)])
     w.step([9], model_logprobs=[-1.5])
     guess = w.sched.ahead.guesses[f.inode]
-    assert guess.keep_logits and guess.controls is None
+    assert guess.keep_logits and guess.spec.controls is None
     return guess
 
 
@@ -907,7 +908,7 @@ async def test_a_masked_pred_takes_its_computed_guess_and_samples_its_kept_logit
     assert out.model_logprob == pytest.approx(torch.log_softmax(
         torch.arange(VOCAB, dtype=torch.float32), 0)[5].item())
     assert f.inode.tokens[-1] == 9 and w.sched.stats.ahead_used == 1 and guess.logits is None
-    assert w.sched.ahead.guesses[f.inode].tokens == [5]  # the loop goes on ahead
+    assert w.sched.ahead.guesses[f.inode].spec.tokens == [5]  # the loop goes on ahead
 
 
 @in_loop
@@ -927,7 +928,7 @@ async def test_masked_preds_taking_computed_guesses_together_are_sampled_in_one_
     await asyncio.sleep(0)
     assert batches == [3] and [a.result()[0].token for a in answers] == [5, 6, 7]
     assert all(f.inode.tokens[-1] == 9 for _, f in files)
-    assert [w.sched.ahead.guesses[f.inode].tokens for _, f in files] == [[5], [6], [7]]
+    assert [w.sched.ahead.guesses[f.inode].spec.tokens for _, f in files] == [[5], [6], [7]]
 
 
 @in_loop
@@ -978,10 +979,29 @@ async def test_a_masked_pred_takes_a_guess_not_yet_computed_with_its_mask_in_the
     p, f = w.process()
     guess = await decoding(w, p, f)  # made after a plain pred: no kept logits
     answer = w.submit(p, f, [9], controls=[only(5)])
-    assert guess.state is JobState.ADMITTED and guess.controls is not None
+    assert guess.state is JobState.ADMITTED and guess.spec.controls is not None
     plan = w.step([5], model_logprobs=[-2.0])
     assert plan.controls[0].allowed is not None and plan.kept == []
     assert answer.result()[0].token == 5 and answer.result()[0].model_logprob == -2.0
+
+
+@in_loop
+async def test_a_pred_s_spec_is_what_submit_pred_built_frozen_and_its_progress_is_the_job_s():
+    w = World()
+    p, f = w.process()
+    w.submit(p, f, [4, 5, 6], outputs=[2, 0], truncate=0,
+             sampler=pb.Sampler(temperature=0.5, seed=3))
+    (job,) = w.sched.queue
+    spec = job.spec
+    assert spec == PredSpec([4, 5, 6], None, [0, 2], SamplingParams(temperature=0.5, seed=3),
+                            cut=0)  # the rows sorted
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.tokens = [7]
+    assert not hasattr(spec, "__dict__")  # slots
+    assert job.positions is None  # read on admission
+    w.step()
+    assert job.state is JobState.ANSWERED and job.spec is spec and spec.positions is None
+    assert job.positions == [0, 1, 2] and f.inode.tokens == [4, 5, 6]
 
 
 @pytest.mark.parametrize(("fields", "words"), [
