@@ -87,7 +87,14 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
+        """A config.json; or a GGUF file's metadata, given the file or `FILE.gguf/config.json`
+        (so that code which joins "config.json" onto a checkpoint path takes GGUF files too)."""
+        from symphony.engine.gguf_file import is_gguf, open_gguf  # it imports this module
+
         path = Path(path)
+        for candidate in (path, path.parent) if path.name == "config.json" else (path,):
+            if is_gguf(candidate):
+                return open_gguf(candidate).config()
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError as e:

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: config.json plus safetensors, single or sharded.
+"""Hugging Face checkpoints in and out: config.json plus safetensors, single or sharded;
+and GGUF files in (symphony.engine.gguf_file reads them, in Hugging Face names).
 
 Our modules stack q/k/v and gate/up into one projection each; the checkpoint keeps them
 apart. `_layout` is the one table that says where each checkpoint tensor lives in ours.
@@ -15,6 +16,7 @@ from safetensors.torch import save_file
 
 from symphony.engine.config import ModelConfig
 from symphony.engine.errors import ModelError
+from symphony.engine.gguf_file import is_gguf, open_gguf
 from symphony.engine.model import CausalLM
 
 # Tensors some checkpoints carry that we recompute rather than load.
@@ -73,45 +75,88 @@ def _weight_files(directory: Path) -> list[Path]:
     return files
 
 
-def load_model(
-    directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-) -> CausalLM:
-    directory = Path(directory)
-    cfg = ModelConfig.from_file(directory / "config.json")
-    layout = _layout(cfg)
+class _Filler:
+    """Copies checkpoint tensors (Hugging Face names) into our stacked parameters, and checks
+    that every row was filled."""
+
+    def __init__(self, model: CausalLM):
+        self.cfg = model.config
+        self.layout = _layout(self.cfg)
+        self.params = dict(model.named_parameters())
+        self.filled: dict[str, int] = {}
+
+    def wants(self, name: str, source: object, shown: str | None = None) -> bool:
+        if name.endswith(_IGNORED_SUFFIXES):
+            return False
+        if name not in self.layout:
+            if self.cfg.tie_word_embeddings and name == "lm_head.weight":
+                return False  # a redundant copy of the tied embedding
+            shown = shown or name
+            raise ModelError(f"{source}: unexpected tensor {shown!r} for {self.cfg.architecture}")
+        return True
+
+    def put(self, name: str, tensor: torch.Tensor, source: object, shown: str | None = None):
+        target, start, rows = self.layout[name]
+        param = self.params[target]
+        want = (rows, *param.shape[1:])
+        if tuple(tensor.shape) != want:
+            got, shown = tuple(tensor.shape), shown or name
+            raise ModelError(f"{source}: tensor {shown!r} is {got}, expected {want}")
+        with torch.no_grad():
+            param[start : start + rows].copy_(tensor)
+        self.filled[target] = self.filled.get(target, 0) + rows
+
+    def check(self, source: object) -> None:
+        for name, param in self.params.items():
+            if self.filled.get(name, 0) != param.shape[0]:
+                missing = [k for k, (t, _, _) in self.layout.items() if t == name]
+                raise ModelError(f"{source}: checkpoint is missing tensor(s) {', '.join(missing)}")
+
+
+def _empty_model(cfg: ModelConfig, device, dtype: torch.dtype) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model.to_empty(device=device).to(dtype)
-    params = dict(model.named_parameters())
-    filled: dict[str, int] = {}
-    for path in _weight_files(directory):
+    return model.to_empty(device=device).to(dtype)
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """The config of a checkpoint directory (config.json) or of a GGUF file."""
+    path = Path(path)
+    if is_gguf(path):
+        return open_gguf(path).config()
+    return ModelConfig.from_file(path / "config.json")
+
+
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> CausalLM:
+    """A checkpoint directory (config.json and safetensors) or a GGUF file."""
+    path = Path(path)
+    if is_gguf(path):
+        return _load_gguf(path, device, dtype)
+    cfg = ModelConfig.from_file(path / "config.json")
+    model = _empty_model(cfg, device, dtype)
+    filler = _Filler(model)
+    for file in _weight_files(path):
         try:
-            with safe_open(path, framework="pt", device="cpu") as f:
+            with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    if name.endswith(_IGNORED_SUFFIXES):
-                        continue
-                    if name not in layout:
-                        if cfg.tie_word_embeddings and name == "lm_head.weight":
-                            continue  # a redundant copy of the tied embedding
-                        raise ModelError(
-                            f"{path}: unexpected tensor {name!r} for {cfg.architecture}"
-                        )
-                    target, start, rows = layout[name]
-                    tensor = f.get_tensor(name)
-                    param = params[target]
-                    want = (rows, *param.shape[1:])
-                    if tuple(tensor.shape) != want:
-                        got = tuple(tensor.shape)
-                        raise ModelError(f"{path}: tensor {name!r} is {got}, expected {want}")
-                    with torch.no_grad():
-                        param[start : start + rows].copy_(tensor)
-                    filled[target] = filled.get(target, 0) + rows
+                    if filler.wants(name, file):
+                        filler.put(name, f.get_tensor(name), file)
         except SafetensorError as e:
-            raise ModelError(f"{path}: unreadable safetensors file ({e})") from e
-    for name, param in params.items():
-        if filled.get(name, 0) != param.shape[0]:
-            missing = [k for k, (t, _, _) in layout.items() if t == name]
-            raise ModelError(f"{directory}: checkpoint is missing tensor(s) {', '.join(missing)}")
+            raise ModelError(f"{file}: unreadable safetensors file ({e})") from e
+    filler.check(path)
+    return model.eval().requires_grad_(False)
+
+
+def _load_gguf(path: Path, device, dtype: torch.dtype) -> CausalLM:
+    f = open_gguf(path)
+    model = _empty_model(f.config(), device, dtype)
+    filler = _Filler(model)
+    for name, gguf_name, tensor in f.hf_tensors(model.config, dtype):
+        if filler.wants(name, path, gguf_name):
+            filler.put(name, tensor, path, gguf_name)
+    filler.check(path)
     return model.eval().requires_grad_(False)
 
 

@@ -11,8 +11,11 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Ten
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
     )
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
         inv_freq = _llama3_scaled(inv_freq, scaling)
+    elif kind == "factors":  # one divisor per frequency, as GGUF files give Llama 3.1's
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     return inv_freq
 
 

@@ -61,27 +61,58 @@ class Tokenizer:
         directory = Path(directory)
         path = directory / "tokenizer.json"
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises bare Exceptions for unreadable files
             raise ModelError(f"{path}: cannot load tokenizer ({e})") from e
         config = _read_json(directory / "tokenizer_config.json")
         generation = _read_json(directory / "generation_config.json")
-        self.chat_template: str | None = config.get("chat_template")
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
-        self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        self.bos_id = generation.get("bos_token_id", self.bos_id)
+        bos_token = _token_text(config.get("bos_token"))
+        eos_token = _token_text(config.get("eos_token"))
+        bos_id = tok.token_to_id(bos_token) if bos_token else None
+        bos_id = generation.get("bos_token_id", bos_id)
         eos = generation.get("eos_token_id")
         eos = [eos] if isinstance(eos, int) else list(eos or [])
-        if self.eos_token and (eos_id := self._tok.token_to_id(self.eos_token)) is not None:
+        if eos_token and (eos_id := tok.token_to_id(eos_token)) is not None:
             eos.append(eos_id)
-        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
-        self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_id is not None
+        self._setup(
+            tok,
+            chat_template=config.get("chat_template"),
+            bos_token=bos_token,
+            eos_token=eos_token,
+            bos_id=bos_id,
+            eos_ids=tuple(dict.fromkeys(eos)),
+            add_bos=bool(config.get("add_bos_token", False)) and bos_id is not None,
+        )
+
+    def _setup(self, tok: HFTokenizer, *, chat_template: str | None, bos_token: str | None,
+               eos_token: str | None, bos_id: int | None, eos_ids: tuple[int, ...],
+               add_bos: bool) -> None:
+        self._tok = tok
+        self.chat_template: str | None = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_id, self.eos_ids = bos_id, eos_ids
+        self.add_bos = add_bos
         self._token_bytes: list[bytes] | None = None
 
     @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer in a GGUF file's metadata (symphony.engine.gguf_file builds it)."""
+        from symphony.engine.gguf_file import build_tokenizer, open_gguf
+
+        tok, settings = build_tokenizer(open_gguf(path))
+        self = cls.__new__(cls)
+        self._setup(tok, **settings)
+        return self
+
+    @classmethod
     def from_dir(cls, directory: str | Path) -> Tokenizer | None:
-        """The checkpoint's tokenizer, or None when it ships without one."""
+        """The checkpoint's tokenizer, or None when it ships without one. `directory` may be
+        a GGUF file, whose tokenizer is in its metadata."""
+        from symphony.engine.gguf_file import is_gguf, open_gguf
+
+        if is_gguf(directory):
+            has_one = open_gguf(directory).get("tokenizer.ggml.model") is not None
+            return cls.from_gguf(directory) if has_one else None
         return cls(directory) if (Path(directory) / "tokenizer.json").exists() else None
 
     @property
