@@ -2,7 +2,9 @@
 
 1. syscall tax: per-token decode latency of a LIP calling pred once per token, against
    the in-process loop (`symphony.engine.generate.generate`) at batch 1; the LIP's preds
-   go on the lifeline (the client's default), and, in a second row, over gRPC.
+   go through the syscall rings (the client's default), as frames on the lifeline, and
+   over gRPC, a row each. Every other benchmark's LIPs use the rings; the path benchmark's
+   take --path-transport.
 2. batching: aggregate decode tokens/s of N concurrent LIPs (separate OS processes,
    started, prefilled, then timed from a barrier), against `generate` at batch N.
 3. fairness: token rates of two CPU-bound LIPs under contention, at equal nice and at
@@ -77,7 +79,7 @@ def lip_main(args: argparse.Namespace) -> int:
     from syscalls.convert import LogitControl
 
     k = Kernel.connect(args.socket, name=f"bench-{args.lip}",
-                       lifeline_pred=args.transport == "lifeline")
+                       lifeline_pred=args.transport != "grpc", rings=args.transport == "ring")
     if args.nice:
         k.nice(args.nice)
     vocab = k.model_info().vocab_size
@@ -135,7 +137,9 @@ def alip_main(args: argparse.Namespace) -> int:
     from syscalls.aio import AsyncKernel
 
     async def main() -> None:
-        ks = [await AsyncKernel.connect(args.socket, name=f"bench-aio-{i}")
+        ks = [await AsyncKernel.connect(args.socket, name=f"bench-aio-{i}",
+                                        lifeline_pred=args.transport != "grpc",
+                                        rings=args.transport == "ring")
               for i in range(args.sessions)]
         vocab = (await ks[0].model_info()).vocab_size
         files = [await k.open("", os.O_RDWR) for k in ks]
@@ -405,8 +409,8 @@ def bench_decode(args: argparse.Namespace, tmp: Path, engine, which: list[str]) 
         if "tax" in which:
             print(f"\n## 1. syscall tax: decode at batch 1, {args.tokens} tokens after a "
                   f"{args.prompt_len}-token prompt, greedy; best/median of {args.repeat}")
-            sides = {"lifeline": (kd, "lifeline"), "grpc": (kd, "grpc"),
-                     "lifeline, decode ahead off": (koff, "lifeline")}
+            sides = {"ring": (kd, "ring"), "lifeline": (kd, "lifeline"), "grpc": (kd, "grpc"),
+                     "ring, decode ahead off": (koff, "ring")}
             lips = {name: (Lip(kern.socket, "decode", seed=0, transport=t, **opts), kern.pid)
                     for name, (kern, t) in sides.items()}
             try:
@@ -710,6 +714,7 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
         for name, n, mode in groups:
             started, tokens = time.monotonic(), args.path_preds // n + 1
             opts = {"prompt_len": args.prompt_len, "tokens": tokens}
+            opts["transport"] = args.path_transport
             lips = (spawn(kd.socket, mode, n, **opts) if mode == "decode" else
                     [Lip(kd.socket, mode, seed=0, sessions=n, **opts)])
             try:
@@ -896,7 +901,9 @@ def main() -> int:
     ap.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--inflight", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--sessions", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--transport", choices=["lifeline", "grpc"], default="lifeline",
+    ap.add_argument("--path-transport", choices=["ring", "lifeline", "grpc"], default="ring",
+                    help="how the path benchmark's LIPs send their preds")
+    ap.add_argument("--transport", choices=["ring", "lifeline", "grpc"], default="ring",
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.lip == "adecode":
