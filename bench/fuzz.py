@@ -8,17 +8,19 @@ It starts a kernel daemon on a small random-weight checkpoint (or on --model; or
 the kernel at --socket, which must have no other clients), then runs --workers OS processes
 until --seconds are up: root and uids 60001/60002 (they drop privileges after importing, so
 Python may live where those users cannot read; without root every worker runs as the
-caller). Workers use the sync client (pred on the lifeline or over gRPC, one to three
-threads) or the asyncio client (many calls in flight, preds cancelled mid-flight). Each
+caller). Workers use the sync client (pred through the syscall rings or over gRPC, one to
+three threads) or the asyncio client (many calls in flight, preds cancelled mid-flight). Each
 makes random calls from the whole syscall table with a seeded RNG, valid-looking ones and
 deliberately bad ones: bad and closed fds; negative and huge ranges, counts, positions,
 tokens, sampler values and seeds; relative, empty, long, deep, non-ASCII and other users'
 paths, /tmp, /home; mode, flag and id garbage; links and renames of others' files and of
 the namespace's skeleton; imports of mutated exports; /proc names with odd digits; kills of
-any pid, its own included; nice extremes; raw request bytes, lifeline frames and
-`symphony-as` values. The first worker also grows directory trees past a thousand levels
-(mkdir chains in /tmp grafted by rename onto one in its home). Meanwhile the parent SIGKILLs
-random workers and starts them again (bounded).
+any pid, its own included; nice extremes; raw request bytes, lifeline frames, scribbles on
+a syscall ring of their own (a tail or head that cannot be, records that do not parse, of
+unknown kinds, FRAMED with no frame, random bytes) and `symphony-as` values. The first
+worker also grows directory trees past a thousand levels (mkdir chains in /tmp grafted by
+rename onto one in its home). Meanwhile the parent SIGKILLs random workers and starts them
+again (bounded).
 
 A FINDING is: an EIO (a kernel fault: no client mistake may cause one); an exception that is
 not an OSError with an errno (client-range: the library let an int too big for its field
@@ -47,6 +49,7 @@ import os
 import posixpath
 import random
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -71,12 +74,12 @@ if str(ROOT) not in sys.path:
 import grpc  # noqa: E402
 import grpc.aio  # noqa: E402,F401  (imported before a worker drops its privileges)
 
-from syscalls import convert, errors, wire  # noqa: E402
+from syscalls import convert, errors, ring, wire  # noqa: E402
 from syscalls import symphony_pb2 as pb  # noqa: E402
 from syscalls.aio import AsyncKernel  # noqa: E402
 from syscalls.client import Kernel  # noqa: E402
 from syscalls.convert import LogitControl, proc_fields  # noqa: E402
-from syscalls.session import AS_KEY, SESSION_KEY, hello  # noqa: E402
+from syscalls.session import AS_KEY, SESSION_KEY, hello, open_session  # noqa: E402
 
 USERS = (60001, 60002)
 PATH_BUDGET = 4000  # grafts keep every chain's path under PATH_MAX, so a walk reaches all
@@ -215,7 +218,7 @@ class Role:
     builder: bool = False  # makes deep directory trees more often than the others
 
     def describe(self) -> str:
-        how = "lifeline" if self.lifeline_pred else "grpc"
+        how = "rings" if self.lifeline_pred else "grpc"
         return (f"uid {self.uid} {self.kind} x{self.threads} pred on {how}"
                 + (", deep trees" if self.builder else ""))
 
@@ -342,8 +345,9 @@ class Gen:
         "stat": 3, "readdir": 2, "mkdir": 3, "deep": 2, "rmdir": 2, "unlink": 3,
         "rename": 3, "access": 2, "chmod": 2, "chown": 2, "fsync": 2, "export": 2,
         "import": 3, "procfs": 4, "raw_as": 4, "raw_bytes": 3, "raw_frame": 1,
+        "raw_ring": 1,
     }
-    SYNC_ONLY = ("raw_as", "raw_bytes", "raw_frame")
+    SYNC_ONLY = ("raw_as", "raw_bytes", "raw_frame", "raw_ring")
 
     def __init__(self, rng: random.Random, state: State, *, exits: bool, raw: bool,
                  cancels: bool, builder: bool = False, only: list[str] | None = None):
@@ -982,6 +986,17 @@ class Gen:
         huge = self.p(0.1)
         return Op("raw_frame", (kind, ShownBytes(payload, short(payload, 40)), huge))
 
+    def op_raw_ring(self) -> Op:
+        damage = self.pick(RING_DAMAGE)
+        return Op("raw_ring", (damage, self.rng.randrange(1 << 32)))
+
+
+# What a worker does to a ring of its own: the first three must make the kernel hang up, the
+# next two get an EINVAL completion; FRAMED with no frame gets nothing (only that ring
+# stalls); random bytes get either.
+RING_DAMAGE = ("tail past the ring", "head past the tail", "payload past the tail",
+               "unknown kind", "not a PredRequest", "framed with no frame", "random bytes")
+
 
 SKELETON = ("/", "/tmp", "/home", "/tmp/", "//home", "/tmp/../home", "/home/./")
 
@@ -1229,6 +1244,50 @@ class Worker:
             errors.check(pb.PredReply.FromString(body))
         finally:
             line.close()
+
+    def raw_ring(self, k: Kernel, damage: str, salt: int) -> None:
+        """A second session (a new kernel process of this uid) with rings, which it
+        scribbles on; then the kernel must hang up, or answer EINVAL, as RING_DAMAGE says."""
+        line, _token, rings = open_session(self.sock, True)
+        try:
+            line.settimeout(HANG_S)
+            rng, mem = random.Random(salt), rings.mem
+            must_hang_up = damage in RING_DAMAGE[:3]
+            if damage == "tail past the ring":
+                mem.set(ring.SQ_TAIL, ring.SQ_BYTES + 16 * rng.randrange(1, 1 << 20))
+            elif damage == "head past the tail":
+                mem.set(ring.CQ_HEAD, rng.randrange(1, 1 << 62))
+                rings.submit(ring.PRED, 1, pb.PredRequest(fd=3, tokens=[1]).SerializeToString())
+            elif damage == "payload past the tail":
+                mem.sq[:ring.RECORD.size] = ring.RECORD.pack(1 << 20, 1, ring.PRED, 0)
+                mem.set(ring.SQ_TAIL, ring.RECORD.size + 16)
+            elif damage == "unknown kind":
+                rings.submit(rng.choice((0, 3, 5, 6, 255, 1 << 31)), 1, b"")
+            elif damage == "not a PredRequest":
+                rings.submit(ring.PRED, 1, rng.randbytes(rng.randrange(1, 64)))
+            elif damage == "framed with no frame":
+                rings.submit(ring.FRAMED, 1)
+            else:
+                size = 16 * rng.randrange(1, 256)
+                mem.sq[:size] = rng.randbytes(size)
+                mem.set(ring.SQ_TAIL, size)
+            os.eventfd_write(rings.kernel_bell, 1)
+            if damage == "framed with no frame":
+                return
+            rings.sleeping(True)
+            ready = select.select([rings.process_bell, line], [], [], HANG_S)[0]
+            if not ready:
+                raise NoReply(f"no reply and no hang-up after a ring with {damage}")
+            if line in ready and line.recv(1 << 16) == b"":
+                return  # the kernel hung up: right for a broken ring
+            if must_hang_up:
+                raise NoReply(f"the kernel kept a ring with {damage}")
+            for kind, _call, body in rings.completions():
+                if kind == wire.REPLY:
+                    errors.check(pb.PredReply.FromString(body))
+        finally:
+            line.close()
+            rings.close()
 
     # -- asyncio -----------------------------------------------------------------------
 
