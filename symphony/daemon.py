@@ -27,6 +27,7 @@ from symphony.scheduler import Scheduler
 from symphony.server import Front, Hello, grpc_options
 from syscalls import symphony_pb2 as pb
 from syscalls import wire
+from syscalls.ring import fence
 from syscalls.session import hello_path
 
 log = logging.getLogger("symphony.kernel")
@@ -68,9 +69,13 @@ class Kernel:
         """While a step runs nobody rings the kernel: submissions wait in their rings with
         no system call on either side. When it ends, every ring is asked to ring again and
         drained, so the next step is planned with all of them."""
-        for hello in list(self.rings.values()):
-            hello.quiet(running)
-
+        hellos = list(self.rings.values())
+        for hello in hellos:
+            hello.ring.waking(not running)
+        if not running:
+            fence()  # one barrier for every ring's flag, before the kernel looks at them
+            for hello in hellos:
+                hello.drain()
 
     def spawn_reap(self, proc: Process) -> asyncio.Task:
         """Reap proc in a task of its own (once, however many ask)."""

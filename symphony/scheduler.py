@@ -110,7 +110,7 @@ class Scheduler:
         self._idle = asyncio.Event()
         self._idle.set()
         # Told when a step starts (True) and ends (False): the kernel's syscall rings are not
-        # rung while a step runs, and are drained once it ends (server.py, Hello.quiet).
+        # rung while a step runs, and are drained once it ends (daemon.py, rings_stepping).
         self.stepping: Callable[[bool], None] = lambda running: None
 
     @property

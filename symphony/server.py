@@ -365,15 +365,6 @@ class Hello(asyncio.Protocol):
         asyncio.get_running_loop().add_reader(made.kernel_bell, self.rung)
         self.kernel.rings[self.proc.pid] = self
 
-    def quiet(self, running: bool) -> None:
-        """Not rung while a step runs (the kernel drains the ring when it ends); rung
-        again, and drained, after."""
-        if self.transport.is_closing():
-            return
-        self.ring.waking(not running)
-        if not running:
-            self.drain()
-
     def rung(self) -> None:
         with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self.ring.kernel_bell)
