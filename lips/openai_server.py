@@ -10,11 +10,17 @@ Clients of OpenAI's API (the `openai` package, LangChain, curl) point their base
 http://HOST:PORT/v1. The endpoints:
 
     GET  /v1/models              the served model (--model-name; default: the kernel's)
-    POST /v1/completions         prompt as text or token ids; max_tokens (default 16),
-                                 temperature, top_p, top_k, min_p, n, stop, seed, logprobs,
-                                 echo, stream, logit_bias, ignore_eos
+    POST /v1/completions         prompt: a string, an array of strings, an array of token
+                                 ids, or an array of token-id arrays (a batch: n choices
+                                 per prompt, prompt i's choice j at index i*n+j, the
+                                 prompts computed together); max_tokens (default 16; 0:
+                                 nothing sampled, with echo and logprobs the prompt's
+                                 scores), temperature, top_p, top_k, min_p, n, stop, seed,
+                                 logprobs, echo, stream, logit_bias, ignore_eos,
+                                 add_special_tokens
     POST /v1/chat/completions    messages through the model's chat template; max_tokens or
                                  max_completion_tokens, temperature, top_p, n, stop, seed,
+                                 add_special_tokens,
                                  stream (stream_options.include_usage), logprobs and
                                  top_logprobs, logit_bias, response_format (text,
                                  json_object, json_schema: the output is held to the schema
@@ -68,7 +74,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from lips.serving.errors import ApiError, bad_field, from_kernel
-from lips.serving.generation import Delta, Generation, Generator, GenParams
+from lips.serving.generation import Batch, Delta, Generator, GenParams
 from lips.serving.metrics import Metrics
 from lips.serving.prefix_cache import PrefixCache
 from lips.serving.protocol import (
@@ -85,7 +91,7 @@ from lips.serving.protocol import (
     context_check,
     sse,
 )
-from lips.serving.text import text_bytes
+from lips.serving.text import text_bytes, token_pieces
 from syscalls.aio import AsyncKernel
 from syscalls.convert import ModelInfo, Vocabulary, proc_fields
 from syscalls.flags import report
@@ -107,8 +113,9 @@ class Service:
 
     def __init__(self, kernel: AsyncKernel, info: ModelInfo, vocab: Vocabulary,
                  generator: Generator, cache: PrefixCache, metrics: Metrics, model: str,
-                 api_key: str | None):
+                 api_key: str | None, special_prefix: list[int]):
         self.kernel = kernel
+        self.special_prefix = special_prefix  # what add_special_tokens puts before a text
         self.pieces = text_bytes(vocab)
         self.generator = generator
         self.cache = cache
@@ -119,7 +126,7 @@ class Service:
         self.fingerprint = f"fp_{info.fingerprint[:10]}"
         self.created = int(time.time())
         self.stopping = False
-        self.open: set[Generation] = set()  # the generations running or streaming
+        self.open: set[Batch] = set()  # the generations running or streaming
 
     # -- checks -----------------------------------------------------------------------
 
@@ -138,35 +145,37 @@ class Service:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")
 
-    def token_text(self, token: int) -> str:
-        """A token's text alone, as it adds to text: none for a special id (BOS)."""
-        return self.pieces[token].decode("utf-8", errors="replace")
-
     # -- tokens -----------------------------------------------------------------------
 
     async def chat_tokens(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                          add_special: bool = False) -> list[int]:
+                          add_special: bool) -> list[int]:
         """The messages through the model's chat template; a template that refuses them
-        (roles out of order, no template) is the request's fault."""
+        (roles out of order, no template) is the request's fault. add_special: the special
+        tokens the tokenizer puts before a text (BOS) go before the template's, as vLLM's
+        add_special_tokens (the kernel's tokenize of messages adds none)."""
         try:
-            return await self.kernel.tokenize(messages=messages,
-                                              add_generation_prompt=add_generation_prompt,
-                                              add_special=add_special)
+            ids = await self.kernel.tokenize(messages=messages,
+                                             add_generation_prompt=add_generation_prompt,
+                                             add_special=add_special)
         except OSError as e:
             if e.errno in (errno.EINVAL, errno.ENOTSUP, errno.ENOSYS):
                 raise bad_field("messages", e.strerror or str(e)) from e
             raise from_kernel(e) from e
+        prefix = self.special_prefix
+        if add_special and ids[:len(prefix)] != prefix:
+            ids = prefix + ids
+        return ids
 
     # -- generation -------------------------------------------------------------------
 
-    async def respond(self, request: Request, reply: Reply, params: GenParams,
+    async def respond(self, request: Request, reply: Reply, params: list[GenParams],
                       stream: bool) -> Response:
-        """The request's response, or its stream. A client that disconnects, before or
-        during the stream, has its generation closed at once (its preds cancelled, its
-        files freed)."""
+        """The request's response, or its stream: one generation per prompt, all at once.
+        A client that disconnects, before or during the stream, has its generations closed
+        at once (their preds cancelled, their files freed)."""
         if self.stopping:
             raise shutting_down()
-        gen = self.generator.start(params)
+        gen = Batch(self.generator, params)
         self.open.add(gen)
         streaming = False
         try:
@@ -189,7 +198,7 @@ class Service:
             if not streaming:
                 await self.close(gen)
 
-    async def close(self, gen: Generation) -> None:
+    async def close(self, gen: Batch) -> None:
         self.open.discard(gen)
         await gen.aclose()
 
@@ -215,6 +224,10 @@ class Service:
         return asyncio.gather(*(gen.aclose() for gen in list(self.open)))
 
 
+async def _ids(ids: list[int]) -> list[int]:
+    return ids
+
+
 def shutting_down() -> ApiError:
     return ApiError(503, "the server is shutting down", type="overloaded_error")
 
@@ -226,7 +239,7 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-async def collect(gen: Generation, reply: Reply) -> dict[str, Any]:
+async def collect(gen: Batch, reply: Reply) -> dict[str, Any]:
     """A response: every Delta gathered."""
     started = False
     async for delta in gen:
@@ -237,7 +250,7 @@ async def collect(gen: Generation, reply: Reply) -> dict[str, Any]:
     return reply.response(gen.usage)
 
 
-async def events(reply: Reply, gen: Generation, deltas: AsyncIterator[Delta], first: Delta
+async def events(reply: Reply, gen: Batch, deltas: AsyncIterator[Delta], first: Delta
                  ) -> AsyncIterator[bytes]:
     """A stream's server-sent events: the opening chunks, a chunk per Delta with something
     to say, the usage chunk when asked, and [DONE], also after an error (an error event
@@ -342,25 +355,32 @@ def build_app(s: Service) -> FastAPI:
     async def completions(request: Request, req: CompletionRequest) -> Response:
         s.check_model(req.model)
         req.check(info.vocab_size)
-        text = req.prompt if isinstance(req.prompt, str) else None
-        prompt = req.prompt if text is None else await k.tokenize(text, add_special=True)
-        max_tokens = context_check(info.context_length, len(prompt), req.max_tokens, "prompt")
-        echo = None
-        if req.echo:
-            echo = (await k.detokenize(prompt) if text is None else text,
-                    s.token_text(prompt[0]))
-        reply = CompletionReply(s.model, s.fingerprint, req, echo)
-        return await s.respond(request, reply, req.params(prompt, max_tokens), req.stream)
+        prompts = await asyncio.gather(*(
+            k.tokenize(p, add_special=req.add_special_tokens) if isinstance(p, str) else _ids(p)
+            for p in req.prompt))
+        params = []
+        for i, prompt in enumerate(prompts):
+            if not prompt:  # text that tokenizes to nothing (no BOS added)
+                raise bad_field(req.where(i), "the prompt has no tokens")
+            max_tokens = context_check(info.context_length, len(prompt), req.max_tokens,
+                                       req.where(i))
+            params.append(req.params(prompt, max_tokens))
+        # The echoed text is the prompt's tokens decoded as generated text is: "".join of
+        # the tokens' texts, so that text, tokens and text_offset agree.
+        echoes = [token_pieces(s.pieces, p) for p in prompts] if req.echo else None
+        reply = CompletionReply(s.model, s.fingerprint, req, echoes)
+        return await s.respond(request, reply, params, req.stream)
 
     @guarded.post("/v1/chat/completions")
     async def chat_completions(request: Request, req: ChatRequest) -> Response:
         s.check_model(req.model)
         req.check(info.vocab_size)
-        prompt = await s.chat_tokens(chat_messages(req.messages), add_generation_prompt=True)
+        prompt = await s.chat_tokens(chat_messages(req.messages), add_generation_prompt=True,
+                                     add_special=req.add_special_tokens)
         max_tokens = context_check(info.context_length, len(prompt), req.max_completion,
                                    "messages")
         reply = ChatReply(s.model, s.fingerprint, req)
-        return await s.respond(request, reply, req.params(prompt, max_tokens), req.stream)
+        return await s.respond(request, reply, [req.params(prompt, max_tokens)], req.stream)
 
     @guarded.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
@@ -435,6 +455,18 @@ def bind(host: str, port: int) -> tuple[socket.socket, str]:
     return sock, f"http://{shown}:{sock.getsockname()[1]}"
 
 
+async def special_prefix(k: AsyncKernel) -> list[int]:
+    """The ids the tokenizer puts before a text with its special tokens (BOS), found by
+    tokenizing a probe both ways; none without a tokenizer."""
+    try:
+        plain, special = await k.tokenize("a"), await k.tokenize("a", add_special=True)
+    except OSError:
+        return []
+    at = next((i for i in range(len(special) - len(plain) + 1)
+               if special[i:i + len(plain)] == plain), 0)
+    return special[:at]
+
+
 async def default_cache_pages(k: AsyncKernel) -> int:
     """A quarter of the kernel's device pages."""
     return int(proc_fields(await k.procfs("meminfo")).get("device_total", 0)) // 4
@@ -451,7 +483,7 @@ async def serve(args: argparse.Namespace) -> int:
             model = args.model_name or info.name
             metrics = Metrics(model)
             service = Service(k, info, vocab, Generator(k, info, vocab, cache, metrics), cache,
-                              metrics, model, args.api_key or None)
+                              metrics, model, args.api_key or None, await special_prefix(k))
             config = uvicorn.Config(build_app(service), lifespan="off", log_level="warning",
                                     access_log=False,
                                     timeout_graceful_shutdown=SHUTDOWN_GRACE_S)

@@ -132,8 +132,15 @@ BAD_CHAT = [
     ({"stop": ["ok", "\udfff"]}, "stop[1]"),
 ]
 BAD_COMPLETION = [
-    ({"prompt": ["one", "two"]}, "prompt"),
     ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": ["one", [1, 2]]}, "prompt"),  # texts and token ids mixed
+    ({"prompt": [[1, 2], 3]}, "prompt"),
+    ({"prompt": [["one"]]}, "prompt"),
+    ({"prompt": ["one", ""]}, "prompt[1]"),
+    ({"prompt": [[1, 2], [3, 10**6]]}, "prompt[1]"),
+    ({"max_tokens": -1}, "max_tokens"),
     ({"prompt": [1, 10**6]}, "prompt"),
     ({"logprobs": 21}, "logprobs"),
     ({"suffix": "x"}, "suffix"),

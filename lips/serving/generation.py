@@ -15,6 +15,11 @@ to the cache afterwards, off the token path. With n choices the prompt is writte
 first choice goes on in that file, the others fork it (copy-on-write) and sample after the
 prompt again, each with its own seed, all concurrently.
 
+A batch of prompts (a completions request's array) is a Batch: a Generation per prompt,
+all started at once, so the kernel batches their preds; their Deltas merge, renumbered in
+OpenAI's order (prompt i's choice j is i * n + j). max_tokens 0 samples nothing: the prompt
+is computed only for its logprobs (echo), and each choice ends "length" with no token.
+
 Each step is one pred with the choice's sampler: the same Sampling every step, so that the
 kernel can decode ahead (docs/architecture.md), or seed + choice + step for a seeded
 request (a reproducible run, as Context's). A grammar's mask and a logit_bias travel as
@@ -32,7 +37,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import llguidance
@@ -55,7 +60,8 @@ MIN_LOGPROB = -9999.0
 @dataclass(frozen=True)
 class GenParams:
     prompt: list[int]  # token ids, the chat template already applied
-    max_tokens: int  # >= 1; the HTTP layer checked prompt + max_tokens <= context
+    max_tokens: int  # >= 0; the HTTP layer checked prompt + max_tokens <= context. 0: no
+    # token is sampled (the prompt's logprobs alone, when asked); each choice ends "length"
     n: int = 1
     temperature: float = 1.0  # OpenAI's default; 0 is greedy
     top_p: float = 1.0
@@ -87,6 +93,8 @@ class Delta:
     logprobs: list[TokenLogprob]  # one per token in token_ids, when params.logprobs is set
     finish_reason: str | None  # "stop" (EOS, a stop string, the grammar done) or "length"
     # on the choice's last Delta
+    pieces: list[str] = field(default_factory=list)  # per token in token_ids, the text it
+    # added to the choice's decode (special ids none), before stop strings cut it
 
 
 @dataclass
@@ -185,9 +193,10 @@ class _Choice:
         self.steps += 1
         finish = None
         if token in self.eos:
-            piece, finish = "", "stop"
+            piece = decoded = ""
+            finish = "stop"
         else:
-            piece = self.text.push(token)
+            piece = decoded = self.text.push(token)
             if self.grammar is not None:
                 if not self.grammar.consume_token(token):
                     raise ValueError(f"the grammar refused token {token}, which its mask "
@@ -203,12 +212,13 @@ class _Choice:
             finish = "stop"
         elif finish is not None:  # the end: what was held back comes out
             rest = self.text.finish()
+            decoded += rest
             if self.stops is not None:
                 rest, matched = self.stops.push(rest)
                 rest += "" if matched else self.stops.flush()
             piece += rest
         logprobs = [self.logprob(token, out.logprob, out.top)] if self.logprob else []
-        return Delta(self.index, piece, [token], logprobs, finish)
+        return Delta(self.index, piece, [token], logprobs, finish, [decoded])
 
 
 class Generation:
@@ -279,8 +289,12 @@ class Generation:
         g, p = self.generator, self.params
         if not p.prompt:
             raise bad_field("prompt", "the prompt has no tokens")
-        if p.max_tokens < 1 or p.n < 1:
-            raise bad_field("max_tokens" if p.max_tokens < 1 else "n", "must be at least 1")
+        if p.max_tokens < 0 or p.n < 1:
+            raise bad_field("max_tokens" if p.max_tokens < 0 else "n",
+                            "must be at least " + ("0" if p.max_tokens < 0 else "1"))
+        if p.max_tokens == 0:
+            await self._score_only()
+            return
         grammars = await self._grammars()
         choices = [_Choice(self, i, grammar) for i, grammar in enumerate(grammars)]
         if p.prompt_logprobs:  # every prompt row is computed: none comes from the cache
@@ -291,6 +305,24 @@ class Generation:
         self._insert = asyncio.create_task(self._remember(file))
         await _all([self._decode(choices[0], file, first),
                     *(self._branch(choice, file) for choice in choices[1:])])
+
+    async def _score_only(self) -> None:
+        """max_tokens 0: nothing sampled. With prompt_logprobs, the prompt is computed (one
+        pred, in a file of its own) for its tokens' logprobs; each choice then ends, with no
+        token, "length"."""
+        g, p = self.generator, self.params
+        if p.prompt_logprobs:
+            scored: list[TokenLogprob | None] = [None]
+            if len(p.prompt) > 1:
+                file = await self._own(g.kernel.open())
+                outs = await file.pred(p.prompt, outputs=list(range(len(p.prompt) - 1)),
+                                       sampler=Sampling(top_logprobs=p.logprobs or 0),
+                                       score_next=True)
+                scored += [g.logprob(t, o.next_logprob, o.top)
+                           for t, o in zip(p.prompt[1:], outs, strict=True)]
+            self.prompt_logprobs = scored
+        for i in range(p.n):
+            self._queue.put_nowait(Delta(i, "", [], [], "length"))
 
     async def _grammars(self) -> list[llguidance.LLMatcher | None]:
         """Each choice's grammar matcher (None without a grammar)."""
@@ -368,6 +400,65 @@ class Generation:
         if self._opened:
             await asyncio.wait(self._opened)
         await asyncio.gather(*(_close(t) for t in self._opened))
+
+
+class Batch:
+    """Several prompts of one request (a completions batch), each its own Generation, all
+    started at once: they are independent work, so the kernel batches their preds. Iterate
+    it for every Delta, prompt i's choice j renumbered i * n + j (OpenAI's order); `usage`
+    sums the prompts'. An error of any prompt ends the whole (the others are closed)."""
+
+    def __init__(self, generator: Generator, params: Sequence[GenParams]):
+        if not params:
+            raise ValueError("a batch needs a prompt")
+        self.n = params[0].n
+        self.generations = [generator.start(p) for p in params]
+        self._deltas = self._iterate()
+
+    @property
+    def usage(self) -> Usage:
+        us = [g.usage for g in self.generations]
+        return Usage(sum(u.prompt_tokens for u in us), sum(u.completion_tokens for u in us),
+                     sum(u.cached_tokens for u in us))
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._deltas
+
+    async def _iterate(self) -> AsyncIterator[Delta]:
+        if len(self.generations) == 1:  # nothing to merge or renumber
+            async for delta in self.generations[0]:
+                yield delta
+            return
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        forwarders = [asyncio.ensure_future(self._forward(i, g, queue))
+                      for i, g in enumerate(self.generations)]
+        try:
+            running = len(forwarders)
+            while running:
+                item = await queue.get()
+                if item is _END:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            await self.aclose()  # each forwarder's iteration ends with its generation
+            await asyncio.wait(forwarders)
+
+    async def _forward(self, i: int, gen: Generation, queue: asyncio.Queue[Any]) -> None:
+        try:
+            async for delta in gen:
+                queue.put_nowait(replace(delta, index=i * self.n + delta.index))
+        except Exception as e:  # ApiError; the consumer raises it
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(_END)
+
+    async def aclose(self) -> None:
+        """Every prompt's generation closed (idempotent), as Generation.aclose: the closing
+        goes on if the caller is cancelled meanwhile."""
+        await asyncio.wait([asyncio.ensure_future(g.aclose()) for g in self.generations])
 
 
 async def _close(opened: asyncio.Task[AsyncFile]) -> None:

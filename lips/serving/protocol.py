@@ -18,10 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from lips.constrained import GrammarError, schema_grammar
 from lips.serving.errors import ApiError, bad_field
-from lips.serving.generation import Delta, Generation, GenParams, TokenLogprob, Usage
+from lips.serving.generation import Batch, Delta, GenParams, TokenLogprob, Usage
 
 MAX_STOP = 4  # stop strings, as OpenAI
 MAX_LOGPROBS = 20
+MAX_PROMPTS = 2048  # prompts in one completions request, as OpenAI's
 
 
 def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
@@ -133,31 +134,44 @@ class SamplingRequest(Body):
         }
 
 
+SHAPES = "a string, an array of strings, an array of token ids, or an array of token-id arrays"
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)
+
+
 class CompletionRequest(SamplingRequest):
-    """POST /v1/completions."""
+    """POST /v1/completions. `prompt` is parsed into a list of prompts, each text or token
+    ids: OpenAI's four shapes (a string, an array of strings, an array of token ids, an
+    array of token-id arrays)."""
 
     prompt: Any
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)  # 0: no new token (the echoed prompt's logprobs)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM extra: a text prompt's BOS and the like
     suffix: str | None = None
     best_of: int | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, prompt: Any) -> str | list[int]:
-        """One prompt: text, token ids, or a list holding one of those."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return prompt
-        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            return prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-            raise ValueError("one prompt per request (a batch of prompts is not supported)")
-        raise ValueError("a string, a list of token ids, or a list holding one of those")
+    def _prompt(cls, prompt: Any) -> list[str | list[int]]:
+        """The prompts, each a non-empty string or non-empty list of token ids."""
+        single = isinstance(prompt, str) or (_is_ids(prompt) and prompt)
+        prompts = [prompt] if single else prompt
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError(SHAPES)
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request")
+        if not (all(isinstance(p, str) for p in prompts) or all(_is_ids(p) for p in prompts)):
+            raise ValueError(f"{SHAPES}: all prompts text or all token ids")
+        for i, p in enumerate(prompts):
+            if not p:
+                if len(prompts) == 1:
+                    raise ValueError("the prompt is empty")
+                raise bad_field(f"prompt[{i}]", "the prompt is empty")
+        return prompts
 
     def check(self, vocab_size: int) -> None:
         super().check(vocab_size)
@@ -165,8 +179,13 @@ class CompletionRequest(SamplingRequest):
             raise bad_field("suffix", "not supported by this server")
         if self.best_of not in (None, 1):
             raise bad_field("best_of", "not supported by this server (only 1)")
-        if isinstance(self.prompt, list):
-            check_token_ids(self.prompt, vocab_size, "prompt")
+        for i, p in enumerate(self.prompt):
+            if isinstance(p, list):
+                check_token_ids(p, vocab_size, self.where(i))
+
+    def where(self, i: int) -> str:
+        """Prompt i's name in an error: `prompt`, or `prompt[i]` in a batch."""
+        return "prompt" if len(self.prompt) == 1 else f"prompt[{i}]"
 
     def params(self, prompt: list[int], max_tokens: int) -> GenParams:
         return GenParams(prompt=prompt, max_tokens=max_tokens, logprobs=self.logprobs,
@@ -244,6 +263,7 @@ class ChatRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
+    add_special_tokens: bool = False  # vLLM extra: BOS and the like on top of the template
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -340,11 +360,12 @@ def chat_logprob(t: TokenLogprob) -> dict[str, Any]:
 
 class Choice:
     """One choice's text, logprobs and finish reason, gathered from its Deltas. A logprob
-    entry is a str for a token that has none: the prompt's first, echoed."""
+    entry is a TokenLogprob (chat), or a completion token's text and its TokenLogprob (None
+    for the echoed prompt's first, which has none)."""
 
     def __init__(self) -> None:
         self.text = ""
-        self.logprobs: list[TokenLogprob | str] = []
+        self.logprobs: list[Any] = []
         self.finish_reason: str | None = None
 
 
@@ -367,7 +388,7 @@ class Reply:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint}
 
-    def started(self, gen: Generation) -> list[bytes]:
+    def started(self, gen: Batch) -> list[bytes]:
         """The generation gave its first Delta: the chunks a stream sends before it."""
         return []
 
@@ -419,7 +440,7 @@ class ChatReply(Reply):
                 "message": {"role": "assistant", "content": c.text, "refusal": None},
                 "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}
 
-    def started(self, gen: Generation) -> list[bytes]:
+    def started(self, gen: Batch) -> list[bytes]:
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}])
                 for i in range(len(self.choices))]
@@ -433,39 +454,56 @@ class ChatReply(Reply):
                             "finish_reason": delta.finish_reason}])
 
 
+Piece = tuple[str, TokenLogprob | None]  # a token's text in `text`, and its logprob
+
+
+def _top(t: TokenLogprob) -> dict[str, float]:
+    """A token's top_logprobs, the chosen token among them: tokens whose texts are the same
+    (two bytes of split characters both show U+FFFD) keep the largest logprob, so that the
+    largest value is the most likely token's, as clients' greedy checks assume."""
+    top: dict[str, float] = {}
+    for text, lp in ((t.token, t.logprob), *((s, lp) for s, _, lp in t.top)):
+        top[text] = max(lp, top.get(text, lp))
+    return top
+
+
 class CompletionReply(Reply):
     """Completions' logprobs are the legacy shape: parallel lists of tokens, their
     logprobs, each one's top alternatives as {text: logprob} (the chosen token among them,
-    as vLLM's), and each token's offset in the choice's text."""
+    as vLLM's; tokens of the same text keep the largest), and each token's offset in the
+    choice's text.
+
+    A token's entry in `tokens` is the text it adds to the choice's `text` (special ids
+    none, the first bytes of a split character none), so "".join(tokens) is the text (but
+    for the part a stop string cut) and each text_offset the length of the text before
+    it. A top_logprobs key is the token's own text, decoded alone (a special id's name)."""
 
     object = "text_completion"
     chunk_object = "text_completion"
     id_prefix = "cmpl"
 
     def __init__(self, model: str, fingerprint: str, req: CompletionRequest,
-                 echo: tuple[str, str] | None):
-        """echo: the prompt's text and its first token's text, when the text starts with
-        the prompt."""
-        super().__init__(model, fingerprint, req.n, req.include_usage)
+                 echoes: list[list[str]] | None):
+        """echoes: per prompt, its tokens' texts, when the choices' text starts with the
+        prompt (echo)."""
+        super().__init__(model, fingerprint, len(req.prompt) * req.n, req.include_usage)
+        self.n = req.n
         self.logprobs = req.logprobs
-        self.echo = echo
-        self.offsets = [0] * req.n  # a stream's text offset of the next token, per choice
+        self.echoes = echoes
+        self.batch: Batch | None = None  # the Batch, once started: its prompts' logprobs
+        self.echoed = [echoes is None] * len(self.choices)
+        self.offsets = [0] * len(self.choices)  # a stream's text offset of the next token
 
-    def _logprobs(self, lps: list[TokenLogprob | str], offset: int) -> dict[str, Any] | None:
+    def _logprobs(self, pieces: list[Piece], offset: int) -> dict[str, Any] | None:
         if self.logprobs is None:
             return None
         tokens, values, tops, offsets = [], [], [], []
-        for t in lps:
+        for text, t in pieces:
             offsets.append(offset)
-            if isinstance(t, str):
-                tokens.append(t)
-                values.append(None)
-                tops.append(None)
-            else:
-                tokens.append(t.token)
-                values.append(t.logprob)
-                tops.append({t.token: t.logprob} | {s: lp for s, _, lp in t.top})
-            offset += len(tokens[-1])
+            tokens.append(text)
+            values.append(None if t is None else t.logprob)
+            tops.append(None if t is None else _top(t))
+            offset += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
@@ -473,24 +511,48 @@ class CompletionReply(Reply):
         return {"index": index, "text": c.text, "logprobs": self._logprobs(c.logprobs, 0),
                 "finish_reason": c.finish_reason}
 
-    def started(self, gen: Generation) -> list[bytes]:
-        if self.echo is None:
-            return []
-        text, first = self.echo
-        echoed = [first if t is None else t for t in gen.prompt_logprobs]
-        for c in self.choices:
-            c.text, c.logprobs = text, list(echoed)
-        return [self._text_chunk(i, text, echoed, None) for i in range(len(self.choices))]
+    def started(self, gen: Batch) -> list[bytes]:
+        self.batch = gen
+        return []
 
-    def _text_chunk(self, index: int, text: str, lps: list[TokenLogprob | str],
+    def _echo(self, index: int) -> list[Piece] | None:
+        """The echoed prompt of choice `index`, once: before the choice's first Delta (its
+        prompt's logprobs are known by then)."""
+        if self.echoed[index]:
+            return None
+        self.echoed[index] = True
+        prompt = index // self.n
+        texts = self.echoes[prompt] if self.echoes is not None else []
+        scores = (self.batch.generations[prompt].prompt_logprobs
+                  if self.logprobs is not None and self.batch is not None else None)
+        return list(zip(texts, scores or [None] * len(texts), strict=True))
+
+    @staticmethod
+    def _pieces(delta: Delta) -> list[Piece]:
+        return list(zip(delta.pieces, delta.logprobs or [None] * len(delta.pieces),
+                        strict=True))
+
+    def add(self, delta: Delta) -> None:
+        c = self.choices[delta.index]
+        if (echo := self._echo(delta.index)) is not None:
+            c.text += "".join(text for text, _ in echo)
+            c.logprobs += echo
+        c.text += delta.text
+        c.logprobs += self._pieces(delta)
+        c.finish_reason = delta.finish_reason or c.finish_reason
+
+    def _text_chunk(self, index: int, text: str, pieces: list[Piece],
                     finish_reason: str | None) -> bytes:
-        logprobs = self._logprobs(lps, self.offsets[index])
-        self.offsets[index] += sum(len(t if isinstance(t, str) else t.token) for t in lps)
+        logprobs = self._logprobs(pieces, self.offsets[index])
+        self.offsets[index] += sum(len(t) for t, _ in pieces)
         return self.chunk([{"index": index, "text": text, "logprobs": logprobs,
                             "finish_reason": finish_reason}])
 
     def delta_chunk(self, delta: Delta) -> bytes | None:
-        if not (delta.text or delta.finish_reason or delta.logprobs):
-            return None
-        return self._text_chunk(delta.index, delta.text, list(delta.logprobs),
-                                delta.finish_reason)
+        out = b""
+        if (echo := self._echo(delta.index)) is not None:
+            out += self._text_chunk(delta.index, "".join(t for t, _ in echo), echo, None)
+        if delta.text or delta.finish_reason or delta.logprobs:
+            out += self._text_chunk(delta.index, delta.text, self._pieces(delta),
+                                    delta.finish_reason)
+        return out or None

@@ -39,6 +39,17 @@ class Detokenizer:
         return self._utf8.decode(b"", final=True)
 
 
+def token_pieces(pieces: Sequence[bytes], ids: Sequence[int]) -> list[str]:
+    """Per token of `ids`, the text it adds to the whole's decode (special ids and the
+    first bytes of a character none; what an incomplete character at the end decodes to
+    goes with the last token): "".join of them is the decode of `ids`."""
+    text = Detokenizer(pieces)
+    out = [text.push(t) for t in ids]
+    if out:
+        out[-1] += text.finish()
+    return out
+
+
 class StopStrings:
     """Cuts text before the first stop string, holding back what could begin one."""
 
