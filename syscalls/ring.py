@@ -200,10 +200,9 @@ class ProcessRing:
         return records
 
     def sleeping(self, asleep: bool) -> None:
-        """Say whether the kernel must ring this process's bell on a completion."""
+        """Say whether the kernel must ring this process's bell on a completion. A process
+        that sets it only when about to sleep must fence, then look at the ring once more."""
         self.mem.set(PROCESS_WAKE, int(asleep))
-        if asleep:
-            fence()
 
     def close(self) -> None:
         self.mem.close()

@@ -25,11 +25,6 @@ import time
 from syscalls import errors, ring, wire
 from syscalls.lifeline import AsyncLifeline, Lifeline, _gone, _left
 
-SPIN = 20e-6  # seconds the sync client looks at its completions before it sleeps
-# The longest sleep on the bell before looking again: a wake-up a reordered store delayed
-# (ring.fence) costs at most this.
-NAP = 0.05
-
 
 def _not_ours(where: str, opener: int) -> OSError:
     return errors.error(errno.EPERM, f"{where}: pred from a forked child: the session's "
@@ -44,6 +39,10 @@ class RingLine(Lifeline):
         super().__init__(sock, where)
         self.rings = rings
         self._opener = os.getpid()
+        rings.sleeping(True)
+        self._poll = select.poll()
+        self._poll.register(rings.process_bell, select.POLLIN)
+        self._poll.register(sock, select.POLLIN)
 
     def call(self, payload: bytes) -> bytes:
         if os.getpid() != self._opener:
@@ -73,23 +72,14 @@ class RingLine(Lifeline):
                 raise errors.error(*_gone(self.where, e.strerror or str(e))) from e
 
     def _read(self, deadline: float | None) -> None:
-        """Take the completions that have come; if none, spin, then sleep on the bell and
-        the lifeline (until the deadline at most), then hand out what came."""
+        """Take the completions that have come; if none, sleep on the bell and the lifeline
+        (until the deadline at most), then hand out what came."""
         data, why, done = None, None, []
         try:
             done = self.rings.completions()
-            spin_until = time.perf_counter() + SPIN
-            while not done and time.perf_counter() < spin_until:
-                done = self.rings.completions()
             if not done:
-                self.rings.sleeping(True)
-                try:
-                    done = self.rings.completions()
-                    if not done:
-                        data, why = self._sleep(deadline)
-                        done = self.rings.completions()
-                finally:
-                    self.rings.sleeping(False)
+                data, why = self._sleep(deadline)
+                done = self.rings.completions()
         except ring.RingError as e:
             data, why = b"", (errno.EPROTO, f"{self.where}: the ring is broken: {e}")
         except BaseException:  # KeyboardInterrupt: another waiter must take over reading
@@ -106,14 +96,14 @@ class RingLine(Lifeline):
 
     def _sleep(self, deadline: float | None) -> tuple[bytes | None, tuple[int, str] | None]:
         """Wait for the bell or the lifeline; what the lifeline had (None: nothing read)."""
-        nap = NAP if deadline is None else min(NAP, _left(deadline))
+        left = _left(deadline)
         try:
-            ready = select.select([self.rings.process_bell, self.sock], [], [], nap)[0]
-            if self.rings.process_bell in ready:
-                with contextlib.suppress(BlockingIOError):
-                    os.eventfd_read(self.rings.process_bell)
-            if self.sock in ready:
-                return self.sock.recv(1 << 16), None
+            for fd, _ in self._poll.poll(None if left is None else left * 1e3):
+                if fd == self.rings.process_bell:
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(fd)
+                else:
+                    return self.sock.recv(1 << 16), None
         except OSError as e:
             return b"", _gone(self.where, e.strerror or str(e))
         return None, None
@@ -128,7 +118,7 @@ class AsyncRingLine(AsyncLifeline):
         self.rings = rings
         self._opener = os.getpid()
         self._bell_loop: asyncio.AbstractEventLoop | None = None
-        rings.sleeping(True)  # the loop sleeps on the bell whenever it has nothing to do
+        rings.sleeping(True)
 
     async def call(self, payload: bytes) -> bytes:
         if os.getpid() != self._opener:

@@ -10,6 +10,7 @@ import errno
 import os
 import socket
 import threading
+import time
 
 import grpc
 import pytest
@@ -254,11 +255,23 @@ def raw_call(life: socket.socket, frames: wire.Frames, kind: int, payload: bytes
     return pb.PredReply.FromString(data)
 
 
+def settled(read, quiet: float = 0.5):
+    """read()'s value once it has stood still for `quiet` seconds."""
+    value, since = read(), time.monotonic()
+    while time.monotonic() - since < quiet:
+        time.sleep(0.05)
+        now = read()
+        if now != value:
+            value, since = now, time.monotonic()
+    return value
+
+
 def test_bad_frames_get_einval_and_garbage_ends_the_process(daemon):
     with daemon.connect() as k:
-        # Sessions of earlier tests may still be reaped, freeing pages: count from after.
+        # Sessions of earlier tests may still be reaped, freeing pages: count from after. A
+        # process leaves ps before its files are closed, so wait for the count to settle too.
         wait_for(lambda: [p.pid for p in k.ps()] == [k.pid], what="earlier sessions reaped")
-        free = meminfo(k)["device_free"]
+        free = settled(lambda: meminfo(k)["device_free"])
         life, token = session.hello(daemon.socket)
         channel = grpc.insecure_channel(session.grpc_target(daemon.socket))
         meta = [(session.SESSION_KEY, token)]
