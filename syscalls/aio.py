@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -131,6 +131,18 @@ class AsyncKernel(AsyncKernelCalls, Session):
                                                extras))
         request = convert.pred_request(fd, tokens, positions, outputs, s, no_outputs, extras)
         return convert.pred_outputs(await self._line.call(request))
+
+    async def pred_many(self, calls: Iterable[Mapping[str, Any]], *,
+                        return_exceptions: bool = False) -> list[list[PredOutput] | OSError]:
+        """As Kernel.pred_many: every pred is submitted, in the order given, before any is
+        awaited (through the rings, with one bell for them all)."""
+        results = await asyncio.gather(*(self.pred(**c) for c in calls),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and (not return_exceptions
+                                                 or not isinstance(r, OSError)):
+                raise r
+        return results
 
     async def export_iter(
         self, target: Target, offset: int = 0, length: int = 0

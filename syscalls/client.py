@@ -18,7 +18,7 @@ import copy
 import errno
 import os
 import socket
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 import grpc
@@ -225,6 +225,30 @@ class Kernel(KernelCalls, Session):
         # timeout) ends, and the kernel takes the pred back.
         return self._do(convert.pred(fd, tokens, positions, outputs, s, no_outputs, extras))
 
+    def pred_many(self, calls: Iterable[Mapping[str, Any]], *,
+                  return_exceptions: bool = False) -> list[list[PredOutput] | OSError]:
+        """Several preds sent together, each a mapping of pred's arguments by name (`fd` and
+        `tokens`, and any of pred's others), answered in their order: through the rings in
+        one submission and one bell; preds on one file are appended in the order given. An
+        error of one is raised once every pred has its answer (the others' entries stand),
+        or with return_exceptions=True takes its place in the list."""
+        arguments = [_pred_arguments(c) for c in calls]
+        if self._ended:
+            raise errors.error(*self._ended[0])
+        if self._line is None:  # gRPC: every call in flight at once
+            made = [convert.pred(*a) for a in arguments]
+            futures = [self._stub.Pred.future(m.request, metadata=self._metadata) for m in made]
+            results = [_settled(lambda m=m, f=f: m.result(errors.check(f.result())), self)
+                       for m, f in zip(made, futures, strict=True)]
+        else:
+            replies = self._line.call_many([convert.pred_request(*a) for a in arguments])
+            results = [_settled(lambda r=r: convert.pred_outputs(r), self) for r in replies]
+        if not return_exceptions:
+            for r in results:
+                if isinstance(r, OSError):
+                    raise r
+        return results
+
     def export_iter(self, target: Target, offset: int = 0, length: int = 0) -> Iterator[bytes]:
         """The canonical serialized form (docs/kv-format.md) of bytes [offset, offset +
         length) (length 0: to the end), as the kernel streams it."""
@@ -242,6 +266,34 @@ class Kernel(KernelCalls, Session):
         """Make the file at `path` from its serialized form: bytes, or an iterable of
         chunks of it. The kernel checks it whole; nothing appears when it is refused."""
         self._do(convert.import_file(convert.import_chunks(path, mode, data)))
+
+
+def _pred_arguments(call: dict[str, Any]) -> tuple:
+    """convert.pred's arguments from pred's, by name (pred_many's calls)."""
+    call = dict(call)
+    try:
+        fd, tokens = call.pop("fd"), call.pop("tokens")
+    except KeyError as e:
+        raise TypeError(f"pred_many: a call without {e.args[0]!r}") from None
+    positions, outputs = call.pop("positions", None), call.pop("outputs", None)
+    s = convert.sampler(call.pop("sampler", None), {
+        k: call.pop(k) for k in list(call) if k in convert.Sampling.__dataclass_fields__})
+    no_outputs = call.pop("no_outputs", False)
+    extras = convert.pred_extras(call.pop("control", None), call.pop("score_next", False),
+                                 call.pop("parents", None), call.pop("truncate", None))
+    if call:
+        raise TypeError(f"pred_many: unknown arguments {sorted(call)}")
+    return fd, tokens, positions, outputs, s, no_outputs, extras
+
+
+def _settled(result: Any, session: Session) -> Any:
+    """result() as pred_many lists it: its value, or the OSError it raised."""
+    try:
+        return result()
+    except grpc.RpcError as e:
+        return session._failed(e)
+    except OSError as e:
+        return e
 
 
 class OpenFile:

@@ -83,6 +83,34 @@ class Lifeline:
             self._take_back(call)
             raise
 
+    def call_many(self, payloads: list[bytes]) -> list[bytes]:
+        """Several preds sent together, their replies in their order. Interrupted while it
+        waits, it takes back every pred not answered yet."""
+        if self._closed:
+            raise errors.error(*self._closed)
+        calls = [next(self._ids) for _ in payloads]
+        for call in calls:
+            self._calls[call] = None
+        try:
+            self._send_many([wire.frame(wire.PRED, c, p) for c, p in zip(calls, payloads,
+                                                                           strict=True)])
+        except BaseException:  # not sent (or not whole): nothing to take back
+            for call in calls:
+                del self._calls[call]
+            raise
+        replies: list[bytes] = []
+        try:
+            for call in calls:
+                replies.append(self._wait(call, None))
+        except BaseException:
+            for call in calls[len(replies):]:
+                self._take_back(call)
+            raise
+        return replies
+
+    def _send_many(self, frames: list[bytes]) -> None:
+        self._send(b"".join(frames))
+
     def _send(self, data: bytes) -> None:
         try:
             with self._sending:

@@ -171,16 +171,36 @@ class ProcessRing:
         self.sq_tail = mem.get(SQ_TAIL)
         self.cq_head = mem.get(CQ_HEAD)
 
-    def room(self, payload: int) -> bool:
-        """Whether a record of `payload` bytes fits now, leaving room for a FRAMED one."""
-        used = self.sq_tail - self.mem.get(SQ_HEAD)
+    def room(self, payload: int, before: int = 0) -> bool:
+        """Whether a record of `payload` bytes fits now after `before` bytes of records not
+        published yet, leaving room for a FRAMED one."""
+        used = self.sq_tail + before - self.mem.get(SQ_HEAD)
         return used + record_bytes(payload) + RECORD.size <= self.mem.sq_bytes
 
-    def submit(self, kind: int, call: int, payload: bytes = b"") -> None:
-        """Write a record (room() said it fits, or it is FRAMED), then ring the kernel if
-        it asked to be rung."""
-        self.sq_tail = _write(self.mem.sq, self.sq_tail, kind, call, payload)
-        self.mem.set(SQ_TAIL, self.sq_tail)
+    def submit(self, kind: int, call: int, payload: bytes = b"", bell: bool = True) -> None:
+        """Write a record (room() said it fits, or it is FRAMED), publish it, and ring the
+        kernel if it asked to be rung (bell=False: the caller calls ring_kernel later, once
+        for many)."""
+        self.publish(_write(self.mem.sq, self.sq_tail, kind, call, payload))
+        if bell:
+            self.ring_kernel()
+
+    def submit_many(self, records: list[tuple[int, int, bytes]]) -> None:
+        """Write records that room() said fit together, publish them at once, and ring the
+        kernel once. Interrupted before they are published, none was submitted."""
+        tail = self.sq_tail
+        for kind, call, payload in records:
+            tail = _write(self.mem.sq, tail, kind, call, payload)
+        self.publish(tail)
+        self.ring_kernel()
+
+    def publish(self, tail: int) -> None:
+        """The kernel may take the records written up to `tail`."""
+        self.sq_tail = tail
+        self.mem.set(SQ_TAIL, tail)
+
+    def ring_kernel(self) -> None:
+        """Ring the kernel's bell if it asked to be rung (after what was published)."""
         fence()
         if self.mem.get(KERNEL_WAKE):
             os.eventfd_write(self.kernel_bell, 1)

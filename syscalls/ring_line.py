@@ -65,11 +65,36 @@ class RingLine(Lifeline):
                     time.sleep(0.001)
                 self.rings.submit(kind, call)
                 return
-            self.rings.submit(ring.FRAMED, call)
-            try:
-                self.sock.sendall(data)
-            except OSError as e:
-                raise errors.error(*_gone(self.where, e.strerror or str(e))) from e
+            self._frame(data, call)
+
+    def _send_many(self, frames: list[bytes]) -> None:
+        """PRED frames: those that fit go into the ring together, with one bell; a pred too
+        large goes as a frame in its place in line, as _send sends it."""
+        with self._sending:
+            if self._closed:
+                raise errors.error(*self._closed)
+            batch, size = [], 0
+            for data in frames:
+                length, call, kind = wire.HEADER.unpack_from(data)
+                if length <= ring.MAX_RECORD and self.rings.room(length, size):
+                    batch.append((kind, call, data[wire.HEADER.size:]))
+                    size += ring.record_bytes(length)
+                    continue
+                if batch:
+                    self.rings.submit_many(batch)
+                    batch, size = [], 0
+                self._frame(data, call)
+            if batch:
+                self.rings.submit_many(batch)
+
+    def _frame(self, data: bytes, call: int) -> None:
+        """A PRED too large for the ring, or with no room there: a FRAMED record, then the
+        frame on the lifeline. Holds _sending."""
+        self.rings.submit(ring.FRAMED, call)
+        try:
+            self.sock.sendall(data)
+        except OSError as e:
+            raise errors.error(*_gone(self.where, e.strerror or str(e))) from e
 
     def _read(self, deadline: float | None) -> None:
         """Take the completions that have come; if none, sleep on the bell and the lifeline
@@ -118,6 +143,7 @@ class AsyncRingLine(AsyncLifeline):
         self.rings = rings
         self._opener = os.getpid()
         self._bell_loop: asyncio.AbstractEventLoop | None = None
+        self._bell_due = False  # the kernel's bell is rung once per loop turn
         rings.sleeping(True)
 
     async def call(self, payload: bytes) -> bytes:
@@ -130,11 +156,21 @@ class AsyncRingLine(AsyncLifeline):
         return await super().call(payload)
 
     def _write(self, kind: int, call: int, payload: bytes) -> None:
+        """Into the ring, the kernel's bell rung once per loop turn for every task's records;
+        too large or no room: a FRAMED record and the frame."""
         if len(payload) <= ring.MAX_RECORD and self.rings.room(len(payload)):
-            self.rings.submit(kind, call, payload)
+            self.rings.submit(kind, call, payload, bell=False)
+            if not self._bell_due:
+                self._bell_due = True
+                asyncio.get_running_loop().call_soon(self._ring_kernel)
             return
         self.rings.submit(ring.FRAMED, call)  # room() keeps room for it
         self._transport.write(wire.frame(kind, call, payload))
+
+    def _ring_kernel(self) -> None:
+        self._bell_due = False
+        if not self._closed:
+            self.rings.ring_kernel()
 
     def _rung(self) -> None:
         with contextlib.suppress(BlockingIOError):

@@ -346,3 +346,61 @@ def test_a_forked_child_may_not_use_its_parents_ring(daemon):
         os.waitpid(child, 0)
         assert os.read(r, 1) == bytes([7])
         assert len(f.pred([1])) == 1
+
+
+def test_submit_many_publishes_together_and_rings_once(ends):
+    kernel, proc = ends
+    records = [(ring.PRED, i, bytes([i]) * i) for i in range(1, 6)]
+    proc.submit_many(records)
+    assert os.eventfd_read(kernel.kernel_bell) == 1  # one bell for five records
+    assert kernel.take() == records
+
+
+@pytest.mark.parametrize("transport", ["ring", "lifeline", "grpc"])
+def test_pred_many_answers_in_order_like_single_preds(daemon, transport):
+    kwargs = {"ring": {}, "lifeline": {"rings": False}, "grpc": {"lifeline_pred": False}}
+    with Kernel.connect(daemon.socket, **kwargs[transport]) as k:
+        files = [k.open("", os.O_RDWR) for _ in range(6)]
+        one = k.open("", os.O_RDWR)
+        try:
+            alone = []
+            for i, f in enumerate(files):
+                alone.append(f.pred(prompt(8, salt=i), top_logprobs=2))
+                f.truncate(0)
+            many = k.pred_many([{"fd": f, "tokens": prompt(8, salt=i), "top_logprobs": 2}
+                                for i, f in enumerate(files)])
+            assert many == alone
+            # one file, several preds: appended in the order given
+            pieces = [prompt(5, salt=s) for s in range(4)]
+            k.pred_many([{"fd": one, "tokens": p, "no_outputs": True} for p in pieces])
+            assert list(one.read()[0]) == [t for p in pieces for t in p]
+            # an error takes its place, or is raised once all are answered
+            calls = [{"fd": files[0], "tokens": [1]}, {"fd": 99, "tokens": [1]},
+                     {"fd": files[1], "tokens": [2]}]
+            got = k.pred_many(calls, return_exceptions=True)
+            assert isinstance(got[1], OSError) and got[1].errno == errno.EBADF
+            assert len(got[0]) == len(got[2]) == 1
+            with pytest.raises(OSError) as e:
+                k.pred_many(calls)
+            assert e.value.errno == errno.EBADF
+            assert files[0].stat().tokens == files[1].stat().tokens == 10  # both ran twice
+            with pytest.raises(TypeError):
+                k.pred_many([{"tokens": [1]}])
+        finally:
+            for f in (*files, one):
+                f.close()
+
+
+def test_async_pred_many(daemon):
+    async def main() -> None:
+        k = await AsyncKernel.connect(daemon.socket)
+        try:
+            files = [await k.open("", os.O_RDWR) for _ in range(4)]
+            got = await k.pred_many([{"fd": f, "tokens": prompt(6)} for f in files]
+                                    + [{"fd": 99, "tokens": [1]}], return_exceptions=True)
+            assert isinstance(got[-1], OSError) and got[-1].errno == errno.EBADF
+            assert all(g == got[0] for g in got[:4])
+        finally:
+            await k.close()
+
+    asyncio.run(main())
