@@ -1,9 +1,16 @@
 """`symphony kv`: the kernel's KV files from the shell, through the syscalls.
 
 In `ls`, `cat` and `rm` every path is a kernel path. In `cp` a kernel path is written
-`kv:PATH` and any other argument is a local file. A kernel path is absolute, or relative to
-your home: `kv:doc.kv` is /home/<user>/doc.kv, and `kv:` alone is the home. A file's bytes
-are its canonical serialized form (docs/kv-format.md), the bytes the mount shows.
+`kv:PATH` and any other argument is a local file (`-` is no special name: use /dev/stdin,
+or `kv cat` for stdout). A kernel path is absolute, or relative to your home: `kv:doc.kv`
+is /home/<user>/doc.kv, and `kv:` alone is the home. A file's bytes are its canonical
+serialized form (docs/kv-format.md), the bytes the mount shows.
+
+A kernel path is in the kernel of --socket (default: $SYMPHONY_SOCKET, else
+/tmp/symphony/kernel.sock), or names its kernel: `kv:SOCKET:PATH`, where SOCKET is the
+socket that kernel listens on (its --socket) and is taken as one when it is a socket file
+(`kv:/run/b.sock:doc.kv`). So `kv cp kv:/run/a.sock:doc.kv kv:/run/b.sock:` copies a file
+from one kernel to another (both on one model: the other refuses a file of another).
 """
 
 from __future__ import annotations
@@ -27,10 +34,41 @@ from syscalls.convert import CHUNK_BYTES, Stat
 PREFIX = "kv:"
 
 
-def kernel_path(k: Kernel, arg: str) -> str:
-    """The absolute kernel path that `arg` (with or without the kv: prefix) names."""
-    path = arg.removeprefix(PREFIX)
-    return path if path.startswith("/") else f"{k.home}/{path}".rstrip("/")
+def is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def split_kernel(arg: str) -> tuple[str | None, str]:
+    """The socket of the kernel that `arg` (with or without the kv: prefix) names (None:
+    --socket's), and the path in it: `SOCKET:PATH` when SOCKET is a socket file."""
+    rest = arg.removeprefix(PREFIX)
+    sock, colon, path = rest.partition(":")
+    if colon and sock and is_socket(sock):
+        return sock, path
+    return None, rest
+
+
+class Kernels:
+    """The sessions `kv` opens: --socket's kernel and any that a path names, each once."""
+
+    def __init__(self, default: str | None):
+        self.default = default
+        self.open: dict[str | None, Kernel] = {}
+
+    def of(self, arg: str) -> tuple[Kernel, str]:
+        """The session of the kernel `arg` names and the absolute path in it."""
+        sock, path = split_kernel(arg)
+        if sock not in self.open:
+            self.open[sock] = Kernel.connect(sock or self.default, name="symphony-kv")
+        k = self.open[sock]
+        return k, path if path.startswith("/") else f"{k.home}/{path}".rstrip("/")
+
+    def close(self) -> None:
+        for k in self.open.values():
+            k.close()
 
 
 def long_lines(entries: list[tuple[str, Stat]]) -> list[str]:
@@ -55,8 +93,8 @@ def long_lines(entries: list[tuple[str, Stat]]) -> list[str]:
     ]
 
 
-def cmd_ls(k: Kernel, args: argparse.Namespace) -> int:
-    path = kernel_path(k, args.path)
+def cmd_ls(kernels: Kernels, args: argparse.Namespace) -> int:
+    k, path = kernels.of(args.path)
     st = k.stat(path)
     entries = sorted(k.readdir(path), key=lambda e: e[0]) if st.is_dir else [(args.path, st)]
     for line in long_lines(entries) if args.long else [name for name, _ in entries]:
@@ -64,10 +102,11 @@ def cmd_ls(k: Kernel, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_cat(k: Kernel, args: argparse.Namespace) -> int:
+def cmd_cat(kernels: Kernels, args: argparse.Namespace) -> int:
     out = sys.stdout.buffer
     for arg in args.paths:
-        for chunk in k.export_iter(kernel_path(k, arg)):
+        k, path = kernels.of(arg)
+        for chunk in k.export_iter(path):
             out.write(chunk)
     out.flush()
     return 0
@@ -78,12 +117,12 @@ def read_chunks(path: str) -> Iterator[bytes]:
         yield from iter(partial(f.read, CHUNK_BYTES), b"")
 
 
-def source(k: Kernel, arg: str) -> tuple[str, int, Iterator[bytes]]:
+def source(kernels: Kernels, arg: str) -> tuple[str, int, Iterator[bytes]]:
     """cp's SRC: its file name, permission bits and bytes in chunks. The first chunk is
     fetched here so that a refusal (ENOENT, EACCES, EISDIR) raises as itself, not inside the
     import stream, where gRPC would report it only as a failed request iterator."""
     if arg.startswith(PREFIX):
-        path = kernel_path(k, arg)
+        k, path = kernels.of(arg)
         mode, chunks = k.stat(path).mode, k.export_iter(path)
     else:
         path = arg
@@ -113,18 +152,19 @@ def is_kernel_dir(k: Kernel, path: str) -> bool:
         return False
 
 
-def cmd_cp(k: Kernel, args: argparse.Namespace) -> int:
+def cmd_cp(kernels: Kernels, args: argparse.Namespace) -> int:
     """Kernel to local exports, local to kernel imports (the kernel checks the file and
-    refuses it whole), kernel to kernel does both. A new copy gets SRC's permission bits;
-    an existing kernel DST is rewritten in place, keeping its owner and mode, as cp(1) does.
-    A DST that is a directory receives a file of SRC's name."""
+    refuses it whole), kernel to kernel does both, within one kernel or between two
+    (kv:SOCKET:PATH). A new copy gets SRC's permission bits; an existing kernel DST is
+    rewritten in place, keeping its owner and mode, as cp(1) does. A DST that is a
+    directory receives a file of SRC's name."""
     if not (args.src.startswith(PREFIX) or args.dst.startswith(PREFIX)):
         raise ValueError(
             f"kv cp: neither {args.src} nor {args.dst} is a kernel path (write one as {PREFIX}PATH)"
         )
-    name, mode, chunks = source(k, args.src)
+    name, mode, chunks = source(kernels, args.src)
     if args.dst.startswith(PREFIX):
-        dst = kernel_path(k, args.dst)
+        k, dst = kernels.of(args.dst)
         if is_kernel_dir(k, dst):
             dst = f"{dst.rstrip('/')}/{name}"
         k.import_file(dst, chunks, mode)
@@ -134,12 +174,13 @@ def cmd_cp(k: Kernel, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_rm(k: Kernel, args: argparse.Namespace) -> int:
+def cmd_rm(kernels: Kernels, args: argparse.Namespace) -> int:
     """As rm(1): one path that cannot be removed does not stop the others."""
     status = 0
     for arg in args.paths:
         try:
-            k.unlink(kernel_path(k, arg))
+            k, path = kernels.of(arg)
+            k.unlink(path)
         except OSError as e:
             print(f"symphony: kv rm: {arg}: {os.strerror(e.errno)}", file=sys.stderr)
             status = 1
@@ -147,8 +188,11 @@ def cmd_rm(k: Kernel, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    with Kernel.connect(args.socket, name="symphony-kv") as k:
-        return args.kv_command(k, args)
+    kernels = Kernels(args.socket)
+    try:
+        return args.kv_command(kernels, args)
+    finally:
+        kernels.close()
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -175,7 +219,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cp = ops.add_parser(
         "cp",
         parents=[common],
-        help="copy between kv:PATH and local files",
+        help="copy between kv:PATH (or kv:SOCKET:PATH) and local files",
         description=cmd_cp.__doc__,
     )
     cp.add_argument("src")

@@ -92,8 +92,9 @@ class ProcFS:
     def sched(self) -> str:
         s = self.k.sched
         st = s.stats
-        recent = list(st.recent)
-        window = (recent[-1].end - recent[0].end + recent[0].seconds) if recent else 0.0
+        # Rates over the steps of the last STATS_WINDOW seconds, from the first one's start
+        # to now: they fall to 0 when the kernel goes idle.
+        recent, window = st.window(time.monotonic())
         tokens = [r.prefill + r.decode for r in recent]
         prefill = sum(r.prefill for r in recent)
         preds = recent[-1].preds - recent[0].preds if recent else 0

@@ -38,5 +38,20 @@ class SchedStats:
         self.max_seqs = max(self.max_seqs, step.seqs)
         self.tokens += step.prefill + step.decode
         self.recent.append(step)
-        while self.recent and self.recent[0].end < step.end - STATS_WINDOW:
+        self._forget(step.end)
+
+    def window(self, now: float) -> tuple[list[StepRecord], float]:
+        """The steps that ended in the last STATS_WINDOW seconds before `now`
+        (time.monotonic), and the seconds /proc/sched's rates are taken over: from the start
+        of the first of them to now (0 when there is none). So an idle kernel's rates fall
+        as its steps recede and are 0 once the last has left the window, instead of keeping
+        the figures of its last steps."""
+        self._forget(now)
+        if not self.recent:
+            return [], 0.0
+        first = self.recent[0]
+        return list(self.recent), max(now - (first.end - first.seconds), first.seconds)
+
+    def _forget(self, now: float) -> None:
+        while self.recent and self.recent[0].end < now - STATS_WINDOW:
             self.recent.popleft()

@@ -18,10 +18,13 @@ from dataclasses import dataclass
 from syscalls.client import Kernel
 from syscalls.convert import ProcInfo, proc_fields
 
-COLUMNS = (
-    f"{'PID':>5} {'USER':<10} {'STATE':<9} {'NI':>3} {'TOK/S':>8} {'TOKENS':>9} "
-    f"{'PAGES':>6} {'CALLS':>7} {'CPU':>7} {'ACCEL':>7}  NAME"
-)
+# Every line fits an 80-column terminal (curses leaves the last column alone): the summary
+# wraps, and the process table's NAME starts at column 69. A process's syscall count is in
+# `symphony ps` and /proc/PID/status.
+WIDTH = 79
+ROW = "{:>5} {:<8} {:<8} {:>3} {:>7} {:>8} {:>6} {:>6} {:>6} {}"
+COLUMNS = ROW.format("PID", "USER", "STATE", "NI", "TOK/S", "TOKENS", "PAGES", "CPU", "ACCEL",
+                     "NAME")
 QUIT = (ord("q"), ord("Q"))
 
 
@@ -48,9 +51,25 @@ def rates(before: Sample, after: Sample) -> dict[int, float]:
     }
 
 
+def wrap(head: str, items: list[str], sep: str = ", ") -> list[str]:
+    """`head` and the items joined by `sep`, in lines of WIDTH at most (an item is not
+    split), the lines after the first indented as far as the first's items."""
+    lines, line, indent = [], head, " " * len(head)
+    for i, item in enumerate(items):
+        piece = item if line in (head, indent) else sep + item
+        if line not in (head, indent) and len(line) + len(piece.rstrip()) > WIDTH:
+            lines.append(line.rstrip())
+            line, piece = indent, item
+        line += piece
+        if i == len(items) - 1:
+            lines.append(line)
+    return lines or [head.rstrip()]
+
+
 def frame(s: Sample, rate: Mapping[int, float]) -> list[str]:
     """The screen: summary lines, COLUMNS, then the processes, busiest first. A process
-    without a rate (the first frame) shows "-"."""
+    without a rate (the first frame) shows "-". Every line but a long process name fits
+    WIDTH columns."""
     # A field this kernel does not report shows as "-": an older or newer kernel still draws.
     m, q = defaultdict(lambda: "-", s.meminfo), defaultdict(lambda: "-", s.sched)
     tiers = [key.removesuffix("_total") for key in s.meminfo if key.endswith("_total")]
@@ -61,36 +80,37 @@ def frame(s: Sample, rate: Mapping[int, float]) -> list[str]:
         if key.startswith("quota_")
     ]
     lines = [
-        f"symphony top - {time.strftime('%H:%M:%S', time.localtime(s.taken))}  "
-        f"processes {len(s.procs)}: "
-        + ", ".join(f"{n} {state}" for state, n in sorted(states.items())),
-        "KV pages: "
-        + " | ".join(
-            f"{t} {m[t + '_used']}/{m[t + '_total']} used, {m[t + '_free']} free" for t in tiers
-        )
-        + f"; shared {m['shared']}, swapped {m['swapped_out']}, on disk {m['on_disk']}",
-        f"Sched: run queue {q['run_queue']}, waiting for memory {q['waiting_for_memory']}, "
-        f"{q['steps_per_s']} steps/s, {q['tokens_per_s']} tokens/s, "
-        f"batch {q['batch_seqs_avg']} avg {q['batch_seqs_max']} max",
-        f"       budget use {q['budget_use']} of {q['token_budget']} tokens, prefill share "
-        f"{q['prefill_share']}, queue delay p50 {q['queue_delay_p50_ms']} p90 "
-        f"{q['queue_delay_p90_ms']} p99 {q['queue_delay_p99_ms']} ms",
-        f"       preemptions {q['preemptions']}, pages swapped out {q['pages_swapped_out']}, "
-        f"admission waits {q['admission_waits']}",
-        f"       engine busy {q['engine_busy']}, loop CPU {q['loop_cpu_us_per_pred']} us a pred, "
-        f"decoding ahead "
-        f"{q['decode_ahead']}: {q['ahead_used']} of {q['ahead_guesses']} guesses taken",
-        *([f"Quota (pages used / limit): {', '.join(quotas)}"] if quotas else []),
+        *wrap(f"symphony top - {time.strftime('%H:%M:%S', time.localtime(s.taken))}  "
+              f"processes {len(s.procs)}: ",
+              [f"{n} {state}" for state, n in sorted(states.items())]),
+        *wrap("KV pages: ",
+              [f"{t} {m[t + '_used']}/{m[t + '_total']} used, {m[t + '_free']} free"
+               for t in tiers], " | "),
+        *wrap("          ", [f"shared {m['shared']}", f"swapped {m['swapped_out']}",
+                             f"on disk {m['on_disk']}"]),
+        *wrap("Sched: ", [
+            f"run queue {q['run_queue']}", f"waiting for memory {q['waiting_for_memory']}",
+            f"{q['steps_per_s']} steps/s", f"{q['tokens_per_s']} tokens/s",
+            f"batch {q['batch_seqs_avg']} avg {q['batch_seqs_max']} max",
+            f"budget use {q['budget_use']} of {q['token_budget']} tokens",
+            f"prefill share {q['prefill_share']}",
+            f"queue delay p50 {q['queue_delay_p50_ms']} p90 {q['queue_delay_p90_ms']} "
+            f"p99 {q['queue_delay_p99_ms']} ms",
+            f"preemptions {q['preemptions']}", f"pages swapped out {q['pages_swapped_out']}",
+            f"admission waits {q['admission_waits']}",
+            f"engine busy {q['engine_busy']}",
+            f"loop CPU {q['loop_cpu_us_per_pred']} us a pred",
+            f"decoding ahead {q['decode_ahead']}: {q['ahead_used']} of "
+            f"{q['ahead_guesses']} guesses taken",
+        ]),
+        *(wrap("Quota (pages used / limit): ", quotas) if quotas else []),
         "",
         COLUMNS,
     ]
     for p in sorted(s.procs, key=lambda p: (-rate.get(p.pid, 0.0), -p.tokens, p.pid)):
         r = f"{rate[p.pid]:.1f}" if p.pid in rate else "-"
-        lines.append(
-            f"{p.pid:>5} {p.user[:10]:<10} {p.state:<9} {p.nice:>3} {r:>8} "
-            f"{p.tokens:>9} {p.pages:>6} {p.syscalls:>7} {p.cpu_seconds:>7.2f} "
-            f"{p.accel_seconds:>7.2f}  {p.name}"
-        )
+        lines.append(ROW.format(p.pid, p.user[:8], p.state, p.nice, r, p.tokens, p.pages,
+                                f"{p.cpu_seconds:.1f}", f"{p.accel_seconds:.1f}", p.name))
     return lines
 
 

@@ -117,6 +117,9 @@ def report(prog: str, e: BaseException) -> int:
         # Kernel messages often name only the object ("'/home/u/x'"): add what went wrong.
         reason = os.strerror(e.errno) if e.errno else ""
         message = e.strerror if reason in e.strerror else f"{e.strerror}: {reason}"
+        # A local file's error names it (open("-") says only "No such file or directory").
+        if e.filename is not None and str(e.filename) not in message:
+            message = f"{e.filename}: {message}"
     print(f"{prog}: {message}", file=sys.stderr)
     return 1
 

@@ -404,6 +404,8 @@ def test_report_says_what_went_wrong(capsys):
     assert capsys.readouterr().err == "chat: '/home/u/x': No such file or directory\n"
     report("chat", ValueError("empty prompt"))
     assert capsys.readouterr().err == "chat: empty prompt\n"
+    report("symphony", FileNotFoundError(errno.ENOENT, "No such file or directory", "-"))
+    assert capsys.readouterr().err == "symphony: -: No such file or directory\n"
 
 
 # -- LIPs without a kernel ----------------------------------------------------------------

@@ -7,11 +7,12 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
-from daemon import ROOT, wait_for
+from daemon import ROOT, start_daemon, wait_for
 
-from symphony.top import COLUMNS, Sample, frame, rates
+from symphony.top import COLUMNS, WIDTH, Sample, frame, rates
 from syscalls.convert import ProcInfo, proc_fields
 
 SYMPHONY = [sys.executable, "-m", "symphony.cli"]
@@ -128,6 +129,35 @@ def test_kv_cp_round_trips_through_a_local_file(daemon, doc, tmp_path):
         assert "back.kv" not in [n for n, _ in k.readdir("/tmp")]
 
 
+def test_kv_cp_copies_between_two_kernels_each_named_by_its_socket(daemon, doc, model):
+    """kv:SOCKET:PATH names another kernel's file: between two kernels and within one, in
+    either direction, with the default kernel (--socket) named or not; ls, cat and rm take
+    it too."""
+    other = start_daemon(model, None, "--kv-pages", "64")
+    try:
+        there = f"kv:{other.socket}:"
+        with daemon.connect() as k:
+            exported = k.export(doc)
+        ok(kv(daemon, "cp", "kv:doc.kv", there + "copy.kv"))  # to the other kernel
+        with other.connect() as k2:
+            assert k2.export(k2.home + "/copy.kv") == exported
+            with k2.open(k2.home + "/copy.kv") as f:
+                assert f.read()[0] == IDS
+        assert ok(kv(daemon, "ls", there + "/home/root")).split() == ["copy.kv"]
+        ok(kv(daemon, "cp", there + "copy.kv", f"kv:{daemon.socket}:/tmp/back.kv"))  # back
+        ok(kv(daemon, "cp", there + "copy.kv", there + "/tmp"))  # within the other one
+        with daemon.connect() as k, other.connect() as k2:
+            assert k.export("/tmp/back.kv") == exported == k2.export("/tmp/copy.kv")
+            ok(kv(daemon, "rm", there + "copy.kv", there + "/tmp/copy.kv", "kv:/tmp/back.kv"))
+            assert [n for n, _ in k2.readdir(k2.home)] == []
+            assert "copy.kv" not in [n for n, _ in k2.readdir("/tmp")]
+            assert "back.kv" not in [n for n, _ in k.readdir("/tmp")]
+        # A path with a colon whose head is no socket is a path of --socket's kernel.
+        assert "No such file" in refused(kv(daemon, "cp", "kv:nowhere:doc.kv", there))
+    finally:
+        assert other.stop() == 0, other.log_text()
+
+
 def test_kv_cp_of_a_corrupt_file_is_refused_and_leaves_nothing(daemon, doc, tmp_path):
     with daemon.connect() as k:
         good = k.export(doc)
@@ -205,22 +235,57 @@ def test_frame_sorts_by_rate_and_shows_what_it_lacks_as_a_dash():
     )
     assert rates(before, after) == {2: 0.0, 3: 200.0, 4: 10.0}  # 4 attached in between
     screen = frame(after, rates(before, after))
-    assert screen[1].startswith(
-        "KV pages: device 2/8 used, 6 free | host 0/4 used, 4 free; shared 1, swapped -, on disk -"
-    )
-    assert screen[2].startswith(
+    assert screen[1:3] == ["KV pages: device 2/8 used, 6 free | host 0/4 used, 4 free",
+                           "          shared 1, swapped -, on disk -"]
+    assert screen[3].startswith(
         "Sched: run queue 1, waiting for memory -, - steps/s, 210.0 tokens/s"
     )
-    assert ("       engine busy 0.93, loop CPU 61.5 us a pred, decoding ahead on: 38 of 40 "
-            "guesses taken") in screen
+    assert "engine busy 0.93, loop CPU 61.5 us a pred" in "\n".join(screen)
+    assert "decoding ahead on: 38 of 40 guesses taken" in "\n".join(screen)
     assert "Quota (pages used / limit): alice 2 / 10" in screen
     assert [p[-1] for p in process_lines("\n".join(screen))] == ["fast", "new", "slow"]
     assert (
         process_lines("\n".join(screen))[0]
-        == "3 root sleeping 0 200.0 400 1 3 0.50 0.25 fast".split()
+        == "3 root sleeping 0 200.0 400 1 0.5 0.2 fast".split()
     )
     # The first frame has no rates yet.
     assert {p[4] for p in process_lines("\n".join(frame(before, {})))} == {"-"}
+
+
+def test_frame_fits_80_columns_with_every_column_named():
+    """curses writes 79 columns of an 80-column terminal: every line fits them, large
+    figures too, and a process line is cut in its NAME only."""
+    tiers = "".join(f"{t}_total: 1048576\n{t}_free: 1000000\n{t}_used: 48576\n"
+                    for t in ("device", "host", "disk"))
+    meminfo = proc_fields(tiers + "shared: 123456\nswapped_out: 123456\non_disk: 123456\n"
+                          + "".join(f"quota_user{i}: 12345 / 65536\n" for i in range(6)))
+    sched = {name: "123456.7" for name in (
+        "run_queue", "waiting_for_memory", "steps_per_s", "tokens_per_s", "batch_seqs_avg",
+        "batch_seqs_max", "budget_use", "token_budget", "prefill_share", "queue_delay_p50_ms",
+        "queue_delay_p90_ms", "queue_delay_p99_ms", "preemptions", "pages_swapped_out",
+        "admission_waits", "engine_busy", "loop_cpu_us_per_pred", "ahead_used",
+        "ahead_guesses")} | {"decode_ahead": "on"}
+    big = replace(proc(99999, 12345678, "a-long-program-name.py"), user="longusername",
+                  state="sleeping", nice=-20, pages=123456, cpu_seconds=9999.9,
+                  accel_seconds=9999.9)
+    screen = frame(Sample(0.0, [big, proc(2, 5, "x")], meminfo, sched), {99999: 99999.9})
+    table = screen.index(COLUMNS)
+    assert all(len(line) <= WIDTH for line in screen[:table + 1])
+    assert COLUMNS.split() == ["PID", "USER", "STATE", "NI", "TOK/S", "TOKENS", "PAGES", "CPU",
+                               "ACCEL", "NAME"]
+    name_at = COLUMNS.index("NAME")
+    assert WIDTH - name_at >= 10  # room for most of a name
+    for line in screen[table + 1:]:
+        assert line[name_at - 1] == " " and len(line[:name_at].rstrip()) <= name_at - 1
+    assert screen[table + 1][name_at:] == "a-long-program-name.py"
+    assert screen[table + 1].split()[:5] == ["99999", "longuser", "sleeping", "-20", "99999.9"]
+    summary = " ".join(" ".join(screen[:table]).split())
+    for shown in ("device 48576/1048576 used, 1000000 free", "disk 48576/1048576 used",
+                  "on disk 123456", "waiting for memory 123456.7", "123456.7 tokens/s",
+                  "p99 123456.7 ms", "admission waits 123456.7",
+                  "loop CPU 123456.7 us a pred", "123456.7 of 123456.7 guesses taken",
+                  "user5 12345 / 65536"):
+        assert shown in summary
 
 
 def process_lines(screen: str) -> list[list[str]]:
@@ -235,17 +300,18 @@ def test_top_once_shows_the_busy_lip_first_with_its_rate(daemon, busy):
     assert "us a pred, decoding ahead on: " in screen
     procs = process_lines(screen)
     # The busiest first: the only process computing tokens.
-    pid, user, _state, _nice, rate, tokens, _pages, calls, *_, name = procs[0]
+    pid, user, _state, _nice, rate, tokens, _pages, cpu, *_, name = procs[0]
     assert (int(pid), user, name) == (busy, "root", "busy")
-    assert float(rate) > 0 and int(tokens) > 0 and int(calls) > 0
+    assert float(rate) > 0 and int(tokens) > 0 and float(cpu) > 0
     assert "symphony-top" in [p[-1] for p in procs]
     refused(symphony(daemon, "top", "--interval", "0"))
     assert "--once" in refused(symphony(daemon, "top"))  # stdout is no terminal here
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
-@pytest.mark.parametrize("key", ["q", "C-c"])
-def test_top_in_a_terminal_draws_and_quits(daemon, busy, tmp_path, key):
+@pytest.mark.parametrize(("key", "columns"), [("q", 80), ("C-c", 160)])
+def test_top_in_a_terminal_draws_and_quits(daemon, busy, tmp_path, key, columns):
+    """At 80 columns too: the whole table header, and the busy LIP's name."""
     status = tmp_path / "status"
     # TERM=screen: tmux's own default terminal (tmux-256color) may have no terminfo entry here.
     command = (
@@ -255,7 +321,8 @@ def test_top_in_a_terminal_draws_and_quits(daemon, busy, tmp_path, key):
     )
     tmux = ["tmux", "-L", f"symphony-test-{os.getpid()}", "-f", "/dev/null"]
     subprocess.run(
-        [*tmux, "new-session", "-d", "-s", "top", "-x", "160", "-y", "40", command], check=True
+        [*tmux, "new-session", "-d", "-s", "top", "-x", str(columns), "-y", "40", command],
+        check=True,
     )
 
     def pane() -> str:
