@@ -27,7 +27,6 @@ from symphony.scheduler import Scheduler
 from symphony.server import Front, Hello, grpc_options
 from syscalls import symphony_pb2 as pb
 from syscalls import wire
-from syscalls.ring import fence
 from syscalls.session import hello_path
 
 log = logging.getLogger("symphony.kernel")
@@ -55,27 +54,13 @@ class Kernel:
         self.state.restore()
         self.procs = ProcessTable()
         self.lifelines: dict[int, asyncio.Transport] = {}
-        self.rings: dict[int, Hello] = {}  # the sessions with syscall rings, by pid
         self.sched = Scheduler(engine, self.fs, lambda: self.procs,
                                opts.token_budget, opts.max_seqs, opts.decode_ahead)
-        self.sched.stepping = self.rings_stepping
         self.procfs = ProcFS(self)
         self._reaping: dict[Process, asyncio.Task] = {}
         self.engine_lost = False  # the kernel stopped because its engine process exited
 
     # -- processes --------------------------------------------------------------------
-
-    def rings_stepping(self, running: bool) -> None:
-        """While a step runs nobody rings the kernel: submissions wait in their rings with
-        no system call on either side. When it ends, every ring is asked to ring again and
-        drained, so the next step is planned with all of them."""
-        hellos = list(self.rings.values())
-        for hello in hellos:
-            hello.ring.waking(not running)
-        if not running:
-            fence()  # one barrier for every ring's flag, before the kernel looks at them
-            for hello in hellos:
-                hello.drain()
 
     def spawn_reap(self, proc: Process) -> asyncio.Task:
         """Reap proc in a task of its own (once, however many ask)."""

@@ -109,9 +109,6 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        # Told when a step starts (True) and ends (False): the kernel's syscall rings are not
-        # rung while a step runs, and are drained once it ends (daemon.py, rings_stepping).
-        self.stepping: Callable[[bool], None] = lambda running: None
 
     @property
     def decode_ahead(self) -> bool:
@@ -300,7 +297,6 @@ class Scheduler:
                 continue
             self._wake.set()  # more may be runnable after this step
             start = time.monotonic()
-            self.stepping(True)
             try:
                 result = await self.engine.step(plan.work)
             except EngineDied as e:  # no step can run any more: the kernel stops
@@ -312,7 +308,6 @@ class Scheduler:
             else:
                 last_step = time.monotonic() - start
                 self.finish(plan, replace(result, seconds=last_step))
-            self.stepping(False)
             served = [c.job.proc for c in plan.chunks if c.job.future.done()]
 
     async def _hold_for(self, served: list[Process], last_step: float) -> None:

@@ -363,7 +363,6 @@ class Hello(asyncio.Protocol):
             return
         self.ring = made
         asyncio.get_running_loop().add_reader(made.kernel_bell, self.rung)
-        self.kernel.rings[self.proc.pid] = self
 
     def rung(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -446,7 +445,6 @@ class Hello(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.ring is not None:
-            self.kernel.rings.pop(self.proc.pid, None)
             asyncio.get_running_loop().remove_reader(self.ring.kernel_bell)
             self.ring.close()
         if self.proc is not None:

@@ -271,11 +271,6 @@ class KernelRing:
         self.mem.set(SQ_HEAD, tail)
         return _records(data)
 
-    def waking(self, wake: bool) -> None:
-        """Ask to be rung on a submission (wake), or not: the kernel will look anyway. Asking
-        again, the caller fences before it looks at the ring (once for many rings)."""
-        self.mem.set(KERNEL_WAKE, int(wake))
-
     def post(self, kind: int, call: int, payload: bytes) -> bool:
         """Write a completion; False when it does not fit now (the caller sends a frame).
         RingError when the process's cq_head is not possible."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 
 import numpy as np
@@ -20,7 +19,6 @@ from symphony.engine.sampler import RowControl, SamplingParams, sample
 from symphony.engine.tokenizer import Tokenizer
 from symphony.engine_process import SleepEngine, sleep_engine
 from symphony.step import StepWork
-from syscalls import ring
 from syscalls.convert import LogitControl
 
 MS = 40.0
@@ -140,19 +138,3 @@ def test_masked_preds_get_an_allowed_token(daemon, model, k):
     assert out.token in (100, 200)
     assert np.isfinite(out.model_logprob)
 
-
-def test_the_kernel_asks_for_no_bell_while_a_step_runs(daemon, k):
-    """Submissions made during a step wait in the ring with no system call on either side
-    (KERNEL_WAKE 0); the kernel drains them when the step ends, and asks to be rung again."""
-    rings = k._rings
-    with k.open("", os.O_RDWR) as f, k.open("", os.O_RDWR) as g:
-        assert rings.mem.get(ring.KERNEL_WAKE) == 1  # idle: ring me
-        first = threading.Thread(target=f.pred, args=(prompt(4),))
-        first.start()
-        deadline = time.monotonic() + 10
-        while rings.mem.get(ring.KERNEL_WAKE) and time.monotonic() < deadline:
-            time.sleep(0.0005)
-        assert rings.mem.get(ring.KERNEL_WAKE) == 0, "no step was seen running"
-        assert len(g.pred(prompt(3))) == 1  # made during the step, taken when it ended
-        first.join(10)
-    assert rings.mem.get(ring.KERNEL_WAKE) == 1

@@ -118,7 +118,7 @@ def test_bells_ring_only_when_the_other_side_asked(ends):
 
     proc.submit(ring.PRED, 1, b"")
     assert rung(kernel.kernel_bell)
-    kernel.waking(False)
+    kernel.mem.set(ring.KERNEL_WAKE, 0)  # a kernel that will look anyway
     proc.submit(ring.PRED, 2, b"")
     assert not rung(kernel.kernel_bell)
     kernel.post(wire.REPLY, 1, b"")
