@@ -700,9 +700,10 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
           f"in all, after a {args.prompt_len}-token prompt each, timed from a barrier), "
           f"against generate at batch N; {args.path_threads} torch thread(s) each side; "
           f"best/median of {args.repeat}")
-    groups = [(f"{n} LIP process{'es' if n > 1 else ''}", n, "decode") for n in counts]
-    if 32 in counts:
-        groups.insert(counts.index(32) + 1, ("1 asyncio LIP, 32 sessions", 32, "adecode"))
+    groups = [(f"{n} LIP process{'es' if n > 1 else ''}", n, "decode", n) for n in counts]
+    for procs, sessions in (map(int, g.split("x")) for g in args.path_asyncio.split(",") if g):
+        groups.append((f"{procs} asyncio LIP{'s' if procs > 1 else ''}, {sessions} sessions"
+                       f"{' each' if procs > 1 else ''}", procs * sessions, "adecode", procs))
     results = []
     flags = ["--model", str(model), "--kv-pages", str(args.kv_pages),
              "--engine", args.path_engine]
@@ -711,12 +712,13 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
         print(f"# the kernel's engine: {args.path_engine}, a simulated accelerator (its tokens "
               f"are not generate's)")
     with KernelDaemon(tmp, "path", flags, {"OMP_NUM_THREADS": str(args.path_threads)}) as kd:
-        for name, n, mode in groups:
+        for name, n, mode, procs in groups:
             started, tokens = time.monotonic(), args.path_preds // n + 1
-            opts = {"prompt_len": args.prompt_len, "tokens": tokens}
-            opts["transport"] = args.path_transport
+            opts = {"prompt_len": args.prompt_len, "tokens": tokens,
+                    "transport": args.path_transport}
             lips = (spawn(kd.socket, mode, n, **opts) if mode == "decode" else
-                    [Lip(kd.socket, mode, seed=0, sessions=n, **opts)])
+                    [Lip(kd.socket, mode, seed=p * (n // procs), sessions=n // procs, **opts)
+                     for p in range(procs)])
             try:
                 p = [prompt(i, args.prompt_len, engine.config.vocab_size) for i in range(n)]
                 in_process(engine, p, tokens)  # warm-up of both sides
@@ -880,6 +882,9 @@ def main() -> int:
                     help="fairness: tokens per pred and --token-budget")
     ap.add_argument("--doc-len", type=int, default=2048)
     ap.add_argument("--question-len", type=int, default=16)
+    ap.add_argument("--path-asyncio", default="1x32",
+                    help="asyncio LIPs of the path benchmark, PROCSxSESSIONS, comma-separated "
+                         "(e.g. 1x32,4x64)")
     ap.add_argument("--path-lips", default="1,32,128",
                     help="the pred path: LIP counts (at 32, also one asyncio LIP)")
     ap.add_argument("--path-preds", type=int, default=4096,
