@@ -212,6 +212,12 @@ class Scheduler:
         """Before a call changes inode other than by pred: no work ahead is left on it, nor
         a pred its caller took back that the running step still writes (a gRPC client
         cancels without waiting for the rollback)."""
+        # A pred whose future its caller cancelled (the rpc's cancellation, a CANCEL frame)
+        # is taken back by a task that may not have run yet: take it back here, or a call
+        # that comes right after the cancellation would find the file busy.
+        for job in [j for j in self.queue if j.handle.inode is inode
+                    and j.future.cancelled() and j.state is not JobState.CANCELLED]:
+            self._cancel(job, taken_back())
         dropped = self.ahead.drop(inode, self.running) is not None
         if dropped or any(j.state is JobState.CANCELLED and j.handle.inode is inode
                           for j in self.queue):

@@ -16,14 +16,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import functools
 import os
 import socket
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 import grpc
 
-from syscalls import convert, errors, session
+from syscalls import convert, errors, pred_rpc, session
 from syscalls import symphony_pb2_grpc as pb_grpc
 from syscalls.convert import Fd, Identity, KvPath, LogitControl, PredOutput, Sampling, Target
 from syscalls.lifeline import Lifeline
@@ -122,6 +124,8 @@ class Session:
 class Kernel(KernelCalls, Session):
     """A session with the kernel; one method per syscall, the plain ones KernelCalls's."""
 
+    _rpcs: pred_rpc.Rpcs | None = None  # the thread making the main thread's Pred rpcs
+
     @classmethod
     def connect(
         cls,
@@ -159,6 +163,9 @@ class Kernel(KernelCalls, Session):
             return
         self._end(errno.EBADF, "the session is closed")
         self._channel.close()
+        if self._rpcs is not None and self._rpcs.pid == os.getpid():
+            self._rpcs.close()
+            self._rpcs = None
         if os.getpid() == self._opener:  # a child's close must not end its parent's session
             with contextlib.suppress(OSError):  # wakes a thread reading it; the kernel reaps
                 self._lifeline.shutdown(socket.SHUT_RDWR)
@@ -221,9 +228,30 @@ class Kernel(KernelCalls, Session):
             request = convert.pred_request(fd, tokens, positions, outputs, s, no_outputs,
                                            extras)
             return convert.pred_outputs(self._line.call(request))
-        # grpc cancels a blocking call that an interruption (Ctrl-C, a signal handler's
-        # timeout) ends, and the kernel takes the pred back.
-        return self._do(convert.pred(fd, tokens, positions, outputs, s, no_outputs, extras))
+        call = convert.pred(fd, tokens, positions, outputs, s, no_outputs, extras)
+        (outcome,) = self._pred_rpcs([call])
+        return call.result(errors.check(self._reply(outcome)))
+
+    def _pred_rpcs(self, made: list[convert.Call]) -> list[Any]:
+        """The Pred rpcs of `made`, all in flight at once: each one's reply, or the RpcError
+        it failed with. An interrupted wait cancels them before the interruption goes on
+        (syscalls/pred_rpc.py)."""
+        if self._ended:
+            raise errors.error(*self._ended[0])
+        start = functools.partial(self._stub.Pred.future, metadata=self._metadata)
+        requests = [m.request for m in made]
+        if threading.current_thread() is not threading.main_thread():
+            return pred_rpc.here(start, requests)
+        if self._rpcs is None or self._rpcs.pid != os.getpid():  # a child has its own
+            self._rpcs = pred_rpc.Rpcs()
+        return self._rpcs.call(start, requests)
+
+    def _reply(self, outcome: Any) -> Any:
+        if isinstance(outcome, grpc.RpcError):
+            raise self._failed(outcome) from outcome
+        if isinstance(outcome, grpc.FutureCancelledError):  # the session closed meanwhile
+            raise errors.error(*(self._ended or [(errno.ECANCELED, "pred: cancelled")])[0])
+        return outcome
 
     def pred_many(self, calls: Iterable[Mapping[str, Any]], *,
                   return_exceptions: bool = False) -> list[list[PredOutput] | OSError]:
@@ -237,12 +265,12 @@ class Kernel(KernelCalls, Session):
             raise errors.error(*self._ended[0])
         if self._line is None:  # gRPC: every call in flight at once
             made = [convert.pred(*a) for a in arguments]
-            futures = [self._stub.Pred.future(m.request, metadata=self._metadata) for m in made]
-            results = [_settled(lambda m=m, f=f: m.result(errors.check(f.result())), self)
-                       for m, f in zip(made, futures, strict=True)]
+            outcomes = self._pred_rpcs(made)
+            results = [_settled(lambda m=m, o=o: m.result(errors.check(self._reply(o))))
+                       for m, o in zip(made, outcomes, strict=True)]
         else:
             replies = self._line.call_many([convert.pred_request(*a) for a in arguments])
-            results = [_settled(lambda r=r: convert.pred_outputs(r), self) for r in replies]
+            results = [_settled(lambda r=r: convert.pred_outputs(r)) for r in replies]
         if not return_exceptions:
             for r in results:
                 if isinstance(r, OSError):
@@ -286,12 +314,10 @@ def _pred_arguments(call: dict[str, Any]) -> tuple:
     return fd, tokens, positions, outputs, s, no_outputs, extras
 
 
-def _settled(result: Any, session: Session) -> Any:
+def _settled(result: Any) -> Any:
     """result() as pred_many lists it: its value, or the OSError it raised."""
     try:
         return result()
-    except grpc.RpcError as e:
-        return session._failed(e)
     except OSError as e:
         return e
 

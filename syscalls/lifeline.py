@@ -10,6 +10,15 @@ cancelled) takes its pred back: it sends CANCEL and waits for the pred's one rep
 when the interruption goes on the kernel has dropped the pred and its file is as before (or
 has answered it first: then its entries stand). A LIP that catches the interruption can
 truncate or close the file at once.
+
+In the synchronous client a signal handler may raise anywhere: at any function call's
+return in the main thread, the moment a frame has left (the kernel's wake-up often
+preempts the sender right there) or the moment bytes were read. So nothing the kernel has,
+or has sent, is known by a return value alone: bytes sent and read are kept by C code
+(list.extend over socket.send and socket.recv), a ring record is published by one store
+that the sender checks, and each step keeps its input until its output is stored, so that
+an interrupted step loses nothing (at worst a reply is handed out twice, which changes
+nothing). Whoever reads next hands out what an interrupted reader left.
 """
 
 from __future__ import annotations
@@ -45,6 +54,25 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+class Sending:
+    """A pred's frame on its way: whether the kernel has it (went()), known whatever
+    interrupts the sender. On the lifeline, `progress` counts the bytes of the data being
+    sent that went, and the frame went once they reach `end`; a ring record's sender sets
+    `published` (RingLine). Until a reply replaces it, it is its call's entry in _calls."""
+
+    __slots__ = ("end", "progress", "published")
+
+    def __init__(self) -> None:
+        self.end, self.progress, self.published = 0, None, False
+
+    def on(self, progress: list[int], end: int) -> None:
+        self.end = end  # first: progress set with end 0 would say it went
+        self.progress = progress
+
+    def went(self) -> bool:
+        return self.published or (self.progress is not None and sum(self.progress) >= self.end)
+
+
 class Lifeline:
     """For the synchronous client: calls may come from any number of threads. One thread
     sends at a time; one waiting thread at a time reads, and hands each reply it reads to
@@ -60,26 +88,23 @@ class Lifeline:
         self._lock = threading.RLock()
         self._state = threading.Condition(self._lock)
         self._frames = wire.Frames()
-        # The calls in flight, each with its reply once read (None until then). A reply to
-        # a call not here (its caller gave up waiting) is dropped.
-        self._calls: dict[int, bytes | None] = {}
-        self._reading = False
+        # The calls in flight, each with its reply once read (its Sending until then). A
+        # reply to a call not here (its caller gave up waiting) is dropped.
+        self._calls: dict[int, bytes | Sending] = {}
+        self._rx: list[bytes] = []  # what the lifeline's recv returned, not cut into frames
+        self._inbox: list[tuple[int, int, bytes]] = []  # frames and completions to hand out
+        self._reader: int | None = None  # the thread that reads now
         self._closed: Why | None = None
 
     def call(self, payload: bytes) -> bytes:
         if self._closed:
             raise errors.error(*self._closed)
         call = next(self._ids)
-        data = wire.frame(wire.PRED, call, payload)
-        self._calls[call] = None  # before sending: the reader drops replies to no call
+        sending = self._calls[call] = Sending()  # before sending: replies to no call drop
         try:
-            self._send(data)
-        except BaseException:  # not sent (or not whole): nothing to take back
-            del self._calls[call]
-            raise
-        try:
+            self._send(wire.frame(wire.PRED, call, payload), sending)
             return self._wait(call, None)
-        except BaseException:
+        except BaseException:  # interrupted, or failed: take back what the kernel has
             self._take_back(call)
             raise
 
@@ -89,17 +114,13 @@ class Lifeline:
         if self._closed:
             raise errors.error(*self._closed)
         calls = [next(self._ids) for _ in payloads]
-        for call in calls:
-            self._calls[call] = None
-        try:
-            self._send_many([wire.frame(wire.PRED, c, p) for c, p in zip(calls, payloads,
-                                                                           strict=True)])
-        except BaseException:  # not sent (or not whole): nothing to take back
-            for call in calls:
-                del self._calls[call]
-            raise
+        sendings = [Sending() for _ in calls]
+        self._calls.update(zip(calls, sendings, strict=True))
         replies: list[bytes] = []
         try:
+            self._send_many([wire.frame(wire.PRED, c, p) for c, p in zip(calls, payloads,
+                                                                           strict=True)],
+                            sendings)
             for call in calls:
                 replies.append(self._wait(call, None))
         except BaseException:
@@ -108,40 +129,96 @@ class Lifeline:
             raise
         return replies
 
-    def _send_many(self, frames: list[bytes]) -> None:
-        self._send(b"".join(frames))
+    def _send_many(self, frames: list[bytes], sendings: list[Sending]) -> None:
+        progress: list[int] = []
+        end = 0
+        for data, sending in zip(frames, sendings, strict=True):
+            end += len(data)
+            sending.on(progress, end)
+        with self._sending:
+            self._push(b"".join(frames), progress)
 
-    def _send(self, data: bytes) -> None:
+    def _send(self, data: bytes, sending: Sending | None = None) -> None:
+        """One frame: a PRED, its Sending saying whether it went, or a CANCEL."""
+        progress: list[int] = []
+        if sending is not None:
+            sending.on(progress, len(data))
+        with self._sending:
+            self._push(data, progress)
+
+    def _push(self, data: bytes, progress: list[int], committed: bool = False) -> None:
+        """sock.sendall(data), `progress` counting the bytes that went, whatever interrupts
+        it: once some went (or `committed`: a FRAMED record promised the frame), the rest
+        goes before the interruption goes on, or the lifeline would not be frames any more.
+        Holds _sending."""
+        view = memoryview(data)
         try:
-            with self._sending:
-                self.sock.sendall(data)
+            try:
+                while sum(progress) < len(data):
+                    # list.extend calls send from C: the count is kept even when an
+                    # interruption lands the moment send returns.
+                    progress.extend(map(self.sock.send, (view[sum(progress):],)))
+            except OSError:
+                raise
+            except BaseException:
+                if committed or sum(progress):
+                    self._finish(view, progress)
+                raise
         except OSError as e:
             raise errors.error(*_gone(self.where, e.strerror or str(e))) from e
+
+    def _finish(self, view: memoryview, progress: list[int]) -> None:
+        """The rest of a frame cut short by an interruption. Interrupted again, it is cut
+        for good: the session hangs up (the kernel would take what follows for garbage)."""
+        try:
+            while sum(progress) < len(view):
+                progress.extend(map(self.sock.send, (view[sum(progress):],)))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            self.end(errno.EPROTO, f"{self.where}: the lifeline is broken: a frame was "
+                     "cut short by an interruption")
+            raise
 
     def _wait(self, call: int, deadline: float | None) -> bytes | None:
         """The reply to `call`, read by this thread or handed over by the one reading; None
         when the deadline (time.monotonic) passes first."""
+        me = threading.get_ident()
         while True:
-            with self._lock:
-                while self._reading and self._calls[call] is None and not self._closed:
-                    if not self._state.wait(_left(deadline)):
+            try:
+                with self._lock:
+                    while (self._reader is not None and type(self._calls[call]) is Sending
+                           and not self._closed):
+                        if not self._state.wait(_left(deadline)):
+                            return None
+                    if self._rx or self._inbox:  # left by a reader interrupted meanwhile
+                        self._hand_out()
+                    if type(self._calls[call]) is not Sending:
+                        return self._calls.pop(call)
+                    if self._closed:
+                        raise errors.error(*self._closed)
+                    if deadline is not None and _left(deadline) == 0:
                         return None
-                if self._calls[call] is not None:
-                    return self._calls.pop(call)
-                if self._closed:
-                    raise errors.error(*self._closed)
-                if deadline is not None and _left(deadline) == 0:
-                    return None
-                self._reading = True
-            self._read(deadline)
+                    self._reader = me
+                self._read(deadline)
+            except BaseException:  # KeyboardInterrupt: another waiter must take over reading
+                with self._lock:
+                    if self._reader == me:
+                        self._reader = None
+                        self._state.notify_all()
+                raise
 
     def _take_back(self, call: int) -> None:
-        """Its caller stopped waiting for `call`: unless it was answered, or no reply can
-        come, send CANCEL and wait for the reply (ECANCELED, or the answer if the frames
-        crossed), CANCEL_WAIT at most. The reply is dropped if it comes later."""
+        """Its caller stopped waiting for `call`: unless it was answered, or never reached
+        the kernel, or no reply can come, send CANCEL and wait for the reply (ECANCELED, or
+        the answer if the frames crossed), CANCEL_WAIT at most. The reply is dropped if it
+        comes later."""
         try:
             with contextlib.suppress(OSError):  # the session ended: the kernel drops the pred
-                if self._calls.get(call, b"") is None and not self._closed:
+                with self._lock:
+                    self._hand_out()  # its answer may have been read, not handed out
+                sending = self._calls.get(call)
+                if type(sending) is Sending and sending.went() and not self._closed:
                     self._send(wire.frame(wire.CANCEL, call))
                     self._wait(call, time.monotonic() + CANCEL_WAIT)
         finally:
@@ -156,39 +233,41 @@ class Lifeline:
 
     def _read(self, deadline: float | None) -> None:
         """Read what has come (waiting until the deadline at most) and hand out the
-        replies; then another waiter may read."""
-        data, why = None, None  # None: the deadline passed, nothing was read
+        replies; then another waiter may read. The reader's (_wait made this thread it)."""
+        why = None
         try:
             if deadline is None or select.select([self.sock], [], [], _left(deadline))[0]:
-                data = self.sock.recv(1 << 16)
+                self._recv()
         except OSError as e:
-            data, why = b"", _gone(self.where, e.strerror or str(e))
-        except BaseException:  # KeyboardInterrupt: another waiter must take over reading
-            with self._lock:
-                self._reading = False
-                self._state.notify_all()
-            raise
+            why = _gone(self.where, e.strerror or str(e))
         with self._lock:
-            self._reading = False
-            self._received(data, why)
+            self._reader = None
+            self._hand_out(why)
 
-    def _received(self, data: bytes | None, why: Why | None) -> None:
-        """Hand out the replies in what the lifeline had (None: nothing was read; b"": it
-        ended, for `why` or by end of file), then let another waiter read. Holds the lock."""
-        frames = []
-        if data:
-            try:
-                frames = self._frames.feed(data)
-            except wire.FrameError as e:
-                data, why = b"", _broken(self.where, e)
-                with contextlib.suppress(OSError):  # nothing more can be trusted: hang up
-                    self.sock.shutdown(socket.SHUT_RDWR)
-        if data == b"":  # end of file, a failed read, or bytes that are not frames
+    def _recv(self) -> None:
+        # list.extend calls recv from C: what it read is kept even when an interruption
+        # lands the moment recv returns.
+        self._rx.extend(map(self.sock.recv, (1 << 16,)))
+
+    def _hand_out(self, why: Why | None = None) -> None:
+        """Hand out the replies in what was read (the lifeline's bytes, cut into frames, and
+        what a subclass put in the inbox), ending the session when the lifeline ended (end
+        of file, `why`, or bytes that are not frames); wake the waiters. Holds the lock."""
+        ended = not all(self._rx)  # recv returned b"": end of file
+        try:
+            self._frames.absorb(self._rx, self._inbox)
+        except wire.FrameError as e:
+            why = why or _broken(self.where, e)
+            with contextlib.suppress(OSError):  # nothing more can be trusted: hang up
+                self.sock.shutdown(socket.SHUT_RDWR)
+        if ended or why:
             self._closed = self._closed or why or _gone(self.where, "the lifeline closed")
-        for kind, call, payload in frames:
+        n = len(self._inbox)  # a reader may append meanwhile: it is not this thread
+        for kind, call, payload in self._inbox[:n]:
             if kind == wire.REPLY and call in self._calls:
                 self._calls[call] = payload
             # SHUTDOWN: the kernel is stopping; the replies of calls it cancels follow.
+        del self._inbox[:n]
         self._state.notify_all()
 
 

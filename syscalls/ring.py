@@ -199,6 +199,14 @@ class ProcessRing:
         self.sq_tail = tail
         self.mem.set(SQ_TAIL, tail)
 
+    def resync(self) -> int:
+        """After submit was interrupted (a signal handler raising: it may land between any
+        two of its calls): the tail the kernel sees, which the next record follows, so a
+        record written but not published is dropped. The process is the tail's only
+        writer, so it went if and only if this tail is past it."""
+        self.sq_tail = self.mem.get(SQ_TAIL)
+        return self.sq_tail
+
     def ring_kernel(self) -> None:
         """Ring the kernel's bell if it asked to be rung (after what was published)."""
         fence()
@@ -218,6 +226,18 @@ class ProcessRing:
         self.cq_head = tail
         self.mem.set(CQ_HEAD, tail)
         return records
+
+    def take_completions(self, into: list) -> bool:
+        """completions() appended to `into` before they are consumed, so that an
+        interruption the moment they are taken loses none (it may leave them to be taken
+        again); whether there were any."""
+        tail = self.mem.get(CQ_TAIL)
+        if tail == self.cq_head:
+            return False
+        into.extend(_records(_copy_out(self.mem.cq, self.cq_head, tail)))
+        self.cq_head = tail
+        self.mem.set(CQ_HEAD, tail)
+        return True
 
     def sleeping(self, asleep: bool) -> None:
         """Say whether the kernel must ring this process's bell on a completion. A process

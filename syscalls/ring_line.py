@@ -23,7 +23,7 @@ import socket
 import time
 
 from syscalls import errors, ring, wire
-from syscalls.lifeline import AsyncLifeline, Lifeline, _gone, _left
+from syscalls.lifeline import AsyncLifeline, Lifeline, Sending, _gone, _left
 
 
 def _not_ours(where: str, opener: int) -> OSError:
@@ -49,78 +49,101 @@ class RingLine(Lifeline):
             raise _not_ours(self.where, self._opener)
         return super().call(payload)
 
-    def _send(self, data: bytes) -> None:
+    def _send(self, data: bytes, sending: Sending | None = None) -> None:
         """A PRED or CANCEL frame (wire.frame) goes into the ring if it fits, else on the
-        lifeline behind a FRAMED record."""
+        lifeline behind a FRAMED record; a PRED's Sending says whether it went."""
         size, call, kind = wire.HEADER.unpack_from(data)
         payload = data[wire.HEADER.size:]
         with self._sending:
             if self._closed:
                 raise errors.error(*self._closed)
             if size <= ring.MAX_RECORD and self.rings.room(size):
-                self.rings.submit(kind, call, payload)
+                self._submit([(kind, call, payload)], [sending])
                 return
             if kind == wire.CANCEL:  # tiny: the ring is full of preds; wait for the kernel
                 while not self.rings.room(0):
                     time.sleep(0.001)
-                self.rings.submit(kind, call)
+                self._submit([(kind, call, b"")], [None])
                 return
-            self._frame(data, call)
+            self._frame(data, call, sending)
 
-    def _send_many(self, frames: list[bytes]) -> None:
+    def _send_many(self, frames: list[bytes], sendings: list[Sending]) -> None:
         """PRED frames: those that fit go into the ring together, with one bell; a pred too
         large goes as a frame in its place in line, as _send sends it."""
         with self._sending:
             if self._closed:
                 raise errors.error(*self._closed)
-            batch, size = [], 0
-            for data in frames:
+            batch, marks, size = [], [], 0
+            for data, sending in zip(frames, sendings, strict=True):
                 length, call, kind = wire.HEADER.unpack_from(data)
                 if length <= ring.MAX_RECORD and self.rings.room(length, size):
                     batch.append((kind, call, data[wire.HEADER.size:]))
+                    marks.append(sending)
                     size += ring.record_bytes(length)
                     continue
                 if batch:
-                    self.rings.submit_many(batch)
-                    batch, size = [], 0
-                self._frame(data, call)
+                    self._submit(batch, marks)
+                    batch, marks, size = [], [], 0
+                self._frame(data, call, sending)
             if batch:
-                self.rings.submit_many(batch)
+                self._submit(batch, marks)
 
-    def _frame(self, data: bytes, call: int) -> None:
-        """A PRED too large for the ring, or with no room there: a FRAMED record, then the
-        frame on the lifeline. Holds _sending."""
-        self.rings.submit(ring.FRAMED, call)
+    def _submit(self, records: list[tuple[int, int, bytes]],
+                sendings: list[Sending | None]) -> None:
+        """Publish records at once and mark their preds' Sendings published. Interrupted
+        anywhere (a signal handler raising, perhaps the moment the kernel's bell woke it
+        and took this CPU), they are marked as the ring's tail says: they went if it is
+        past them, else they are dropped. Holds _sending."""
+        start = self.rings.sq_tail
         try:
-            self.sock.sendall(data)
-        except OSError as e:
-            raise errors.error(*_gone(self.where, e.strerror or str(e))) from e
+            self.rings.submit_many(records)
+            for sending in sendings:
+                if sending is not None:
+                    sending.published = True
+        except BaseException:
+            if self.rings.resync() != start:
+                for sending in sendings:
+                    if sending is not None:
+                        sending.published = True
+            raise
+
+    def _frame(self, data: bytes, call: int, sending: Sending | None) -> None:
+        """A PRED too large for the ring, or with no room there: a FRAMED record, then the
+        frame on the lifeline. Once the record went, the frame goes too whatever interrupts
+        this (the kernel's ring waits for it). Holds _sending."""
+        start, progress = self.rings.sq_tail, []
+        try:
+            self.rings.submit(ring.FRAMED, call)
+            self._push(data, progress, committed=True)
+        except OSError:  # the kernel is gone
+            raise
+        except BaseException:
+            if self.rings.resync() != start:  # the record went
+                self._push(data, progress, committed=True)
+                if sending is not None:
+                    sending.published = True
+            raise
+        if sending is not None:
+            sending.published = True
 
     def _read(self, deadline: float | None) -> None:
         """Take the completions that have come; if none, sleep on the bell and the lifeline
-        (until the deadline at most), then hand out what came."""
-        data, why, done = None, None, []
+        (until the deadline at most), then hand out what came. The reader's (_wait made
+        this thread it); what it takes goes into the inbox first (Lifeline._hand_out)."""
+        why = None
         try:
-            done = self.rings.completions()
-            if not done:
-                data, why = self._sleep(deadline)
-                done = self.rings.completions()
+            if not self.rings.take_completions(self._inbox):
+                why = self._sleep(deadline)
+                self.rings.take_completions(self._inbox)
         except ring.RingError as e:
-            data, why = b"", (errno.EPROTO, f"{self.where}: the ring is broken: {e}")
-        except BaseException:  # KeyboardInterrupt: another waiter must take over reading
-            with self._lock:
-                self._reading = False
-                self._state.notify_all()
-            raise
+            why = (errno.EPROTO, f"{self.where}: the ring is broken: {e}")
         with self._lock:
-            self._reading = False
-            for kind, call, payload in done:
-                if kind == wire.REPLY and call in self._calls:
-                    self._calls[call] = payload
-            self._received(data, why)
+            self._reader = None
+            self._hand_out(why)
 
-    def _sleep(self, deadline: float | None) -> tuple[bytes | None, tuple[int, str] | None]:
-        """Wait for the bell or the lifeline; what the lifeline had (None: nothing read)."""
+    def _sleep(self, deadline: float | None) -> tuple[int, str] | None:
+        """Wait for the bell or the lifeline, reading what the lifeline has; why it ended,
+        if it did."""
         left = _left(deadline)
         try:
             for fd, _ in self._poll.poll(None if left is None else left * 1e3):
@@ -128,10 +151,11 @@ class RingLine(Lifeline):
                     with contextlib.suppress(BlockingIOError):
                         os.eventfd_read(fd)
                 else:
-                    return self.sock.recv(1 << 16), None
+                    self._recv()
+                    return None
         except OSError as e:
-            return b"", _gone(self.where, e.strerror or str(e))
-        return None, None
+            return _gone(self.where, e.strerror or str(e))
+        return None
 
 
 class AsyncRingLine(AsyncLifeline):

@@ -54,6 +54,25 @@ class Frames:
 
     def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
         self._buf += data
+        out, at = self._cut()
+        del self._buf[:at]
+        return out
+
+    def absorb(self, chunks: list[bytes], into: list) -> None:
+        """feed() for a reader that a signal handler may interrupt anywhere (the sync
+        client): the `chunks` (bytes read, in order) move into the buffer, and its whole
+        frames are appended to `into` before they leave the buffer. Interrupted, it loses
+        nothing and duplicates no byte; a frame may be appended twice."""
+        while chunks:
+            self._buf += chunks[0]  # no call between the two: no interruption either
+            del chunks[0]
+        if len(self._buf) >= HEADER.size:
+            out, at = self._cut()
+            into.extend(out)
+            del self._buf[:at]
+
+    def _cut(self) -> tuple[list[tuple[int, int, bytes]], int]:
+        """The buffer's whole frames, and the bytes they take."""
         out, at = [], 0
         while len(self._buf) - at >= HEADER.size:
             size, call, kind = HEADER.unpack_from(self._buf, at)
@@ -64,5 +83,4 @@ class Frames:
                 break
             out.append((kind, call, bytes(self._buf[at + HEADER.size : end])))
             at = end
-        del self._buf[:at]
-        return out
+        return out, at

@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import errno
 import json
+import os
+import select
 import signal
 import socket
 import subprocess
@@ -21,11 +23,12 @@ import time
 import pytest
 from daemon import ROOT, meminfo, prompt, wait_for
 
-from syscalls import lifeline, wire
+from syscalls import lifeline, ring, wire
 from syscalls import symphony_pb2 as pb
 from syscalls.aio import AsyncKernel
 from syscalls.client import Kernel
 from syscalls.lifeline import AsyncLifeline, Lifeline
+from syscalls.ring_line import RingLine
 
 REQUEST = pb.PredRequest(fd=3, tokens=[1]).SerializeToString()
 CANCELED = pb.PredReply(error=pb.Error(errno=errno.ECANCELED)).SerializeToString()
@@ -120,6 +123,202 @@ def test_the_wait_for_a_cancelled_pred_is_bounded_and_its_late_reply_dropped(mon
     assert next_reply(line) == b"second"
     answering.join(10)
     assert line._calls == {}
+
+
+# A signal handler raises at the first check the interpreter makes once the signal came:
+# when a C function called from Python returns, or when a Python function starts. A profile
+# hook raising there (sys.setprofile's "c_return" and "call" events) lands an interruption
+# exactly where one can land, at the first such point after the moment `ready` names.
+
+
+@contextlib.contextmanager
+def interrupted_once(ready):
+    """KeyboardInterrupt at the first point a signal handler could raise once ready()."""
+    fired = threading.Event()
+
+    def hook(frame, event, arg) -> None:
+        if event in ("c_return", "call") and not fired.is_set() and ready():
+            fired.set()
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    sys.setprofile(hook)
+    try:
+        yield fired
+    finally:
+        sys.setprofile(None)
+
+
+def readable(sock) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def test_a_pred_interrupted_the_moment_its_frame_went_is_taken_back():
+    """The interruption lands as sendall returns (the kernel's wake-up took the CPU): the
+    kernel has the pred, so CANCEL goes and its reply comes before the interruption goes
+    on."""
+    ours, peer = pair()
+    line = Lifeline(ours, "k.sock")
+    sent, replied = [], threading.Event()
+
+    def kernel(fired: threading.Event) -> None:
+        fired.wait(10)  # the frame stays in the socket until the interruption has landed
+        frames = wire.Frames()
+        with contextlib.suppress(TimeoutError):
+            sent.extend(read_frames(peer, 2, frames))
+        time.sleep(0.1)
+        replied.set()
+        peer.sendall(wire.frame(wire.REPLY, 1, CANCELED))  # whatever came: nobody hangs
+
+    with interrupted_once(lambda: readable(peer)) as fired:
+        answering = threading.Thread(target=kernel, args=(fired,), daemon=True)
+        answering.start()
+        with pytest.raises(KeyboardInterrupt):
+            line.call(REQUEST)
+    assert fired.is_set()
+    assert [(kind, call) for kind, call, _ in sent] == [(wire.PRED, 1), (wire.CANCEL, 1)]
+    assert replied.is_set(), "the interrupt went on before the kernel answered the CANCEL"
+    answering.join(10)
+    assert line._calls == {}
+
+
+def test_an_answer_read_the_moment_the_interruption_lands_is_not_lost(monkeypatch):
+    """The interruption lands as recv returns with the answer: the answer stands (the pred
+    is answered), no CANCEL goes and nothing waits for one."""
+    monkeypatch.setattr(lifeline, "CANCEL_WAIT", 5)
+    ours, peer = pair()
+    line = Lifeline(ours, "k.sock")
+    frames = wire.Frames()
+    answered = threading.Event()
+
+    def kernel() -> None:
+        read_frames(peer, 1, frames)
+        time.sleep(0.2)  # the caller waits in recv meanwhile
+        answered.set()
+        peer.sendall(wire.frame(wire.REPLY, 1, b"answer"))
+
+    answering = threading.Thread(target=kernel, daemon=True)
+    answering.start()
+    start = time.monotonic()
+    # Once the answer was sent and is no longer there to read: as recv returns it.
+    with interrupted_once(lambda: answered.is_set() and not readable(ours)) as fired, \
+            pytest.raises(KeyboardInterrupt):
+        line.call(REQUEST)
+    assert fired.is_set() and time.monotonic() - start < 3
+    answering.join(10)
+    peer.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        peer.recv(1)  # no CANCEL
+    assert line._calls == {}
+    peer.settimeout(10)
+
+    def next_answer() -> None:
+        (_, call, _), = read_frames(peer, 1, frames)
+        peer.sendall(wire.frame(wire.REPLY, call, b"next"))
+
+    answering = threading.Thread(target=next_answer, daemon=True)
+    answering.start()
+    assert next_reply(line) == b"next"  # the lifeline is still frames
+
+
+@pytest.fixture()
+def ring_line():
+    """A RingLine and the kernel's ends of its rings and lifeline, in this process."""
+    kernel_ring = ring.KernelRing()
+    mem = ring.RingMemory(os.dup(kernel_ring.memfd))
+    rings = ring.ProcessRing(mem, os.dup(kernel_ring.kernel_bell),
+                             os.dup(kernel_ring.process_bell))
+    ours, peer = pair()
+    line = RingLine(ours, "k.sock", rings)
+    yield line, kernel_ring, peer
+    line.end(errno.EBADF, "k.sock: the session is closed")
+    ours.close()
+    peer.close()
+    rings.close()
+    kernel_ring.close()
+
+
+def take(kernel_ring, n: int) -> list:
+    got: list = []
+    deadline = time.monotonic() + 10
+    while len(got) < n and time.monotonic() < deadline:
+        got += kernel_ring.take()
+        time.sleep(0.001)
+    return got
+
+
+@pytest.mark.parametrize("moment", ["published", "rung"])
+def test_a_pred_interrupted_the_moment_its_record_went_is_taken_back(ring_line, moment):
+    """The interruption lands once the ring's tail is published (before the kernel's bell)
+    or once the bell rang: the kernel has the pred, so it is taken back."""
+    line, kernel_ring, _ = ring_line
+    sent, replied = [], threading.Event()
+
+    def went() -> bool:
+        if moment == "published":
+            return kernel_ring.mem.get(ring.SQ_TAIL) != 0
+        return readable(kernel_ring.kernel_bell)
+
+    def kernel() -> None:
+        sent.extend(take(kernel_ring, 2))
+        time.sleep(0.1)
+        replied.set()
+        kernel_ring.post(wire.REPLY, 1, CANCELED)
+        kernel_ring.ring_process()
+
+    answering = threading.Thread(target=kernel, daemon=True)
+    answering.start()
+    with interrupted_once(went) as fired, pytest.raises(KeyboardInterrupt):
+        line.call(REQUEST)
+    assert fired.is_set()
+    assert [(kind, call) for kind, call, _ in sent] == [(wire.PRED, 1), (wire.CANCEL, 1)]
+    assert replied.is_set(), "the interrupt went on before the kernel answered the CANCEL"
+    assert line._calls == {}
+
+
+def test_a_pred_interrupted_before_its_record_went_is_not_waited_for(ring_line):
+    """Interrupted with its record written but not published: the kernel never sees it
+    (the next record takes its place), and nothing waits for a reply."""
+    line, kernel_ring, _ = ring_line
+
+    def written() -> bool:  # the process's tail moved, the one the kernel reads not yet
+        return line.rings.sq_tail != 0 and kernel_ring.mem.get(ring.SQ_TAIL) == 0
+
+    start = time.monotonic()
+    with interrupted_once(written), pytest.raises(KeyboardInterrupt):
+        line.call(REQUEST)
+    assert time.monotonic() - start < 2 and line._calls == {}
+    assert kernel_ring.take() == []
+
+    def kernel() -> None:
+        ((kind, call, _),) = take(kernel_ring, 1)
+        kernel_ring.post(wire.REPLY, call, b"next")
+        kernel_ring.ring_process()
+
+    answering = threading.Thread(target=kernel, daemon=True)
+    answering.start()
+    assert next_reply(line) == b"next"
+
+
+def test_a_completion_taken_the_moment_the_interruption_lands_is_not_lost(ring_line,
+                                                                           monkeypatch):
+    monkeypatch.setattr(lifeline, "CANCEL_WAIT", 5)
+    line, kernel_ring, _ = ring_line
+
+    def kernel() -> None:
+        take(kernel_ring, 1)
+        kernel_ring.post(wire.REPLY, 1, b"answer")
+        kernel_ring.ring_process()
+
+    answering = threading.Thread(target=kernel, daemon=True)
+    answering.start()
+    start = time.monotonic()
+    with interrupted_once(lambda: line.rings.cq_head != 0) as fired, \
+            pytest.raises(KeyboardInterrupt):
+        line.call(REQUEST)
+    assert fired.is_set() and time.monotonic() - start < 2  # no CANCEL waited for
+    answering.join(10)
+    assert kernel_ring.take() == [] and line._calls == {}
 
 
 def test_a_cancelled_task_takes_its_pred_back_before_its_cancellation_goes_on():
@@ -281,6 +480,60 @@ def test_a_cancelled_task_finds_its_file_as_before(daemon, transport, when):
 
     with daemon.connect() as probe:
         asyncio.run(main())
+
+
+class Alarm(Exception):
+    """What the SIGALRM handler raises: a timeout, as a LIP's own would."""
+
+
+def alarm(signum, frame) -> None:
+    raise Alarm
+
+
+# 30 timings from 0.25 to 80 ms, geometrically spaced: many land around the moment the pred
+# is sent (a millisecond or less in), the rest while it is queued or computed (4 tokens a
+# step: the pred of LONG tokens takes 250 steps, far longer than 80 ms).
+SWEEP = [0.25e-3 * (80 / 0.25) ** (i / 29) for i in range(30)]
+
+
+@pytest.mark.parametrize("transport", ["ring", "lifeline", "grpc"])
+def test_an_interruption_at_any_moment_of_a_pred_takes_it_back(daemon, transport):
+    """A SIGALRM handler raises out of a long pred after 0.25 to 80 ms: when the except
+    clause runs, the pred has been taken back (the file as before, on the ring and the
+    lifeline at once), so a truncate there and leaving `with` succeed; over gRPC the
+    interruption reaches the caller at once, not at grpc's next look at signals."""
+    late = []
+    previous = signal.signal(signal.SIGALRM, alarm)
+    try:
+        with Kernel.connect(daemon.socket, lifeline_pred=transport != "grpc",
+                            rings=transport == "ring") as k:
+            assert k.transport() == transport
+            used = meminfo(k)["device_used"]
+            for i, seconds in enumerate(SWEEP):
+                with k.open() as f:
+                    f.pred(prompt(8, salt=i), no_outputs=True)
+                    before = f.read()
+                    signal.setitimer(signal.ITIMER_REAL, seconds)
+                    start = time.monotonic()
+                    try:
+                        f.pred(prompt(LONG, salt=i), no_outputs=True)
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+                        pytest.fail(f"the pred was answered before the alarm ({seconds} s)")
+                    except Alarm:
+                        late.append(time.monotonic() - start - seconds)
+                        if transport != "grpc":  # the CANCEL's reply came: as before
+                            assert f.read() == before, f"interrupted after {seconds} s"
+                        f.truncate(4)  # over gRPC, once the kernel has rolled it back
+                    assert f.read() == tuple(t[:4] for t in before), f"after {seconds} s"
+            assert meminfo(k)["device_used"] == used
+            assert proc(k, k.pid).state == "sleeping"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    # A blocking gRPC call looks at signals every 200 ms: the alarm came that late. (On the
+    # ring and the lifeline the wait includes the CANCEL's reply: the step's end.)
+    if transport == "grpc":
+        assert sorted(late)[len(late) // 2] < 0.1, late
 
 
 def test_a_cancel_that_crosses_the_answer_or_names_no_pred_changes_nothing(daemon):
