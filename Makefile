@@ -4,7 +4,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 SMOLLM2_VERSION := 0.1.2
 
-.PHONY: install test unit run bench lint proto stubs
+.PHONY: install test unit run bench lint proto stubs gpu-wheels gpu-dry-run
 
 # `make run` and `make test` work straight after cloning: they install first when needed.
 $(STAMP): pyproject.toml
@@ -93,3 +93,12 @@ proto: $(STAMP)
 # syscalls/stubs.py and the builders in syscalls/convert.py (tests/test_stubs.py checks it).
 stubs: $(STAMP)
 	$(PY) -m syscalls.stubs
+
+# The GPU run (bench/gpu.sh, README "On a GPU"): the wheels the GPU image lacks, for Python
+# 3.12 manylinux x86_64, into bench/gpu-wheels/ (git-ignored) with a manifest; and the run's
+# dry run on this machine's CPU.
+gpu-wheels: $(STAMP)
+	$(PY) bench/gpu_wheels.py
+
+gpu-dry-run: $(STAMP)
+	PYTHON=$(PY) bench/gpu.sh --dry-run /tmp/symphony-gpu-dry-run
