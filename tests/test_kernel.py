@@ -16,6 +16,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from daemon import ROOT, meminfo, prompt, run_script, sched, start_daemon, wait_for
 
 from syscalls import symphony_pb2 as pb
@@ -26,6 +27,7 @@ BUDGET = 48  # small, so that prompts are chunked and decodes interleave with pr
 SYMPHONY = [sys.executable, "-m", "symphony.cli"]
 
 
+CUDA = torch.cuda.is_available()  # the daemon's default device, as the engine's
 DAEMON_FLAGS = ("--kv-pages", "512", "--token-budget", str(BUDGET))
 
 
@@ -45,12 +47,13 @@ def generate_cli(model, ids: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def alone(model):
-    """Greedy tokens of one prompt alone, from the engine in this process."""
+    """Greedy tokens of one prompt alone, from the engine in this process, on the daemon's
+    device and dtype (CUDA and bf16 where there is a GPU: bench/gpu.sh)."""
     from symphony.engine.engine import Engine
     from symphony.engine.generate import generate
     from symphony.engine.sampler import GREEDY
 
-    engine = Engine(model, device="cpu", kv_pages=512)
+    engine = Engine(model, kv_pages=512)
     return lambda ids, n: generate(engine, [ids], GREEDY, n)[0]
 
 
@@ -82,7 +85,8 @@ def test_sixteen_concurrent_lips_get_what_they_get_alone(daemon, alone):
     assert float(stats["loop_cpu_us_per_pred"]) > 0  # the loop thread's CPU, per pred
     assert 0 < float(stats["engine_busy"]) <= 1  # a share of the window
     # fp32 on the CPU runs the C kernels (this machine has a C compiler).
-    assert stats["engine"] == "cpu float32, attention c"
+    want = "cuda bfloat16, attention triton" if CUDA else "cpu float32, attention c"
+    assert stats["engine"] == want
     for ids, (out, _) in zip(prompts, outs, strict=True):
         assert json.loads(out)["output_ids"] == alone(ids, 16)
 
