@@ -146,7 +146,8 @@ def add_kernel_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     k.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     k.add_argument("--kv-pages", type=int, help="device KV pages (default: 25%% of memory)")
-    k.add_argument("--host-pages", type=int, help="host-tier pages (default: as --kv-pages)")
+    k.add_argument("--host-pages", type=int, help="host-tier pages (default: --kv-pages when "
+                   "it is given, else 0: no host tier)")
     k.add_argument("--disk-pages", type=int, default=Options.disk_pages, help="swap-file pages")
     k.add_argument("--token-budget", type=positive, default=Options.token_budget,
                    help="tokens per forward pass")

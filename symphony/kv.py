@@ -209,7 +209,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ops = kv.add_subparsers(dest="kv_op", required=True)
     ls = ops.add_parser("ls", parents=[common], help="list a directory (default: your home)")
     ls.add_argument(
-        "-l", dest="long", action="store_true", help="mode, owner, tokens, pages, size, mtime, name"
+        "-l", dest="long", action="store_true",
+        help="mode, owner, tokens, pages, size (bytes of the canonical form), mtime (local "
+        "time), name",
     )
     ls.add_argument("path", nargs="?", default="")
     ls.set_defaults(kv_command=cmd_ls)

@@ -86,7 +86,8 @@ class ProcFS:
         pairs.append(("on_disk", sum(p.tier == DISK for p in store.live)))
         for uid, used in sorted(store.used.items()):
             limit = store.limit(uid)
-            pairs.append((f"quota_{user_name(uid)}", f"{used} / {limit if limit else '-'}"))
+            pairs.append((f"quota_{user_name(uid)}",
+                          f"{used} / {limit if limit is not None else '-'}"))
         return lines(pairs)
 
     def sched(self) -> str:

@@ -1,11 +1,16 @@
-"""/proc/sched's rates cover the last STATS_WINDOW seconds: an idle kernel's fall to 0."""
+"""/proc texts without a daemon: /proc/sched's rates cover the last STATS_WINDOW seconds (an
+idle kernel's fall to 0); /proc/meminfo's and /proc/kv's formats are docs/syscalls.md's."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-import torch
+import os
 
+import torch
+from kvfs_helpers import append, make_fs
+
+from kvfs.perm import Cred
 from symphony import procfs
 from symphony.procfs import ProcFS
 from symphony.sched_stats import STATS_WINDOW, SchedStats, StepRecord
@@ -64,3 +69,50 @@ def test_the_window_keeps_only_the_last_seconds_of_steps():
     assert [s.end for s in steps] == [20.0 + 0.1 * i + 0.05 for i in range(10)]
     assert seconds == 1.0  # from the first step's start
     assert stats.window(21.0 + STATS_WINDOW) == ([], 0.0)
+
+
+def kernel_of(fs) -> SimpleNamespace:
+    return SimpleNamespace(fs=fs, engine=SimpleNamespace(pool=fs.store.pool), procs=[])
+
+
+def test_meminfo_is_key_value_lines_with_a_quota_line_per_user():
+    fs = make_fs(pages=64, host=16, quota={1000: 0}, default_quota=40)
+    root, alice = Cred(0, 0), Cred(os.getuid() + 54321, 100)
+    with_pages = fs.open(root, "", os.O_RDWR)
+    append(fs, with_pages, list(range(10)))  # 3 pages of 4 tokens
+    fs.open(alice, "", os.O_RDWR)  # anonymous, empty: charges nothing
+    text = ProcFS(kernel_of(fs)).read("/proc/meminfo", root)
+    lines = text.splitlines()
+    keys = [line.split(":")[0] for line in lines]
+    assert keys[:9] == [f"{t}_{w}" for t in ("device", "host", "disk")
+                        for w in ("total", "free", "used")]
+    assert keys[9:14] == ["page_size_tokens", "page_bytes", "shared", "swapped_out", "on_disk"]
+    width = len(lines[0]) - len(lines[0].split(":", 1)[1].lstrip())  # values line up
+    assert all(len(line) - len(line.split(":", 1)[1].lstrip()) == width for line in lines)
+    fields = proc_fields(text)
+    assert (fields["device_total"], fields["device_used"], fields["host_total"]) == (
+        "64", "3", "16")
+    assert fields["quota_root"] == "3 / -"  # root has no quota
+    assert "quota_" + "uid" + str(alice.uid) not in fields  # no pages ever: no line
+
+
+def test_a_quota_of_zero_shows_as_zero_not_as_none():
+    fs = make_fs(quota={1000: 0})
+    fs.store.used[1000] = 0  # a user that held pages once
+    assert proc_fields(ProcFS(kernel_of(fs)).read("meminfo", Cred(0, 0)))[
+        "quota_" + procfs.user_name(1000)] == "0 / 0"
+
+
+def test_proc_kv_lists_only_pages_more_than_one_file_holds():
+    fs = make_fs()
+    root = Cred(0, 0)
+    a = fs.open(root, "", os.O_RDWR)
+    append(fs, a, list(range(10)))  # 2 full pages and a partial one
+    kv = ProcFS(kernel_of(fs))
+    assert kv.read("kv", root) == "page\ttier\trefs\tinodes\n"  # 3 pages, none shared
+    b = fs.fork(a, root)  # shares the 2 full pages, copies the partial one
+    kv.k.procs = [SimpleNamespace(fds={3: a, 4: b})]
+    rows = [line.split("\t") for line in kv.read("kv", root).splitlines()[1:]]
+    assert [(tier, refs, inodes) for _, tier, refs, inodes in rows] == [
+        ("device", "2", f"{a.inode.ino},{b.inode.ino}")] * 2
+    assert [page for page, *_ in rows] == [f"device:{p.slot}" for p in a.inode.pages[:2]]

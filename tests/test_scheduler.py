@@ -307,6 +307,43 @@ async def test_preds_on_one_file_are_served_in_the_order_they_came():
 
 
 @in_loop
+async def test_default_positions_follow_the_last_entry_not_the_largest_position():
+    """docs/syscalls.md, pred: a module placed at 100.. and then one at 0..: the next pred
+    without positions goes on from the last entry's position."""
+    w = World(budget=16)
+    p, f = w.process()
+    w.submit(p, f, [1, 2, 3], positions=[100, 101, 102], no_outputs=True)
+    w.submit(p, f, [4, 5], positions=[0, 1], no_outputs=True)
+    w.submit(p, f, [6, 7], no_outputs=True)
+    while w.sched.queue:
+        w.step()
+    assert f.inode.positions == [100, 101, 102, 0, 1, 2, 3]
+
+
+@in_loop
+@pytest.mark.parametrize("running", [False, True])
+async def test_settle_takes_back_a_pred_whose_caller_cancelled_it_before_its_task_ran(running):
+    """A gRPC client cancels its rpc (or sends CANCEL) and truncates at once: the rpc's
+    handler, which takes the pred back, may not have run when the truncate settles."""
+    w = World()
+    p, f = w.process()
+    w.pred(p, f, [1, 2, 3])
+    w.step()
+    answer = w.pred(p, f, [4, 5, 6])
+    plan = w.sched.schedule() if running else None
+    answer.cancel()  # what cancelling sys_pred's task does first
+    settling = asyncio.create_task(w.sched.settle(f.inode))
+    await asyncio.sleep(0)
+    if running:
+        assert not settling.done()  # the step still writes it
+        w.sched.finish(plan, result(plan))
+    await settling
+    w.fs.truncate(f, 1)  # not EBUSY
+    assert f.inode.tokens == [1] and w.sched.queue == [] and p.pending == 0
+    await w.sched.cancel(answer)  # the handler's turn: nothing left to do
+
+
+@in_loop
 async def test_a_queued_pred_cancelled_fails_and_changes_nothing():
     w = World()
     p, f = w.process()
