@@ -3,9 +3,8 @@ idle kernel's fall to 0); /proc/meminfo's and /proc/kv's formats are docs/syscal
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import os
+from types import SimpleNamespace
 
 import torch
 from kvfs_helpers import append, make_fs
