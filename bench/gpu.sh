@@ -4,6 +4,8 @@
 # project's .venv where there is one, else python3).
 cd "$(dirname "$0")/.." || exit 2
 if [ -z "$PYTHON" ]; then
-    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python
+    elif command -v python3 >/dev/null; then PYTHON=python3
+    else PYTHON=python; fi
 fi
 exec "$PYTHON" bench/gpu.py "$@"

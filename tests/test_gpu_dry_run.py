@@ -1,5 +1,5 @@
 """bench/gpu.sh --dry-run: every step of the GPU run that the CPU can run, at tiny sizes, so
-that the script cannot rot between GPU runs (issue 31). About 50 s on this 2-core machine."""
+that the script cannot rot between GPU runs (issue 31). About 55 s on this 2-core machine."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ gpu = sys.modules["bench_gpu"] = importlib.util.module_from_spec(_spec)  # for i
 _spec.loader.exec_module(gpu)
 MANIFEST, read_manifest = gpu.MANIFEST, gpu.read_manifest
 
-# The dry run's steps take about 50 s here, three at a time; the rest is slack for a
-# machine that others share.
-LIMIT = 90
+# The dry run takes 50-60 s here (2 cores), three steps at a time: 55 s alone, 61 s at a load
+# average of 7 from other work. The rest is slack for a machine that others share.
+LIMIT = 120
 
 
 @pytest.mark.slow
