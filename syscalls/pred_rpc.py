@@ -23,6 +23,7 @@ import functools
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -94,8 +95,10 @@ class Rpcs:
         self.pid = os.getpid()
         self.jobs: queue.SimpleQueue[tuple[str, Job] | None] = queue.SimpleQueue()
         self.bell = os.eventfd(0, os.EFD_CLOEXEC)
-        self._guard = threading.Lock()  # the bell is closed once, never rung after
-        self._closed = False
+        # Closed once nothing refers to this any more: not the main thread waiting on it,
+        # nor an rpc's callback (grpc holds them until they have run), nor the thread.
+        weakref.finalize(self, os.close, self.bell)
+        self.ended = False  # the thread has ended (the session closed)
         self.thread = threading.Thread(target=self._run, name="symphony-rpcs", daemon=True)
         self.thread.start()
 
@@ -115,21 +118,22 @@ class Rpcs:
             raise
         if job.error is not None:
             raise job.error
+        if not job.done():  # the session closed first: the thread is gone
+            return [grpc.FutureCancelledError()] * len(requests)
         return job.outcomes
 
     def _wait(self, done: Callable[[], bool]) -> None:
-        while not done():
+        while not done() and not self.ended:
             os.eventfd_read(self.bell)  # interrupted, it has read nothing; a wake-up left
             # by an earlier job's rpc only makes it look again
 
     def close(self) -> None:
-        """The thread ends."""
+        """The thread ends (once it has started the rpcs asked before: the session closes
+        its channel first, which ends them, and their callbacks still ring the bell)."""
         self.jobs.put(None)
 
     def _ring(self) -> None:
-        with self._guard:
-            if not self._closed:
-                os.eventfd_write(self.bell, 1)
+        os.eventfd_write(self.bell, 1)
 
     def _run(self) -> None:
         try:
@@ -143,9 +147,8 @@ class Rpcs:
                     job.cancelled = True
                     self._ring()
         finally:
-            with self._guard:
-                self._closed = True
-                os.close(self.bell)
+            self.ended = True
+            self._ring()  # a caller whose job came after the end stops waiting
 
     def _start(self, job: Job) -> None:
         try:

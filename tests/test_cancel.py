@@ -536,6 +536,19 @@ def test_an_interruption_at_any_moment_of_a_pred_takes_it_back(daemon, transport
         assert sorted(late)[len(late) // 2] < 0.1, late
 
 
+def test_closing_the_session_ends_a_grpc_pred_the_main_thread_waits_for(daemon):
+    """The main thread's rpcs are made by a thread of the session's: closing the session
+    (here from another thread) still ends the wait, with EBADF."""
+    k = Kernel.connect(daemon.socket, lifeline_pred=False)
+    f = k.open()
+    closing = threading.Timer(0.2, k.close)
+    closing.start()
+    with pytest.raises(OSError) as e:
+        f.pred(prompt(LONG), no_outputs=True)
+    assert e.value.errno == errno.EBADF
+    closing.join()
+
+
 def test_a_cancel_that_crosses_the_answer_or_names_no_pred_changes_nothing(daemon):
     """Raw frames: a CANCEL after the reply, or naming no call, gets no reply and undoes
     nothing; a CANCEL right behind its PRED drops it, with one reply: ECANCELED."""
