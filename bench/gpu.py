@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def steps(dry: bool, out: Path) -> list[Step]:
     that the run fits one H100 session even where every step hangs."""
     py = sys.executable
     model_env = {"SYMPHONY_MODEL": str(ROOT / "models" / "default")}
-    s = [Step("wheels", 30 if dry else 60, None, fn=check_wheels if dry else install_wheels)]
+    s = [Step("wheels", 30 if dry else 45, None, fn=check_wheels if dry else install_wheels)]
     s.append(Step("api", 45 if dry else 30, pytest_argv(out, "api", "tests/test_gpu_api.py")))
     if dry:  # the Triton interpreter: a few cases, small
         kernels = pytest_argv(out, "kernels", *(
@@ -87,15 +88,17 @@ def steps(dry: bool, out: Path) -> list[Step]:
     # load (50-60 s in all, three steps at a time).
     s += [Step("kernels", 60 if dry else 90, kernels),
           Step("parity", 60, parity),
-          Step("daemon", 90 if dry else 120, daemon)]
+          Step("daemon", 90 if dry else 110, daemon)]
     if dry:
         s += [
             Step("bench-kernels", 30, [py, "bench/kernels.py", "--batch", "2", "--context", "64",
                                        "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32",
                                        "--repeat", "1"]),
-            Step("bench-engine", 60, [py, "bench/engine.py", "--batches", "1", "--prompt-len",
-                                      "8", "--new-tokens", "3", "--prefill-len", "16",
-                                      "--prefill-batch", "1", "--repeat", "1"], model_env),
+            Step("bench-engine", 60, shell(
+                [py, "bench/gpu.py", "--make-llama", "tiny", str(out / "llama-tiny")],
+                [py, "bench/engine.py", "--model", str(out / "llama-tiny"), "--batches", "1",
+                 "--prompt-len", "8", "--new-tokens", "3", "--prefill-len", "16",
+                 "--prefill-batch", "1", "--repeat", "1"])),
             # The pred path on the simulated accelerator: the kernel's own path, in seconds.
             Step("bench-kernel", 60, [py, "bench/kernel.py", "--only", "path", "--path-lips", "1",
                                       "--path-preds", "16", "--path-asyncio", "1x2",
@@ -103,16 +106,55 @@ def steps(dry: bool, out: Path) -> list[Step]:
         ]
     else:
         s += [
-            Step("bench-kernels", 45, [py, "bench/kernels.py", "--repeat", "10"]),
-            Step("bench-engine", 90, [py, "bench/engine.py", "--batches", "1,32,128",
-                                      "--new-tokens", "32", "--prefill-len", "2048",
-                                      "--prefill-batch", "1", "--repeat", "2"], model_env),
-            Step("bench-kernel", 100, [py, "bench/kernel.py", "--only", "tax,batch,path",
+            Step("bench-kernels", 40, [py, "bench/kernels.py", "--repeat", "10"]),
+            # A random Llama of Llama-3.2-1B's shape in bf16 (2.5 GB, made on the GPU).
+            Step("bench-engine", 130, shell(
+                [py, "bench/gpu.py", "--make-llama", "1b", str(out / "llama-1b")],
+                [py, "bench/engine.py", "--model", str(out / "llama-1b"), "--batches",
+                 "1,32,128", "--new-tokens", "32", "--prefill-len", "2048",
+                 "--prefill-batch", "1", "--repeat", "2"],
+                ["rm", "-rf", str(out / "llama-1b")])),  # not to come back with OUT_DIR
+            Step("bench-kernel", 90, [py, "bench/kernel.py", "--only", "tax,batch,path",
                                        "--repeat", "2", "--tokens", "32", "--path-lips", "1,32",
                                        "--path-preds", "1024", "--batch-modes", "procs,asyncio"],
                  model_env),
         ]
     return s
+
+
+def shell(*argvs: list[str]) -> list[str]:
+    """Commands run one after another in one step, stopping at the first that fails."""
+    return ["sh", "-c", " && ".join(shlex.join(a) for a in argvs)]
+
+
+LLAMA_SHAPES = {
+    "tiny": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096),
+    # Llama-3.2-1B's.
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+               num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               max_position_embeddings=131072, rope_theta=500000.0,
+               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+
+
+def make_llama(shape: str, out: Path) -> None:
+    """A random-weight Llama of `shape` in bf16 (fp32 on the CPU), made on the GPU where
+    there is one (a 1B model's init takes minutes on a CPU)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**LLAMA_SHAPES[shape], tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=2)
+    with torch.device("cuda" if cuda else "cpu"):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    model.save_pretrained(out)
+    print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, "
+          f"{dtype}, in {out}")
 
 
 def read_manifest(folder: Path) -> list[dict[str, str]]:
@@ -251,6 +293,9 @@ def summary(results: list[dict], header: str, wall: float) -> str:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--make-llama"]:  # a step's helper: --make-llama SHAPE DIR
+        make_llama(sys.argv[2], Path(sys.argv[3]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="folder for the logs and results (made if absent)")
     ap.add_argument("--dry-run", action="store_true",
@@ -289,9 +334,12 @@ def main() -> int:
         chosen = [s for s in chosen if s.name in keep]
     jobs = args.jobs or (3 if args.dry_run else 1)
     t0 = time.monotonic()
-    with ThreadPoolExecutor(jobs) as pool:  # results in the steps' order, whatever ends first
-        results = list(pool.map(lambda ns: run_step(ns[1], ns[0], out, env),
-                                enumerate(chosen, 1)))
+    numbered = list(enumerate(chosen, 1))
+    if jobs > 1:  # the longest first, so that it does not start last (the wheels still first)
+        numbered.sort(key=lambda ns: (ns[1].name != "wheels", -ns[1].limit))
+    with ThreadPoolExecutor(jobs) as pool:
+        futures = {n: pool.submit(run_step, s, n, out, env) for n, s in numbered}
+        results = [futures[n].result() for n in sorted(futures)]  # the steps' order
     table = summary(results, header, time.monotonic() - t0)
     (out / "summary.txt").write_text(table + "\n")
     print("\n" + table)
