@@ -10,8 +10,9 @@ kernels (tests/test_kernels.py: compiled on CUDA, fp32/fp16/bf16; interpreted in
 parity (tests/test_gpu_parity.py: the engine against transformers on the device), daemon
 (tests/test_kernel.py, test_crash.py, test_engine_process.py: a daemon on the device, CUDA IPC
 of the KV pool, complete.py equal to generate, 16 concurrent LIPs, a killed LIP leaking
-nothing, a dead engine process stopping the kernel), then bench/kernels.py, bench/engine.py
-and bench/kernel.py, and a summary table printed last (also OUT_DIR/summary.txt).
+nothing, a dead engine process stopping the kernel), then bench/kernels.py and
+bench/prefill_kernels.py, bench/engine.py (on a random Llama of Llama-3.2-1B's shape) and
+bench/kernel.py, and a summary table printed last (also OUT_DIR/summary.txt).
 
 A step that fails or hangs costs only itself: it runs in a process group of its own, killed
 at its limit. Each step's output is OUT_DIR/NN-step.log, pytest's OUT_DIR/NN-step.xml, and a
@@ -63,7 +64,7 @@ def steps(dry: bool, out: Path) -> list[Step]:
     that the run fits one H100 session even where every step hangs."""
     py = sys.executable
     model_env = {"SYMPHONY_MODEL": str(ROOT / "models" / "default")}
-    s = [Step("wheels", 30 if dry else 45, None, fn=check_wheels if dry else install_wheels)]
+    s = [Step("wheels", 30 if dry else 40, None, fn=check_wheels if dry else install_wheels)]
     s.append(Step("api", 45 if dry else 30, pytest_argv(out, "api", "tests/test_gpu_api.py")))
     if dry:  # the Triton interpreter: a few cases, small
         kernels = pytest_argv(out, "kernels", *(
@@ -91,9 +92,11 @@ def steps(dry: bool, out: Path) -> list[Step]:
           Step("daemon", 90 if dry else 110, daemon)]
     if dry:
         s += [
-            Step("bench-kernels", 30, [py, "bench/kernels.py", "--batch", "2", "--context", "64",
-                                       "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32",
-                                       "--repeat", "1"]),
+            Step("bench-kernels", 45, shell(
+                [py, "bench/kernels.py", "--batch", "2", "--context", "64", "--q-heads", "4",
+                 "--kv-heads", "2", "--head-dim", "32", "--repeat", "1"],
+                [py, "bench/prefill_kernels.py", "--batch", "2", "--seq", "40", "--q-heads",
+                 "4", "--kv-heads", "2", "--head-dim", "32", "--repeat", "1"])),
             Step("bench-engine", 60, shell(
                 [py, "bench/gpu.py", "--make-llama", "tiny", str(out / "llama-tiny")],
                 [py, "bench/engine.py", "--model", str(out / "llama-tiny"), "--batches", "1",
@@ -106,7 +109,9 @@ def steps(dry: bool, out: Path) -> list[Step]:
         ]
     else:
         s += [
-            Step("bench-kernels", 40, [py, "bench/kernels.py", "--repeat", "10"]),
+            # Decode against a copy (batch 64, 4k contexts), prefill against SDPA (4 x 2k).
+            Step("bench-kernels", 45, shell([py, "bench/kernels.py", "--repeat", "10"],
+                                            [py, "bench/prefill_kernels.py", "--repeat", "10"])),
             # A random Llama of Llama-3.2-1B's shape in bf16 (2.5 GB, made on the GPU).
             Step("bench-engine", 130, shell(
                 [py, "bench/gpu.py", "--make-llama", "1b", str(out / "llama-1b")],
