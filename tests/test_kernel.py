@@ -491,6 +491,7 @@ def test_only_a_real_sleep_costs_a_process_its_lead(model, tmp_path):
     from symphony.engine.sampler import GREEDY
     from symphony.engine_process import EngineProcess
     from symphony.options import Options
+    from symphony.pred_job import PredSpec
     from symphony.scheduler import SLEEP_GRACE
     from symphony.syscall_table import TABLE
 
@@ -504,7 +505,7 @@ def test_only_a_real_sleep_costs_a_process_its_lead(model, tmp_path):
         fd = (await TABLE["Open"][0](k, p, p.cred,
                                      pb.OpenRequest(path="", flags=os.O_RDWR))).fd
         p.answered = 0.0 if away is None else time.monotonic() - away
-        future = s.submit(p, p.handle(fd), [5], None, [0], GREEDY)
+        future = s.submit(p, p.handle(fd), PredSpec([5], None, [0], GREEDY))
         await s.cancel(future)
         return s.min_vruntime - p.vruntime
 
