@@ -44,6 +44,9 @@ from symphony.step import Chunk, StepPlan, StepResult, resample
 
 log = logging.getLogger("symphony.scheduler")
 
+# A prompt waits at most this long for decodes that tie with it (its own process's, whose
+# virtual runtime is its own); then it goes in arrival order.
+PREFILL_PATIENCE = 0.05
 HOLD_MAX, HOLD_SHARE = 0.010, 1.0  # the longest wait for just-served processes, absolute
 # and as a share of the last step
 SLEEP_GRACE = 0.1  # seconds between two preds that still count as running, not asleep
@@ -368,11 +371,12 @@ class Scheduler:
         return self.running
 
     def _pick(self) -> list[Chunk]:
-        """Chunks of queued work in virtual-runtime order (decodes first among equals),
-        then guesses in the room left. A prefill chunk leaves one token of the budget for
-        each decode still queued, so that decodes keep flowing past long prompts. Ordering
-        all decodes before all prefills would instead starve a prefill whenever decodes
-        fill the step."""
+        """Chunks of queued work in virtual-runtime order (decodes first among equals, but
+        not past a prompt that has waited PREFILL_PATIENCE: the threads of one process, equal
+        by nature, would starve its prompts), then guesses in the room left. A prefill chunk
+        leaves one token of the budget for each decode still queued, so that decodes keep
+        flowing past long prompts. Ordering all decodes before all prefills would instead
+        starve a prefill whenever decodes fill the step."""
         chunks: list[Chunk] = []
         budget = self.token_budget
         decodes = sum(j.remaining == 1 for j in self.queue)
@@ -381,7 +385,10 @@ class Scheduler:
             if j.state is JobState.QUEUED:
                 key = id(j.handle.inode)
                 first[key] = min(first.get(key, j.seq), j.seq)
-        for job in sorted(self.queue, key=lambda j: (j.proc.vruntime, j.remaining > 1, j.seq)):
+        patient = time.monotonic() - PREFILL_PATIENCE
+        for job in sorted(self.queue, key=lambda j: (j.proc.vruntime,
+                                                     j.remaining > 1 and j.enqueued > patient,
+                                                     j.seq)):
             if job.remaining == 0:
                 continue  # a masked pred's computed guess, sampled when the loop turns
             if budget == 0 or len(chunks) == self.max_seqs:

@@ -27,7 +27,7 @@ from symphony.engine.sampler import GREEDY, SamplingParams
 from symphony.engine.tree import ancestor_bits
 from symphony.pred_job import JobState, Output, PredSpec
 from symphony.process import Process
-from symphony.scheduler import SLEEP_GRACE, Scheduler
+from symphony.scheduler import PREFILL_PATIENCE, SLEEP_GRACE, Scheduler
 from symphony.step import Chunk, StepPlan, StepResult
 from symphony.syscall_table import submit_pred
 from syscalls import symphony_pb2 as pb
@@ -150,6 +150,23 @@ async def test_a_prefill_chunk_leaves_room_for_each_decode_and_decodes_go_first_
     assert sizes(plan) == [(a, 7), (b, 1)] and decode.done()
     w.pred(b, fb, [7])
     assert sizes(w.step()) == [(b, 1), (a, 6)]
+
+
+@in_loop
+async def test_a_prompt_waits_for_decodes_that_tie_with_it_a_while_not_for_ever():
+    """One process, two files, one sequence a step: its decode goes before its prompt, which
+    it ties with, until the prompt has waited PREFILL_PATIENCE; then arrival order."""
+    w = World(budget=8, max_seqs=1)
+    p, f = w.process()
+    g = w.fs.open(p.cred, "", os.O_RDWR)
+    p.add_fd(g)
+    prompt = w.pred(p, g, [1, 2, 3])
+    w.pred(p, f, [5])
+    assert [c.job.handle for c in w.step().chunks] == [f]  # decodes first among equals
+    w.pred(p, f, [6])
+    (job,) = [j for j in w.sched.queue if j.future is prompt]
+    job.enqueued -= PREFILL_PATIENCE  # it has waited long enough
+    assert [c.job.handle for c in w.step().chunks] == [g] and prompt.done()
 
 
 @in_loop
