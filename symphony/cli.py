@@ -43,7 +43,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # By default the pool holds this one sequence (its pages are zeroed at start: a fixed
     # 1024 were 755 MB with SmolLM2's 0.7 MB pages).
     pages = args.kv_pages or -(-(len(prompt) + args.max_new_tokens) // PAGE_SIZE) + 1
-    engine = Engine(model, device=args.device, dtype=dtype, kv_pages=pages, page_size=PAGE_SIZE)
+    engine = Engine(model, device=args.device, dtype=dtype, kv_pages=pages, page_size=PAGE_SIZE,
+                    weights=args.weights)
     out = generate(engine, [prompt], sampling_params(args), args.max_new_tokens)[0]
     text = tok.decode(out) if tok else None
     if args.json:
@@ -73,7 +74,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     engine = EngineProcess(
         args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages,
         host_pages=args.host_pages if args.host_pages is not None else args.kv_pages or 0,
-        sleep_ms=parse_engine(args.engine))
+        sleep_ms=parse_engine(args.engine), weights=args.weights)
     opts = Options(
         socket=socket_path(args.socket), state_dir=Path(args.state_dir or default_state_dir()),
         token_budget=args.token_budget, max_seqs=args.max_seqs, disk_pages=args.disk_pages,
@@ -91,7 +92,7 @@ def control():
 
 KERNEL_OPTIONS = ("model", "state_dir", "device", "dtype", "kv_pages", "host_pages",
                   "disk_pages", "token_budget", "max_seqs", "quota", "decode_ahead",
-                  "max_procs_per_user", "engine")
+                  "max_procs_per_user", "engine", "weights")
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -137,6 +138,14 @@ def engine_mode(text: str) -> str:
     return text
 
 
+def add_weights_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=["quantized", "float"], default="quantized",
+                   help="on the CPU, a GGUF file's Q4_0, Q4_1 and Q8_0 matrices: multiplied "
+                   "as the file keeps them when decoding (quantized, the default: the same "
+                   "greedy output, faster), or always through their dequantized fp32 copy "
+                   "(float)")
+
+
 def add_kernel_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument("--model", help=f"checkpoint directory or GGUF file {DEFAULT_MODEL_HELP}")
     k.add_argument("--socket", help="gRPC socket (default: $SYMPHONY_SOCKET or "
@@ -165,6 +174,7 @@ def add_kernel_flags(k: argparse.ArgumentParser) -> None:
                    "simulated accelerator whose every step sleeps MS milliseconds and "
                    "answers made-up tokens, loading no weights (to measure the kernel's own "
                    "path)")
+    add_weights_flag(k)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-pages", type=positive,
                    help="KV pages of 16 tokens (default: what the prompt and --max-new-tokens "
                    "need)")
+    add_weights_flag(g)
     g.set_defaults(func=cmd_generate)
     k = sub.add_parser("kernel", help="run the kernel daemon in the foreground")
     add_kernel_flags(k)

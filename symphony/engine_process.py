@@ -149,11 +149,13 @@ class EngineProcess:
     """The kernel's view of its engine: what the model is (config, tokenizer, device, dtype),
     the KV pool, and step() to run a StepWork in the engine process. Built before the event
     loop starts; it raises what building the Engine raised there (ModelError, ...).
-    `sleep_ms`: a simulated accelerator (SleepEngine) whose steps take that long."""
+    `sleep_ms`: a simulated accelerator (SleepEngine) whose steps take that long; `weights`:
+    as the Engine's."""
 
     def __init__(self, model_dir: str | Path | None = None, *, device: str | None = None,
                  dtype: torch.dtype | None = None, kv_pages: int | None = None,
-                 host_pages: int = 0, page_size: int = 16, sleep_ms: float | None = None):
+                 host_pages: int = 0, page_size: int = 16, sleep_ms: float | None = None,
+                 weights: str = "quantized"):
         self.model_dir = Path(model_dir) if model_dir else default_model_dir()
         self.config = ModelConfig.from_file(self.model_dir / "config.json")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -189,7 +191,7 @@ class EngineProcess:
             tier = self._memfd if self._memfd is not None else arrays
             ours.sendall(_message(ForkingPickler.dumps(
                 (os.getpid(), self.model_dir, self.device, self.dtype, shape,
-                 None if simulated else tier, simulated))))
+                 None if simulated else tier, simulated, weights))))
             self.attention = self._reply(_recv(ours))  # the attention kernels' name
         except BaseException:
             self.close()
@@ -376,7 +378,7 @@ def _picklable(e: BaseException) -> BaseException:
 def main(sock: socket.socket) -> None:
     """The engine process: build the Engine over the kernel's pool (or take the simulated
     accelerator the kernel sent), then run steps until the kernel closes the socket."""
-    kernel, model_dir, device, dtype, shape, tier, simulated = _recv(sock)
+    kernel, model_dir, device, dtype, shape, tier, simulated, weights = _recv(sock)
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != kernel:  # the kernel died before prctl: nobody would stop us
@@ -392,7 +394,8 @@ def main(sock: socket.socket) -> None:
             arrays = _mapped(tier, shape, dtype) if isinstance(tier, int) else tier
             cfg = ModelConfig.from_file(Path(model_dir) / "config.json")
             pool = KVPool(cfg, shape[1], shape[2], dtype, device, arrays=arrays)
-            engine = Engine(model_dir, device=str(device), dtype=dtype, pool=pool)
+            engine = Engine(model_dir, device=str(device), dtype=dtype, pool=pool,
+                            weights=weights)
         except BaseException as e:  # handed to the kernel, which reports it
             _send(sock, ("error", _picklable(e)))
             return

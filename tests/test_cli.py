@@ -14,3 +14,17 @@ def test_the_kernels_counts_must_be_positive(capsys, command, flag):
         with pytest.raises(SystemExit) as e:
             parser.parse_args([command, flag, bad])
         assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["kernel", "start", "generate"])
+def test_weights_are_quantized_unless_float_is_asked(capsys, command):
+    from symphony.cli import KERNEL_OPTIONS
+
+    parser = build_parser()
+    args = [command] + (["--prompt", "hi"] if command == "generate" else [])
+    assert parser.parse_args(args).weights == "quantized"
+    assert parser.parse_args(args + ["--weights", "float"]).weights == "float"
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(args + ["--weights", "int8"])
+    assert e.value.code == 2 and "--weights" in capsys.readouterr().err
+    assert "weights" in KERNEL_OPTIONS  # start passes it on to the kernel

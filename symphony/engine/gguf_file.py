@@ -207,6 +207,23 @@ class GGUFFile:
                 tensor = unpermute(tensor, heads)
             yield hf, name, tensor
 
+    def hf_blocks(
+        self, cfg: ModelConfig, kinds: tuple[str, ...]
+    ) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """(Hugging Face name, type name, blocks) for each matrix stored in one of `kinds`
+        (type names: "Q4_1"), as the file stores it: uint8 [rows, bytes a row], q/k rows
+        unpermuted (the permutation moves whole rows)."""
+        permuted = self.architecture == "llama"
+        for name, tensor in self.tensors.items():
+            hf = _hf_name(name)
+            if hf is None or tensor.tensor_type.name not in kinds or len(tensor.shape) != 2:
+                continue
+            blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # a copy
+            if permuted and (".attn_q." in name or ".attn_k." in name):
+                blocks = unpermute(blocks, cfg.num_heads if ".attn_q." in name
+                                   else cfg.num_kv_heads)
+            yield hf, tensor.tensor_type.name, blocks
+
 
 def _replace(cfg: ModelConfig, **changes) -> ModelConfig:
     import dataclasses

@@ -14,6 +14,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from kernels import quant_cpu
+from kernels.quant_cpu import QuantWeight
 from symphony.engine.config import ModelConfig
 from symphony.engine.errors import ModelError
 from symphony.engine.gguf_file import is_gguf, open_gguf
@@ -158,6 +160,27 @@ def _load_gguf(path: Path, device, dtype: torch.dtype) -> CausalLM:
             filler.put(name, tensor, path, gguf_name)
     filler.check(path)
     return model.eval().requires_grad_(False)
+
+
+def quantized_weights(path: str | Path, model: CausalLM) -> dict[str, QuantWeight]:
+    """Our matrices (parameter name -> weight) that the GGUF file at `path` stores wholly in
+    types kernels/quant_cpu.py multiplies by as they are (Q4_0, Q4_1, Q8_0), stacked as ours
+    are; the others, and every matrix of a checkpoint directory, are not in it."""
+    path = Path(path)
+    if not is_gguf(path):
+        return {}
+    layout, params = _layout(model.config), dict(model.named_parameters())
+    parts: dict[str, list[tuple[int, QuantWeight]]] = {}
+    for name, kind, blocks in open_gguf(path).hf_blocks(model.config, tuple(quant_cpu.KINDS)):
+        if name in layout:
+            target, start, _ = layout[name]
+            parts.setdefault(target, []).append((start, quant_cpu.from_blocks(kind, blocks)))
+    out = {}
+    for target, pieces in parts.items():
+        weight = quant_cpu.cat([w for _, w in sorted(pieces, key=lambda p: p[0])])
+        if weight is not None and weight.shape == tuple(params[target].shape):
+            out[target] = weight
+    return out
 
 
 def save_checkpoint(
