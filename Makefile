@@ -73,9 +73,9 @@ run: $(STAMP)
 	say symphony ps; $(SYM) ps; \
 	say symphony stop; $(SYM) stop; trap - EXIT
 
-# On the shipped model, as bench/RESULTS.md's tables were measured (SYMPHONY_MODEL or a
-# script's --model picks another).
-bench: export SYMPHONY_MODEL ?= models/default
+# On the tiny model (models/tiny), as bench/RESULTS.md's tables were measured (SYMPHONY_MODEL
+# or a script's --model picks another).
+bench: export SYMPHONY_MODEL ?= models/tiny
 bench: $(STAMP)
 	$(PY) bench/engine.py
 	$(PY) bench/kernels.py

@@ -175,7 +175,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--lookup-tokens", type=int, default=10,
                     help="transformers' prompt_lookup_num_tokens (default 10)")
-    ap.add_argument("--model", type=Path, default=ROOT / "models" / "default")
+    ap.add_argument("--model", type=Path, default=ROOT / "models" / "tiny")
     ap.add_argument("--data", type=Path, default=ROOT / "data")
     args = ap.parse_args()
 

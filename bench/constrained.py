@@ -159,7 +159,7 @@ def bench(args: argparse.Namespace, tmp: Path, ahead: str, batch: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint (default: the shipped model)")
+    ap.add_argument("--model", help="checkpoint (default: the kernel's default model)")
     ap.add_argument("--batches", default="1,32", help="LIP counts")
     ap.add_argument("--tokens", type=int, default=128, help="decoded tokens per LIP a round")
     ap.add_argument("--repeat", type=int, default=3)
@@ -173,7 +173,7 @@ def main() -> int:
 
 
     print(machine_line())
-    print(f"# model {args.model or 'the shipped default'}; {args.tokens} greedy tokens per LIP "
+    print(f"# model {args.model or 'the default'}; {args.tokens} greedy tokens per LIP "
           f"a round; schema {json.dumps(SCHEMA, separators=(',', ':'))}")
     started = time.monotonic()
     results = []

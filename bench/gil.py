@@ -49,7 +49,7 @@ def python_half_the_time(stop: threading.Event) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="checkpoint (default: the shipped model)")
+    ap.add_argument("--model", help="checkpoint (default: the default model)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()

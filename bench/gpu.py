@@ -63,7 +63,7 @@ def steps(dry: bool, out: Path) -> list[Step]:
     """The steps in order. On the GPU their limits add up to under 10 minutes (595 s), so
     that the run fits one H100 session even where every step hangs."""
     py = sys.executable
-    model_env = {"SYMPHONY_MODEL": str(ROOT / "models" / "default")}
+    model_env = {"SYMPHONY_MODEL": str(ROOT / "models" / "tiny")}
     s = [Step("wheels", 30 if dry else 40, None, fn=check_wheels if dry else install_wheels)]
     s.append(Step("api", 45 if dry else 30, pytest_argv(out, "api", "tests/test_gpu_api.py")))
     if dry:  # the Triton interpreter: a few cases, small

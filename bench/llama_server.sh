@@ -11,7 +11,7 @@
 # 2. builds the C++ `llama-server`, and `llama-bench` and `llama-batched-bench` for
 #    bench/llama_cpp.py (cmake, Release, CPU, static, no curl, no SSL, no web UI): about 40
 #    minutes on 2 shared cores (-j2, niced, under other work);
-# 3. converts models/default to GGUF f32 (the kernel's dtype on a CPU) with the converter
+# 3. converts models/tiny to GGUF f32 (the kernel's dtype on a CPU) with the converter
 #    of the same sdist and its own gguf-py. The model's tokenizer is byte-level BPE that
 #    the converter's hash table does not know: it is declared as GPT-2's (same token ids
 #    and identical greedy output, checked for issue 17);
@@ -29,7 +29,7 @@ JOBS=${JOBS:-$(nproc)}
 SRC=$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp
 SERVER=$DIR/build/bin/llama-server
 TOOLS="llama-server llama-bench llama-batched-bench"
-GGUF=$DIR/default-f32.gguf
+GGUF=$DIR/tiny-f32.gguf
 
 mkdir -p "$DIR"
 if [ ! -d "$SRC" ]; then
@@ -48,7 +48,7 @@ if ! (cd "$DIR/build/bin" 2>/dev/null && ls $TOOLS >/dev/null 2>&1); then
 fi
 
 if [ ! -f "$GGUF" ]; then
-    PYTHONPATH=$SRC/gguf-py "$PY" - "$SRC" "$ROOT/models/default" "$GGUF" <<'EOF'
+    PYTHONPATH=$SRC/gguf-py "$PY" - "$SRC" "$ROOT/models/tiny" "$GGUF" <<'EOF'
 import runpy
 import sys
 

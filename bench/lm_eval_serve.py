@@ -23,7 +23,7 @@ max_length, so the windows are the same. Each API run's per-item results are com
 with the reference's: log-likelihoods (largest difference), is_greedy flags and generated
 texts (how many equal).
 
-    python bench/lm_eval_serve.py [--model models/default] [--limit N] [--out DIR]
+    python bench/lm_eval_serve.py [--model models/tiny] [--limit N] [--out DIR]
         [--only hf1,hf4,cmpl1,cmpl4,cmpl1c8,chat1,chat4]
 
 Prints the commands, wall times and a comparison in markdown (for bench/RESULTS.md).
@@ -262,7 +262,7 @@ def machine() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="models/default", help="checkpoint directory "
+    ap.add_argument("--model", default="models/tiny", help="checkpoint directory "
                     "(transformers' and the kernel's; default %(default)s)")
     ap.add_argument("--limit", type=int, help="documents per task (default: all)")
     ap.add_argument("--out", type=Path, help="where lm-eval writes (default: a temporary "

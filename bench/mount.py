@@ -74,7 +74,7 @@ def timed(fn: Callable[[], None], pids: list[int]) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="checkpoint (default: the shipped model)")
+    parser.add_argument("--model", help="checkpoint (default: the kernel's default model)")
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()

@@ -503,7 +503,7 @@ def main() -> int:
     bad = (set(args.only) - set(SECTIONS)) | (set(args.sides) - {OURS, PEER})
     if bad:
         ap.error(f"unknown {', '.join(sorted(bad))}")
-    binary, gguf = args.llama_dir / "build/bin/llama-server", args.llama_dir / "default-f32.gguf"
+    binary, gguf = args.llama_dir / "build/bin/llama-server", args.llama_dir / "tiny-f32.gguf"
     if PEER in args.sides and not (binary.exists() and gguf.exists()):
         ap.error(f"no {binary} or {gguf}: run bench/llama_server.sh first")
 
@@ -523,7 +523,7 @@ def main() -> int:
         if longest + args.prefix_max_tokens > info.context_length:
             ap.error(f"prefix: {longest} prompt tokens + {args.prefix_max_tokens} > context "
                      f"{info.context_length}: lower --system-tokens")
-        print(f"# model {ROOT / 'models/default'}, context {info.context_length}; "
+        print(f"# model {ROOT / 'models/tiny'}, context {info.context_length}; "
               f"{len(chats)} evaluation-slice chat prompts; shared system prompt "
               f"{args.system_tokens} tokens (prompts up to {longest}); {args.threads} compute "
               f"thread(s) a server")

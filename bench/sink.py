@@ -118,7 +118,7 @@ def ppl(logprobs: list[float]) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="checkpoint directory (default: the shipped model)")
+    ap.add_argument("--model", help="checkpoint directory (default: the kernel's default model)")
     ap.add_argument("--device", choices=["cpu", "cuda"], help="the kernel's (default: its own)")
     ap.add_argument("--data", type=Path, default=ROOT / "data", help="corpus cache")
     ap.add_argument("--tokens", type=int, default=10240, help="held-out tokens streamed")

@@ -19,7 +19,7 @@ is forked N ways (copy-on-write), N thoughts are sampled concurrently (temperatu
 unless given), the one of the best mean logprob (in free mode, one that names an action
 first) goes on in its fork, and the others and the old file are closed.
 
-The small default model is not tuned for ReAct, so --script FILE teacher-forces the actions:
+The small models here are not tuned for ReAct, so --script FILE teacher-forces the actions:
 JSON lines {"action": "python"|"lookup"|"finish", "input": "..."}, one per turn. The model
 still writes each thought (up to a newline or --max-new-tokens), then the script's action is
 appended. Without --script the model must write "Action: TOOL[INPUT]" itself.

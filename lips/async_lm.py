@@ -25,8 +25,8 @@ The model stops at --max-new-tokens (or at EOS). Calls still running are then wa
 answer, which sees every result. --sync is the baseline: generation waits for each call
 and its result is injected before the next token, as synchronous function calling does.
 
-Scripted mode (--script FILE): a model not fine-tuned on the protocol (the default model
-is not) will not write calls by itself, so a script teacher-forces the call text at given
+Scripted mode (--script FILE): a model not fine-tuned on the protocol (the models here
+are not) will not write calls by itself, so a script teacher-forces the call text at given
 points: FILE holds a JSON list of {"after": N, "text": "..."}, and each text goes into
 the context after the model has sampled N tokens, as if the model had written it (it is
 parsed the same way). The figures of a scripted run measure the system (tools, decoding

@@ -1,6 +1,6 @@
 """Held-out loss of a saved default model, by our engine and by transformers.
 
-    .venv/bin/python models/eval_default.py [--model models/default] [--data data]
+    .venv/bin/python models/eval_default.py [--model models/tiny] [--data data]
 
 Both read the same checkpoint in fp32 and score the same held-out windows; the issue asks
 that they agree within 1e-3. Exits 1 if they do not. Fetches the corpus if it is missing.
@@ -41,7 +41,7 @@ def losses(model_dir: Path, data: Path) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=ROOT / "models" / "default")
+    ap.add_argument("--model", type=Path, default=ROOT / "models" / "tiny")
     ap.add_argument("--data", type=Path, default=ROOT / "data")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()

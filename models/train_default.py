@@ -266,7 +266,7 @@ def write_eval(path: Path, facts: dict, samples: list[tuple[str, str, str]]) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, default=ROOT / "data")
-    ap.add_argument("--out", type=Path, default=ROOT / "models" / "default")
+    ap.add_argument("--out", type=Path, default=ROOT / "models" / "tiny")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=256)

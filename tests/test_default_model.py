@@ -1,4 +1,5 @@
-"""The shipped default model: complete, small, and the same under our engine and transformers."""
+"""The tiny model the project ships (models/tiny, the suite's): complete, small, and the same
+under our engine and transformers; and which model is the default."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ROOT / "models" / "default"
+MODEL = ROOT / "models" / "tiny"
 sys.path.insert(0, str(ROOT / "models"))
 
 SNIPPET = '''import os

