@@ -27,16 +27,11 @@ import torch  # noqa: E402
 from kvfs.fs import FileSystem  # noqa: E402
 from kvfs.pages import PageStore  # noqa: E402
 from kvfs.perm import ROOT  # noqa: E402
+from kvfs.pool import KVPool, PageShape  # noqa: E402
 from kvfs.state import StateDir  # noqa: E402
-from symphony.engine.config import ModelConfig  # noqa: E402
-from symphony.engine.kv_pool import KVPool  # noqa: E402
 
-CONFIG = ModelConfig.from_dict({
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 4096, "hidden_size": 256,
-    "intermediate_size": 704, "num_hidden_layers": 6, "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-})
 PAGE = 16
+SHAPE = PageShape(layers=6, kv_heads=4, head_dim=32, page_size=PAGE, dtype=torch.float32)
 
 
 def filled(fs: FileSystem, n: int):
@@ -63,7 +58,7 @@ def best(fn, repeat: int = 7) -> float:
 def main() -> None:
     torch.manual_seed(0)
     lengths = [1024, 4096, 16384, 32768, 65536]
-    pool = KVPool(CONFIG, 2 * max(lengths) // PAGE + 64, PAGE, torch.float32, "cpu")
+    pool = KVPool(SHAPE, 2 * max(lengths) // PAGE + 64)
     fs = FileSystem(PageStore(pool), "bench")
     print(f"# kvfs on {platform.machine()} {os.cpu_count()} cpus, torch "
           f"{torch.__version__}, page {pool.page_bytes / 1024:.0f} KiB")

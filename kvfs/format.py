@@ -20,9 +20,9 @@ import torch
 
 from kvfs.errors import FSError
 from kvfs.inode import Inode
-from kvfs.pages import DISK, Page, PageStore
+from kvfs.pages import Page, PageStore
+from kvfs.pool import DEVICE, DISK, HOST, KVPool
 from kvfs.ranges import overlapping
-from symphony.engine.kv_pool import DEVICE, HOST, KVPool
 
 MAGIC = "symphony-kv"
 VERSION = "1"
@@ -64,9 +64,11 @@ class Layout:
 
     @classmethod
     def of(cls, pool: KVPool, fingerprint: str) -> Layout:
-        cfg = pool.config
-        return cls(fingerprint, pool.dtype, pool.page_size, cfg.num_layers, cfg.num_kv_heads,
-                   cfg.head_dim)
+        """The pool's canonical page shape, whatever its shards: the format does not depend
+        on tensor parallelism."""
+        shape = pool.shape
+        return cls(fingerprint, pool.dtype, pool.page_size, shape.layers, shape.kv_heads,
+                   shape.head_dim)
 
     @property
     def row_bytes(self) -> int:
@@ -173,18 +175,13 @@ def _layer_rows(inode: Inode, store: PageStore, layout: Layout, is_v: bool, laye
     p0, p1 = lo // ps, (hi - 1) // ps + 1
     rows = np.zeros((p1 - p0, ps, layout.kv_heads, layout.head_dim), dtype=_NP_BITS[bits])
     pages = inode.pages[p0:p1]
-    # Pool-resident pages are sliced straight out of the pool arrays, one gather per tier, so
-    # a chunk costs the bytes it covers rather than whole pages of every layer and both K and V.
-    for tier, arrays in ((DEVICE, (pool.k, pool.v)), (HOST, (pool.host_k, pool.host_v))):
+    # Pool-resident pages are sliced straight out of the pool, one gather per tier, so a
+    # chunk costs the bytes it covers rather than whole pages of every layer and both K and V.
+    for tier in (DEVICE, HOST):
         at = [j for j, p in enumerate(pages) if p is not None and p.tier == tier]
-        if not at:
-            continue
-        src, slots = arrays[is_v][layer], [pages[j].slot for j in at]
-        if src.device.type == "cpu":
-            rows[at] = src.view(bits).numpy()[slots]
-        else:
-            rows[at] = src.index_select(0, torch.tensor(slots, device=src.device)) \
-                .view(bits).cpu().numpy()
+        if at:
+            got = pool.layer_pages(tier, is_v, layer, [pages[j].slot for j in at])
+            rows[at] = got.view(bits).numpy()
     for j, p in enumerate(pages):
         if p is not None and p.tier not in (DEVICE, HOST):
             rows[j] = _read_page(store, p, cache)[is_v][layer].view(bits).numpy()

@@ -444,10 +444,11 @@ class FileSystem:
         # Whole pages in one scatter, straight from views of the import; the tail by rows.
         kept = [i for i in range(full) if not holes[i]]
         if kept:
-            slots = torch.tensor([pages[i].slot for i in kept], device=pool.k.device)
-            for src, dst in ((imported.k, pool.k), (imported.v, pool.v)):
-                whole = src[:, : full * size].view(src.shape[0], full, size, *src.shape[2:])
-                dst.index_copy_(1, slots, whole if len(kept) == full else whole[:, kept])
+            k, v = (src[:, : full * size].view(src.shape[0], full, size, *src.shape[2:])
+                    for src in (imported.k, imported.v))
+            if len(kept) < full:
+                k, v = k[:, kept], v[:, kept]
+            pool.write_pages([pages[i].slot for i in kept], k, v)
         if n % size:
             pool.write_rows(pages[-1].slot, 0, imported.k[:, full * size:],
                             imported.v[:, full * size:])
@@ -629,12 +630,9 @@ class FileSystem:
         self._own(inode, written)
         self.store.bring_up(pages[i] for i in read)
         if moves:  # one gather, then one scatter: in place is safe
-            dev = self.store.pool.k.device
-            src, dst = (torch.tensor([pages[i // size].slot * size + i % size for i in side],
-                                     device=dev) for side in zip(*moves, strict=True))
-            for cache in (self.store.pool.k, self.store.pool.v):
-                rows = cache.view(cache.shape[0], -1, *cache.shape[3:])
-                rows[:, dst] = rows[:, src]
+            src, dst = ([pages[i // size].slot * size + i % size for i in side]
+                        for side in zip(*moves, strict=True))
+            self.store.pool.move_rows(src, dst)
         freed = pages[self._pages_for(n):]
         del pages[self._pages_for(n):]
         for i in range(start // size, n // size):  # full pages now wholly out of attention
@@ -652,8 +650,9 @@ class FileSystem:
               rotate: Callable[[torch.Tensor, int], None]) -> None:
         """Entries [start, end) move by `delta` positions, each kept in [0, limit). Their
         keys, rotated by position, are re-rotated by one call of rotate(rows, delta): rows
-        the int64 device pool rows (slot * page_size + offset) of the range's attended
-        entries (none: no call), in pages made the file's own and on the device first."""
+        the int64 device pool rows (slot * page_size + offset), on the CPU, of the range's
+        attended entries (none: no call), in pages made the file's own and on the device
+        first; rotate turns them in every shard (KVPool.key_layers)."""
         inode = self._writable(handle, "shift")
         if not 0 <= start <= end <= inode.length:
             raise FSError(errno.EINVAL, f"shift: [{start}, {end}) is outside "
@@ -672,7 +671,7 @@ class FileSystem:
         self._own(inode, own)
         if live:
             rows = torch.tensor([inode.pages[i // size].slot * size + i % size for i in live],
-                                dtype=torch.int64, device=self.store.pool.k.device)
+                                dtype=torch.int64)
             rotate(rows, delta)
         inode.positions[start:end] = moved
         inode.touch()

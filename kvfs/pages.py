@@ -14,10 +14,7 @@ from pathlib import Path
 import torch
 
 from kvfs.errors import FSError
-from symphony.engine.kv_pool import DEVICE, HOST, KVPool
-
-DISK = "disk"
-TIERS = (DEVICE, HOST, DISK)
+from kvfs.pool import DEVICE, DISK, HOST, KVPool
 
 
 class Page:
@@ -71,9 +68,8 @@ class PageStore:
         default_quota: int | None = None,
     ):
         self.pool = pool
-        shape = (pool.config.num_layers, pool.page_size, pool.config.num_kv_heads,
-                 pool.config.head_dim)
-        self.swap = SwapFile(swap_path, disk_pages if swap_path else 0, shape, pool.dtype) \
+        self.swap = SwapFile(swap_path, disk_pages if swap_path else 0, pool.shape.dims,
+                             pool.dtype) \
             if swap_path else None
         self.quota, self.default_quota = dict(quota or {}), default_quota
         self.used: dict[int, int] = {}  # uid -> live pages it allocated

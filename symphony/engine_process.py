@@ -51,16 +51,16 @@ import torch
 import torch.multiprocessing  # noqa: F401  (CUDA tensors pickle as IPC handles)
 
 from kvfs.errors import FSError
+from kvfs.pool import KVPool, PageShape, pool_shard_shape
 from symphony.engine.config import ModelConfig
-from symphony.engine.engine import Engine, default_model_dir
-from symphony.engine.kv_pool import KVPool, pages_for_fraction
+from symphony.engine.engine import Engine
 from symphony.engine.rope import Rotary, rotate_keys
 from symphony.engine.sampler import mask_words
+from symphony.engine.settings import PAGE_SIZE, EngineSettings, HasSettings
 from symphony.engine.tokenizer import Tokenizer
 from symphony.step import StepResult, StepWork, forward
 
 LENGTH = struct.Struct("<Q")  # each message: its pickle's length, then the pickle
-KV_MEMORY_FRACTION = 0.25  # of free memory, when no page count is given (as Engine's)
 
 
 class EngineDied(FSError):
@@ -145,7 +145,7 @@ def sleep_engine(config: ModelConfig, tokenizer: Tokenizer | None, seconds: floa
     return SleepEngine(seconds, config.vocab_size, tokens, frozenset(special))
 
 
-class EngineProcess:
+class EngineProcess(HasSettings):
     """The kernel's view of its engine: what the model is (config, tokenizer, device, dtype),
     the KV pool, and step() to run a StepWork in the engine process. Built before the event
     loop starts; it raises what building the Engine raised there (ModelError, ...).
@@ -154,24 +154,19 @@ class EngineProcess:
 
     def __init__(self, model_dir: str | Path | None = None, *, device: str | None = None,
                  dtype: torch.dtype | None = None, kv_pages: int | None = None,
-                 host_pages: int = 0, page_size: int = 16, sleep_ms: float | None = None,
+                 host_pages: int = 0, page_size: int = PAGE_SIZE, sleep_ms: float | None = None,
                  weights: str = "quantized"):
-        self.model_dir = Path(model_dir) if model_dir else default_model_dir()
-        self.config = ModelConfig.from_file(self.model_dir / "config.json")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.settings = EngineSettings.resolve(model_dir, device=device, dtype=dtype,
+                                               page_size=page_size)
         self.mode = "model" if sleep_ms is None else f"sleep:{sleep_ms:g}"  # as --engine
         simulated = None if sleep_ms is None else sleep_engine(self.config, self.tokenizer,
                                                                 sleep_ms / 1e3)
         if kv_pages is None:
-            kv_pages = pages_for_fraction(self.config, page_size, self.dtype, self.device,
-                                          KV_MEMORY_FRACTION)
-        shape = (self.config.num_layers, kv_pages, page_size, self.config.num_kv_heads,
-                 self.config.head_dim)
+            kv_pages = self.settings.kv_pages()
+        shape = pool_shard_shape(self.settings.page_shape, kv_pages, 1, 0)
         self._memfd, arrays = _device_tier(shape, self.dtype, self.device)
-        self.pool = KVPool(self.config, kv_pages, page_size, self.dtype, self.device,
-                           host_pages, arrays=arrays)
+        self.pool = KVPool(self.settings.page_shape, kv_pages, host_pages, self.device,
+                           arrays=[arrays])
         self._rotary = Rotary(self.config.head_dim, self.config.rope_theta,
                               self.config.rope_scaling)
         # The loop's own torch work (page copies, sampling a kept row) is small: one thread,
@@ -201,19 +196,11 @@ class EngineProcess:
     def pid(self) -> int:
         return self._proc.pid
 
-    @property
-    def page_size(self) -> int:
-        return self.pool.page_size
-
-    def eos_ids(self) -> tuple[int, ...]:
-        return self.tokenizer.eos_ids if self.tokenizer else self.config.eos_token_ids
-
     @torch.inference_mode()
     def rotate_keys(self, rows: torch.Tensor, delta: int) -> None:
         """Move the keys at device pool rows `rows` (page * page_size + offset) by `delta`
-        positions, in every layer (kvfs's shift; docs/syscalls.md)."""
-        rows = rows.to(self.device)
-        for k_cache in self.pool.k:
+        positions, in every layer of every shard (kvfs's shift; docs/syscalls.md)."""
+        for k_cache in self.pool.key_layers():
             rotate_keys(k_cache, rows, delta, self._rotary)
 
     async def step(self, work: StepWork) -> StepResult:
@@ -392,8 +379,9 @@ def main(sock: socket.socket) -> None:
     else:
         try:
             arrays = _mapped(tier, shape, dtype) if isinstance(tier, int) else tier
-            cfg = ModelConfig.from_file(Path(model_dir) / "config.json")
-            pool = KVPool(cfg, shape[1], shape[2], dtype, device, arrays=arrays)
+            layers, pages, page_size, heads, head_dim = shape
+            pool = KVPool(PageShape(layers, heads, head_dim, page_size, dtype), pages,
+                          device=device, arrays=[arrays])
             engine = Engine(model_dir, device=str(device), dtype=dtype, pool=pool,
                             weights=weights)
         except BaseException as e:  # handed to the kernel, which reports it

@@ -7,8 +7,8 @@ import time
 from typing import TYPE_CHECKING
 
 from kvfs.errors import FSError
-from kvfs.pages import DISK, TIERS
 from kvfs.perm import Cred
+from kvfs.pool import DISK, TIERS
 from symphony.process import Process
 from symphony.users import user_name
 

@@ -7,8 +7,8 @@ import torch
 from kernels import store_kv_ref
 from kvfs.fs import FileSystem, Handle, Reservation
 from kvfs.pages import PageStore
+from kvfs.pool import KVPool, PageShape
 from symphony.engine.config import ModelConfig
-from symphony.engine.kv_pool import KVPool
 
 TINY = ModelConfig.from_dict({
     "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 32,
@@ -18,8 +18,11 @@ TINY = ModelConfig.from_dict({
 PAGE = 4
 
 
-def make_fs(pages: int = 64, host: int = 16, disk: int = 0, tmp_path=None, **quota) -> FileSystem:
-    pool = KVPool(TINY, pages, PAGE, torch.float32, "cpu", host_pages=host)
+def make_fs(pages: int = 64, host: int = 16, disk: int = 0, tmp_path=None, shards: int = 1,
+            **quota) -> FileSystem:
+    """A file system over a pool of TINY's page shape, its device tier in `shards` shards."""
+    shape = PageShape(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, PAGE, torch.float32)
+    pool = KVPool(shape, pages, host, "cpu", shards)
     swap = tmp_path / "swap" if tmp_path is not None else None
     return FileSystem(PageStore(pool, swap, disk, **quota), fingerprint="tiny-model")
 
@@ -50,8 +53,11 @@ def write_kv(fs: FileSystem, res: Reservation, tokens: list[int], positions: lis
     slots = torch.tensor(res.page_table)[idx // PAGE] * PAGE + idx % PAGE
     k, v = kv_for(tokens, positions)
     pool = fs.store.pool
-    for layer in range(TINY.num_layers):
-        store_kv_ref(k[layer], v[layer], pool.k[layer], pool.v[layer], slots)
+    for rank in range(pool.shards):  # each rank writes the heads of its shard
+        heads, (k_cache, v_cache) = pool.heads(rank), pool.shard(rank)
+        for layer in range(TINY.num_layers):
+            store_kv_ref(k[layer][:, heads.start:heads.stop], v[layer][:, heads.start:heads.stop],
+                         k_cache[layer], v_cache[layer], slots)
 
 
 def attended(fs: FileSystem, handle: Handle) -> list[int]:

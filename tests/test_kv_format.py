@@ -27,22 +27,20 @@ from kvfs.format import (
     read_range,
 )
 from kvfs.inode import Inode
-from kvfs.pages import DISK, Page, PageStore
+from kvfs.pages import Page, PageStore
+from kvfs.pool import DEVICE, DISK, HOST, KVPool, PageShape
 from kvfs.ranges import covered
-from symphony.engine.config import ModelConfig
-from symphony.engine.kv_pool import DEVICE, HOST, KVPool
 
-CFG = ModelConfig.from_dict({
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 32,
-    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-})
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 8
 FP = "test-model-1"
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
-def setup(dtype=torch.float32, page_size=4, pages=64, host_pages=0, swap=None):
-    pool = KVPool(CFG, pages, page_size, dtype, host_pages=host_pages)
+def setup(dtype=torch.float32, page_size=4, pages=64, host_pages=0, swap=None, shards=1,
+          kv_heads=KV_HEADS):
+    """A page store and its layout; the pool's device tier in `shards` shards."""
+    pool = KVPool(PageShape(LAYERS, kv_heads, HEAD_DIM, page_size, dtype), pages, host_pages,
+                  shards=shards)
     return PageStore(pool, swap, disk_pages=8 if swap else 0), Layout.of(pool, FP)
 
 

@@ -11,7 +11,7 @@ import torch
 
 import kernels
 from kernels import layer_cpu, paged_cpu
-from symphony.engine.kv_pool import KVPool
+from kvfs.pool import KVPool
 
 BACKEND_ENV = "SYMPHONY_ATTENTION"
 log = logging.getLogger(__name__)

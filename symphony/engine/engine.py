@@ -12,11 +12,11 @@ import torch
 
 from kernels import quant_cpu
 from kernels.quant_cpu import DecodeStep, LayerWeights, QuantWeight
+from kvfs.pool import KVPool
 from symphony.engine.attention import PagedAttention, PagedMetadata, select_kernels
-from symphony.engine.kv_pool import KVPool, pages_for_fraction
 from symphony.engine.loader import load_model, quantized_weights
 from symphony.engine.ops import TORCH_OPS, CpuOps, QuantCpuOps, matmul_weights
-from symphony.engine.tokenizer import Tokenizer
+from symphony.engine.settings import KV_MEMORY_FRACTION, PAGE_SIZE, EngineSettings, HasSettings
 
 # The 5.5M-parameter model the project trains and ships: the test suite's model, and the
 # default where SmolLM2 is not installed.
@@ -97,7 +97,7 @@ def _check_tree(b: int, tree: TreeRows, q_len: int, kv_len: int) -> None:
         )
 
 
-class Engine:
+class Engine(HasSettings):
     def __init__(
         self,
         model_dir: str | Path | None = None,
@@ -105,29 +105,25 @@ class Engine:
         device: str | None = None,
         dtype: torch.dtype | None = None,
         kv_pages: int | None = None,
-        kv_memory_fraction: float = 0.25,
-        page_size: int = 16,
+        kv_memory_fraction: float = KV_MEMORY_FRACTION,
+        page_size: int = PAGE_SIZE,
         host_pages: int = 0,
         pool: KVPool | None = None,
         weights: str = "quantized",
     ):
         """`pool`: the KV pool to compute in (the kernel's, shared with its engine process);
-        else one of `kv_pages` (or `kv_memory_fraction` of free memory) is made. `weights`:
-        one of WEIGHTS."""
+        else one of `kv_pages` (or `kv_memory_fraction` of free memory) is made, of pages of
+        `page_size` entries. `weights`: one of WEIGHTS."""
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
-        self.model_dir = Path(model_dir) if model_dir else default_model_dir()
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.settings = EngineSettings.resolve(
+            model_dir, device=device, dtype=dtype,
+            page_size=pool.page_size if pool is not None else page_size)
         self.model = load_model(self.model_dir, self.device, self.dtype)
-        self.config = self.model.config
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
         if pool is None:
-            if kv_pages is None:
-                kv_pages = pages_for_fraction(
-                    self.config, page_size, self.dtype, self.device, kv_memory_fraction
-                )
-            pool = KVPool(self.config, kv_pages, page_size, self.dtype, self.device, host_pages)
+            pool = KVPool(self.settings.page_shape,
+                          self.settings.kv_pages(kv_memory_fraction) if kv_pages is None
+                          else kv_pages, host_pages, self.device)
         self.pool = pool
         self.kernels = select_kernels(self.device, self.dtype)
         # The C attention kernels come with their per-token layer work and packed matmuls,
@@ -173,13 +169,6 @@ class Engine:
         params = dict(self.model.named_parameters())
         return {params[name].data_ptr(): w
                 for name, w in quantized_weights(self.model_dir, self.model).items()}
-
-    @property
-    def page_size(self) -> int:
-        return self.pool.page_size
-
-    def eos_ids(self) -> tuple[int, ...]:
-        return self.tokenizer.eos_ids if self.tokenizer else self.config.eos_token_ids
 
     def check(self, batch: Batch) -> None:
         """Raise ValueError, naming the field, for a batch the forward pass cannot take."""

@@ -8,6 +8,7 @@ apart. `_layout` is the one table that says where each checkpoint tensor lives i
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,44 +21,86 @@ from symphony.engine.config import ModelConfig
 from symphony.engine.errors import ModelError
 from symphony.engine.gguf_file import is_gguf, open_gguf
 from symphony.engine.model import CausalLM
+from symphony.engine.tensor_parallel import Group, Shard, whole
 
 # Tensors some checkpoints carry that we recompute rather than load.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _layout(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
-    """checkpoint name -> (our parameter name, first row, row count)."""
-    q, kv, inter = (
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-        cfg.intermediate_size,
-    )
-    out: dict[str, tuple[str, int, int]] = {}
+@dataclass(frozen=True)
+class Place:
+    """Where a checkpoint tensor goes in our parameters: rows [start, start + rows) of
+    `target` take the checkpoint tensor's slice [first, last) along `dim` (the whole tensor
+    where `dim` is None)."""
 
-    def whole(name: str, rows: int) -> None:
-        out[name] = (name, 0, rows)
+    target: str
+    start: int
+    rows: int
+    dim: int | None = None
+    first: int = 0
+    last: int = 0
 
-    whole("model.embed_tokens.weight", cfg.vocab_size)
-    whole("model.norm.weight", cfg.hidden_size)
+    def cut(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of a whole checkpoint tensor this rank holds."""
+        if self.dim is None:
+            return tensor
+        return tensor.narrow(self.dim, self.first, self.last - self.first)
+
+
+def _layout(cfg: ModelConfig, shard: Shard | None = None) -> dict[str, Place]:
+    """checkpoint name -> its Place in our parameters, for rank `shard.rank`'s shard
+    (symphony.engine.tensor_parallel; None: the whole model)."""
+    s = shard or whole(cfg)
+    d = cfg.head_dim
+    q, kv, inter = s.num_heads * d, s.num_kv_heads * d, s.intermediate_size
+    heads = [(h0 * d, h1 * d) for h0, h1 in (s.q_heads, s.kv_heads, s.kv_heads)]
+    # One rank of one, or a dimension it holds whole: no cut (cheaper to read).
+    split = s.world > 1
+    out: dict[str, Place] = {}
+
+    def whole_tensor(name: str, rows: int) -> None:
+        out[name] = Place(name, 0, rows)
+
+    def part(name: str, target: str, start: int, rows: int, dim: int, cut: tuple[int, int]):
+        out[name] = Place(target, start, rows, dim if split else None, *cut)
+
+    whole_tensor("model.embed_tokens.weight", cfg.vocab_size)
+    whole_tensor("model.norm.weight", cfg.hidden_size)
     if not cfg.tie_word_embeddings:
-        whole("lm_head.weight", cfg.vocab_size)
+        part("lm_head.weight", "lm_head.weight", 0, s.vocab[1] - s.vocab[0], 0, s.vocab)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         kinds = ["weight", "bias"] if cfg.attention_bias else ["weight"]
         for kind in kinds:
             qkv = f"{p}self_attn.qkv_proj.{kind}"
-            out[f"{p}self_attn.q_proj.{kind}"] = (qkv, 0, q)
-            out[f"{p}self_attn.k_proj.{kind}"] = (qkv, q, kv)
-            out[f"{p}self_attn.v_proj.{kind}"] = (qkv, q + kv, kv)
-        whole(f"{p}self_attn.o_proj.weight", cfg.hidden_size)
-        out[f"{p}mlp.gate_proj.weight"] = (f"{p}mlp.gate_up_proj.weight", 0, inter)
-        out[f"{p}mlp.up_proj.weight"] = (f"{p}mlp.gate_up_proj.weight", inter, inter)
-        whole(f"{p}mlp.down_proj.weight", cfg.hidden_size)
-        whole(f"{p}input_layernorm.weight", cfg.hidden_size)
-        whole(f"{p}post_attention_layernorm.weight", cfg.hidden_size)
+            for proj, start, rows, cut in zip(
+                "qkv", (0, q, q + kv), (q, kv, kv), heads, strict=True
+            ):
+                part(f"{p}self_attn.{proj}_proj.{kind}", qkv, start, rows, 0, cut)
+        part(
+            f"{p}self_attn.o_proj.weight",
+            f"{p}self_attn.o_proj.weight",
+            0,
+            cfg.hidden_size,
+            1,
+            heads[0],
+        )
+        gate_up = f"{p}mlp.gate_up_proj.weight"
+        part(f"{p}mlp.gate_proj.weight", gate_up, 0, inter, 0, s.features)
+        part(f"{p}mlp.up_proj.weight", gate_up, inter, inter, 0, s.features)
+        part(
+            f"{p}mlp.down_proj.weight",
+            f"{p}mlp.down_proj.weight",
+            0,
+            cfg.hidden_size,
+            1,
+            s.features,
+        )
+        whole_tensor(f"{p}input_layernorm.weight", cfg.hidden_size)
+        whole_tensor(f"{p}post_attention_layernorm.weight", cfg.hidden_size)
         if cfg.qk_norm:
-            whole(f"{p}self_attn.q_norm.weight", cfg.head_dim)
-            whole(f"{p}self_attn.k_norm.weight", cfg.head_dim)
+            whole_tensor(f"{p}self_attn.q_norm.weight", d)
+            whole_tensor(f"{p}self_attn.k_norm.weight", d)
     return out
 
 
@@ -83,7 +126,7 @@ class _Filler:
 
     def __init__(self, model: CausalLM):
         self.cfg = model.config
-        self.layout = _layout(self.cfg)
+        self.layout = _layout(self.cfg, model.group.shard)
         self.params = dict(model.named_parameters())
         self.filled: dict[str, int] = {}
 
@@ -98,7 +141,8 @@ class _Filler:
         return True
 
     def put(self, name: str, tensor: torch.Tensor, source: object, shown: str | None = None):
-        target, start, rows = self.layout[name]
+        """`tensor`: the checkpoint's, cut to this rank's part already."""
+        target, start, rows = (place := self.layout[name]).target, place.start, place.rows
         param = self.params[target]
         want = (rows, *param.shape[1:])
         if tuple(tensor.shape) != want:
@@ -111,13 +155,13 @@ class _Filler:
     def check(self, source: object) -> None:
         for name, param in self.params.items():
             if self.filled.get(name, 0) != param.shape[0]:
-                missing = [k for k, (t, _, _) in self.layout.items() if t == name]
+                missing = [k for k, p in self.layout.items() if p.target == name]
                 raise ModelError(f"{source}: checkpoint is missing tensor(s) {', '.join(missing)}")
 
 
-def _empty_model(cfg: ModelConfig, device, dtype: torch.dtype) -> CausalLM:
+def _empty_model(cfg: ModelConfig, device, dtype: torch.dtype, group: Group | None) -> CausalLM:
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg, group)
     return model.to_empty(device=device).to(dtype)
 
 
@@ -130,34 +174,49 @@ def load_config(path: str | Path) -> ModelConfig:
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    group: Group | None = None,
 ) -> CausalLM:
-    """A checkpoint directory (config.json and safetensors) or a GGUF file."""
+    """A checkpoint directory (config.json and safetensors) or a GGUF file. `group`: the
+    tensor-parallel group whose rank's shard to load (None: the whole model). A rank reads
+    only its slices of a safetensors file; a GGUF file's tensors are read whole, then cut
+    (their blocks run along rows, and the gguf package reads a tensor at once)."""
     path = Path(path)
     if is_gguf(path):
-        return _load_gguf(path, device, dtype)
+        return _load_gguf(path, device, dtype, group)
     cfg = ModelConfig.from_file(path / "config.json")
-    model = _empty_model(cfg, device, dtype)
+    model = _empty_model(cfg, device, dtype, group)
     filler = _Filler(model)
     for file in _weight_files(path):
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
                     if filler.wants(name, file):
-                        filler.put(name, f.get_tensor(name), file)
+                        filler.put(name, _read_slice(f, name, filler.layout[name]), file)
         except SafetensorError as e:
             raise ModelError(f"{file}: unreadable safetensors file ({e})") from e
     filler.check(path)
     return model.eval().requires_grad_(False)
 
 
-def _load_gguf(path: Path, device, dtype: torch.dtype) -> CausalLM:
+def _read_slice(f, name: str, place: Place) -> torch.Tensor:
+    """The part of checkpoint tensor `name` that `place` takes, and nothing more from disk."""
+    if place.dim is None:
+        return f.get_tensor(name)
+    part = f.get_slice(name)
+    cut = slice(place.first, place.last)
+    return part[cut] if place.dim == 0 else part[:, cut]
+
+
+def _load_gguf(path: Path, device, dtype: torch.dtype, group: Group | None) -> CausalLM:
     f = open_gguf(path)
-    model = _empty_model(f.config(), device, dtype)
+    model = _empty_model(f.config(), device, dtype, group)
     filler = _Filler(model)
     for name, gguf_name, tensor in f.hf_tensors(model.config, dtype):
         if filler.wants(name, path, gguf_name):
-            filler.put(name, tensor, path, gguf_name)
+            filler.put(name, filler.layout[name].cut(tensor), path, gguf_name)
     filler.check(path)
     return model.eval().requires_grad_(False)
 
@@ -165,16 +224,19 @@ def _load_gguf(path: Path, device, dtype: torch.dtype) -> CausalLM:
 def quantized_weights(path: str | Path, model: CausalLM) -> dict[str, QuantWeight]:
     """Our matrices (parameter name -> weight) that the GGUF file at `path` stores wholly in
     types kernels/quant_cpu.py multiplies by as they are (Q4_0, Q4_1, Q8_0), stacked as ours
-    are; the others, and every matrix of a checkpoint directory, are not in it."""
+    are; the others, and every matrix of a checkpoint directory, are not in it. Nor is any
+    matrix of a tensor-parallel shard: the quantized matmuls take whole matrices."""
     path = Path(path)
-    if not is_gguf(path):
+    if not is_gguf(path) or model.group.world > 1:
         return {}
     layout, params = _layout(model.config), dict(model.named_parameters())
     parts: dict[str, list[tuple[int, QuantWeight]]] = {}
     for name, kind, blocks in open_gguf(path).hf_blocks(model.config, tuple(quant_cpu.KINDS)):
         if name in layout:
-            target, start, _ = layout[name]
-            parts.setdefault(target, []).append((start, quant_cpu.from_blocks(kind, blocks)))
+            place = layout[name]
+            parts.setdefault(place.target, []).append(
+                (place.start, quant_cpu.from_blocks(kind, blocks))
+            )
     out = {}
     for target, pieces in parts.items():
         weight = quant_cpu.cat([w for _, w in sorted(pieces, key=lambda p: p[0])])
@@ -191,8 +253,8 @@ def save_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     ours = dict(model.state_dict())
     tensors = {
-        name: ours[target][start : start + rows].to(dtype).contiguous()
-        for name, (target, start, rows) in _layout(model.config).items()
+        name: ours[p.target][p.start : p.start + p.rows].to(dtype).contiguous()
+        for name, p in _layout(model.config).items()
     }
     (directory / "config.json").write_text(
         json.dumps({**config, "torch_dtype": str(dtype).removeprefix("torch.")}, indent=2) + "\n"

@@ -2,7 +2,8 @@
 
 The model sees one flattened ragged batch of tokens ([T] ids, [T] positions). Attention is
 delegated to an `Attention` backend object, so the same weights run paged inference in the
-engine and dense causal attention in training.
+engine and dense causal attention in training. Built with a tensor-parallel `Group`, it
+holds that rank's shard of every layer (symphony.engine.tensor_parallel).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 from symphony.engine.config import ModelConfig
 from symphony.engine.ops import TORCH_OPS, TorchOps, add_rms_norm
 from symphony.engine.rope import Rotary
+from symphony.engine.tensor_parallel import Group, whole
 
 
 class AttentionBackend(Protocol):
@@ -34,15 +36,17 @@ class RMSNorm(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    """This rank's heads: q/k/v column-parallel, o row-parallel and all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, group: Group):
         super().__init__()
-        self.layer = layer
+        self.layer, self.group = layer, group
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            group.shard.num_heads,
+            group.shard.num_kv_heads,
             cfg.head_dim,
         )
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         # q, k and v in one matmul: the checkpoint's three projections are stacked at load.
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
@@ -68,27 +72,31 @@ class SelfAttention(nn.Module):
         # Queries and keys rotate together: one pass over both.
         q, k = ops.rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = attn.attend(self.layer, q, k, v)
-        return ops.linear(out.reshape(-1, self.num_heads * self.head_dim), self.o_proj.weight)
+        out = ops.linear(out.reshape(-1, self.num_heads * self.head_dim), self.o_proj.weight)
+        return self.group.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """This rank's features: gate/up column-parallel, down row-parallel and all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, group: Group):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.group, features = group, group.shard.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * features, bias=False)
+        self.down_proj = nn.Linear(features, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         gate_up = ops.linear(x, self.gate_up_proj.weight)
-        return ops.linear(ops.silu_mul(gate_up), self.down_proj.weight)
+        return self.group.all_reduce(ops.linear(ops.silu_mul(gate_up), self.down_proj.weight))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, group: Group):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, layer)
+        self.self_attn = SelfAttention(cfg, layer, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, group)
 
     def forward(self, x, residual, cos, sin, attn: AttentionBackend, ops: TorchOps):
         """(this layer's output, the residual stream before it): the next norm adds them,
@@ -102,23 +110,26 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, group: Group):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, group) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """Parameter names follow the checkpoint's (`model.layers.N...`, `lm_head`)."""
+    """Parameter names follow the checkpoint's (`model.layers.N...`, `lm_head`). `group`:
+    the tensor-parallel group whose rank's shard this is; None, the whole model."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, group: Group | None = None):
         super().__init__()
         self.config = cfg
-        self.model = Decoder(cfg)
+        self.group = group = group or Group(whole(cfg))
+        self.model = Decoder(cfg, group)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            rows = group.shard.vocab[1] - group.shard.vocab[0]
+            self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
 
     def forward(
         self,
@@ -137,9 +148,12 @@ class CausalLM(nn.Module):
         return ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def logits_weight(self) -> torch.Tensor:
+        """This rank's vocab rows of the LM head."""
         if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.weight
+            first, last = self.group.shard.vocab
+            return self.model.embed_tokens.weight[first:last]
         return self.lm_head.weight
 
-    def logits(self, hidden: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
-        return ops.linear(hidden, self.logits_weight())
+    def logits(self, hidden: torch.Tensor, ops: TorchOps = TORCH_OPS) -> torch.Tensor | None:
+        """[rows, vocab]; under tensor parallelism on rank 0 only (None on the others)."""
+        return self.group.gather_vocab(ops.linear(hidden, self.logits_weight()))
