@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,7 @@ from symphony.engine.attention import PagedAttention, PagedMetadata, select_kern
 from symphony.engine.loader import load_model, quantized_weights
 from symphony.engine.ops import TORCH_OPS, CpuOps, QuantCpuOps, matmul_weights
 from symphony.engine.settings import KV_MEMORY_FRACTION, PAGE_SIZE, EngineSettings, HasSettings
+from symphony.engine.tensor_parallel import Group
 
 # The 5.5M-parameter model the project trains and ships: the test suite's model, and the
 # default where SmolLM2 is not installed.
@@ -110,6 +111,7 @@ class Engine(HasSettings):
         host_pages: int = 0,
         pool: KVPool | None = None,
         weights: str = "quantized",
+        group: Group | None = None,
     ):
         """`pool`: the KV pool to compute in (the kernel's, shared with its engine process);
         else one of `kv_pages` (or `kv_memory_fraction` of free memory) is made, of pages of
@@ -119,9 +121,13 @@ class Engine(HasSettings):
         self.settings = EngineSettings.resolve(
             model_dir, device=device, dtype=dtype,
             page_size=pool.page_size if pool is not None else page_size)
-        self.model = load_model(self.model_dir, self.device, self.dtype)
+        # A rank of a tensor-parallel group holds its shard: of the weights, and of the KV
+        # heads in its pool.
+        self.model = load_model(self.model_dir, self.device, self.dtype, group)
         if pool is None:
-            pool = KVPool(self.settings.page_shape,
+            shape = replace(self.settings.page_shape,
+                            kv_heads=self.model.group.shard.num_kv_heads)
+            pool = KVPool(shape,
                           self.settings.kv_pages(kv_memory_fraction) if kv_pages is None
                           else kv_pages, host_pages, self.device)
         self.pool = pool

@@ -1,0 +1,166 @@
+"""Tensor parallelism at the engine: two gloo ranks against one, on random-weight Llama,
+Qwen2 and Qwen3 checkpoints (fewer KV heads than ranks and tied embeddings among them),
+through prefill chunks, decodes, a tree and an excluded range."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from checkpoints import FAMILIES, make_checkpoint
+
+from symphony.engine.config import ModelConfig
+from symphony.engine.engine import Batch, Engine, TreeRows
+from symphony.engine.errors import ModelError
+from symphony.engine.loader import load_model
+from symphony.engine.tensor_parallel import Group, kv_heads_of, shard_of
+from symphony.engine.tree import ancestor_bits
+
+ATOL = 1e-4
+PAGES = [5, 2, 7, 0]  # a shuffled page table, 64 slots
+PROMPT = 45
+TREE_PARENTS = [-1, 0, 0, 1, 2]
+
+
+def scenario(engine: Engine) -> list[torch.Tensor | None]:
+    """The logits (rank 0's; None on the others) of: a prompt in two chunks, three decodes,
+    a tree of five rows after the prompt, and a decode with an excluded range."""
+    ids = torch.randint(
+        0, engine.config.vocab_size, (PROMPT + 3,), generator=torch.Generator().manual_seed(3)
+    ).tolist()
+    out = [engine.forward(Batch(ids[:30], list(range(30)), [30], [30], [PAGES], list(range(30))))]
+    out.append(
+        engine.forward(
+            Batch(
+                ids[30:PROMPT],
+                list(range(30, PROMPT)),
+                [PROMPT - 30],
+                [PROMPT],
+                [PAGES],
+                list(range(PROMPT - 30)),
+            )
+        )
+    )
+    for i in range(PROMPT, PROMPT + 3):
+        out.append(engine.forward(Batch([ids[i]], [i], [1], [i + 1], [PAGES], [0])))
+    n, tree = PROMPT + 3, [11, 12, 13, 14, 15]
+    out.append(
+        engine.forward(
+            Batch(
+                tree,
+                [n, n + 1, n + 1, n + 2, n + 2],
+                [5],
+                [n + 5],
+                [PAGES],
+                list(range(5)),
+                trees=[TreeRows(n, ancestor_bits(TREE_PARENTS))],
+            )
+        )
+    )
+    out.append(engine.forward(Batch([16], [n], [1], [n + 1], [PAGES], [0], excluded=[[(3, 9)]])))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, directories: list[str], out: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    torch.set_num_threads(1)
+    try:
+        results = {}
+        for d in directories:
+            cfg = ModelConfig.from_file(f"{d}/config.json")
+            engine = Engine(d, kv_pages=8, group=Group(shard_of(cfg, rank, world)))
+            results[d] = scenario(engine)
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for family in sorted(FAMILIES):
+        directory = tmp_path_factory.mktemp(family)
+        make_checkpoint(directory, family)
+        out[family] = str(directory)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints, tmp_path_factory) -> dict[str, list[torch.Tensor]]:
+    out = tmp_path_factory.mktemp("tp") / "logits.pt"
+    mp.spawn(_rank, (2, free_port(), list(checkpoints.values()), str(out)), nprocs=2)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_two_ranks_give_the_logits_of_one(family, checkpoints, two_ranks):
+    directory = checkpoints[family]
+    cfg = ModelConfig.from_file(f"{directory}/config.json")
+    if family == "qwen3":
+        assert cfg.num_kv_heads < 2  # one KV head, replicated on both ranks
+    if family in ("qwen2", "llama-tied-mha"):
+        assert cfg.tie_word_embeddings
+    want = scenario(Engine(directory, kv_pages=8))
+    got = two_ranks[directory]
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape == (w.shape[0], cfg.vocab_size), step
+        assert (g - w).abs().max() < ATOL, (family, step)
+
+
+def test_a_shard_holds_whole_heads_and_its_vocab_rows(checkpoints):
+    cfg = ModelConfig.from_file(f"{checkpoints['llama']}/config.json")  # 8 heads, 2 KV
+    shards = [shard_of(cfg, r, 2) for r in range(2)]
+    assert [s.q_heads for s in shards] == [(0, 4), (4, 8)]
+    assert [s.kv_heads for s in shards] == [(0, 1), (1, 2)]
+    assert [s.features for s in shards] == [(0, 80), (80, 160)]
+    assert [s.vocab for s in shards] == [(0, 160), (160, 320)]
+    assert [kv_heads_of(r, 4, 1) for r in range(4)] == [(0, 1)] * 4
+    assert [kv_heads_of(r, 4, 2) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+
+
+def test_a_rank_loads_its_slices_of_each_matrix(checkpoints):
+    directory = checkpoints["qwen2"]  # q/k/v biases, tied embeddings
+    cfg = ModelConfig.from_file(f"{directory}/config.json")
+    whole, d = load_model(directory), cfg.head_dim
+    part = load_model(directory, group=Group(shard_of(cfg, 1, 2)))  # no collective at load
+    w, p = whole.model.layers[1], part.model.layers[1]
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    for kind in ("weight", "bias"):
+        mine, full = getattr(p.self_attn.qkv_proj, kind), getattr(w.self_attn.qkv_proj, kind)
+        assert torch.equal(mine[: q // 2], full[q // 2 : q])  # query heads 4..7
+        assert torch.equal(mine[q // 2 : q // 2 + kv // 2], full[q + kv // 2 : q + kv])
+        assert torch.equal(mine[q // 2 + kv // 2 :], full[q + kv + kv // 2 :])
+    assert torch.equal(p.self_attn.o_proj.weight, w.self_attn.o_proj.weight[:, q // 2 :])
+    inter = cfg.intermediate_size
+    gate_up = w.mlp.gate_up_proj.weight
+    assert torch.equal(
+        p.mlp.gate_up_proj.weight,
+        torch.cat([gate_up[inter // 2 : inter], gate_up[inter + inter // 2 :]]),
+    )
+    assert torch.equal(p.mlp.down_proj.weight, w.mlp.down_proj.weight[:, inter // 2 :])
+    assert torch.equal(part.model.embed_tokens.weight, whole.model.embed_tokens.weight)
+    assert torch.equal(part.logits_weight(), whole.logits_weight()[cfg.vocab_size // 2 :])
+
+
+def test_a_model_that_does_not_divide_is_refused_naming_the_dimension(checkpoints):
+    cfg = ModelConfig.from_file(f"{checkpoints['llama']}/config.json")  # 8 heads, 2 KV
+    with pytest.raises(ModelError, match=r"attention heads \(8\) do not divide by 3"):
+        shard_of(cfg, 0, 3)
+    with pytest.raises(ModelError, match=r"intermediate size \(162\) do not divide by 4"):
+        shard_of(replace(cfg, intermediate_size=162), 0, 4)
+    with pytest.raises(ModelError, match="3 KV heads neither divide by 2 nor divide it"):
+        shard_of(replace(cfg, num_heads=6, num_kv_heads=3), 0, 2)
