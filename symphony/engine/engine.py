@@ -14,6 +14,7 @@ from kernels import quant_cpu
 from kernels.quant_cpu import DecodeStep, LayerWeights, QuantWeight
 from kvfs.pool import KVPool
 from symphony.engine.attention import PagedAttention, PagedMetadata, select_kernels
+from symphony.engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from symphony.engine.loader import load_model, quantized_weights
 from symphony.engine.ops import TORCH_OPS, CpuOps, QuantCpuOps, matmul_weights
 from symphony.engine.settings import KV_MEMORY_FRACTION, PAGE_SIZE, EngineSettings, HasSettings
@@ -112,10 +113,12 @@ class Engine(HasSettings):
         pool: KVPool | None = None,
         weights: str = "quantized",
         group: Group | None = None,
+        cuda_graphs: str | None = None,
     ):
         """`pool`: the KV pool to compute in (the kernel's, shared with its engine process);
         else one of `kv_pages` (or `kv_memory_fraction` of free memory) is made, of pages of
-        `page_size` entries. `weights`: one of WEIGHTS."""
+        `page_size` entries. `weights`: one of WEIGHTS. `cuda_graphs`: "on" or "off"
+        (default: cuda_graphs.graphs_wanted's)."""
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
         self.settings = EngineSettings.resolve(
@@ -145,6 +148,11 @@ class Engine(HasSettings):
         # Decode steps of up to QUANTIZED_MAX_ROWS tokens in one C call where every matrix is
         # in blocks (else, as in a file with K-quants, through the modules and self.ops).
         self.decode_step = self._decode_step(quantized) if quantized else None
+        # Decode batches replayed from CUDA graphs, a graph per padded shape (cuda_graphs.py).
+        self.decode_graphs = None
+        if graphs_wanted(cuda_graphs, self.device, self.kernels.name, self.model.group.world):
+            self.decode_graphs = DecodeGraphs(self.model, self.pool, self.kernels, self.ops,
+                                              self.scale)
 
     def _decode_step(self, quantized: dict[int, QuantWeight]) -> DecodeStep | None:
         cfg, model = self.config, self.model
@@ -248,6 +256,10 @@ class Engine(HasSettings):
     def forward(self, batch: Batch) -> torch.Tensor:
         """Write the batch's K/V into its pages; return logits [len(logit_rows), vocab]."""
         self.check(batch)
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.forward(batch)
+            if logits is not None:
+                return logits
         meta = self.metadata(batch)
         ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
