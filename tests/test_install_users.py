@@ -1,0 +1,108 @@
+"""An install is every local user's: a real unprivileged user (made with useradd, not a bare
+uid set by a Python that root started) runs a LIP with the installed `symphony` against a
+kernel root started, as README's "Quick start" says a multi-user install allows.
+
+The venv's interpreter is what makes or breaks this: one linked into a pyenv under root's
+home (mode 0700) cannot even be started by others, and a copied binary still loads its
+standard library from its base prefix, so the user must be able to run it, not just read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from daemon import ROOT
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to add a user")
+
+VENV_BIN = Path(sys.executable).parent
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def user():
+    """A fresh system user with no home and no groups but its own, removed afterwards."""
+    name = f"symtest{uuid.uuid4().hex[:8]}"
+    subprocess.run(
+        [
+            "useradd",
+            "--system",
+            "--user-group",
+            "--no-create-home",
+            "--home-dir",
+            "/nonexistent",
+            "--shell",
+            "/usr/sbin/nologin",
+            name,
+        ],
+        check=True,
+        capture_output=True,
+    )
+    yield name
+    subprocess.run(["userdel", name], check=True, capture_output=True)
+
+
+def as_login(user: str, *cmd: str, socket: Path | None = None) -> subprocess.CompletedProcess:
+    """cmd run by user with a login's plain environment: nothing of root's but the socket.
+    A program the user cannot execute ends as in a shell: status 126, the error on stderr."""
+    env = {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8"}
+    if socket:
+        env["SYMPHONY_SOCKET"] = str(socket)
+    try:
+        return subprocess.run(
+            cmd,
+            user=user,
+            group=user,
+            extra_groups=[],
+            env=env,
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    except PermissionError as e:
+        return subprocess.CompletedProcess(cmd, 126, "", f"{cmd[0]}: {e.strerror}")
+
+
+def test_every_user_gets_roots_python_from_the_venv_standard_library_included(user):
+    # A venv of copied binaries starts for others even when its base prefix is out of their
+    # reach: the loader and the prefix search fall back to the system's Python, another one.
+    python = VENV_BIN / "python"
+    which = "import os, sys; print(sys.version, sys.base_prefix, os.__file__)"
+    roots = subprocess.run([python, "-I", "-c", which], capture_output=True, text=True)
+    theirs = as_login(user, str(python), "-I", "-c", which)
+    assert (theirs.returncode, theirs.stdout) == (0, roots.stdout), (
+        f"{user} does not get root's {python} (it is {python.resolve()}, root's base prefix "
+        f"{sys.base_prefix}): make install with a Python every user can run (README, "
+        f"Quick start)\n{theirs.stderr}"
+    )
+
+
+def test_an_unprivileged_user_runs_a_lip_against_roots_kernel(user, daemon):
+    argv = ["--prompt", PROMPT, "--max-new-tokens", "6", "--json"]
+    mine = subprocess.run(
+        [str(VENV_BIN / "symphony"), "run", "lips/complete.py", *argv],
+        env=daemon.env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert mine.returncode == 0, mine.stderr
+    theirs = as_login(
+        user,
+        str(VENV_BIN / "symphony"),
+        "run",
+        str(ROOT / "lips" / "complete.py"),
+        *argv,
+        socket=daemon.socket,
+    )
+    assert theirs.returncode == 0, theirs.stderr
+    answer = json.loads(theirs.stdout)
+    assert len(answer["output_ids"]) == 6 and answer == json.loads(mine.stdout)
