@@ -18,36 +18,18 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-import time
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path, and this file's name would
-# then hide the project's `kernels` package.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+ROOT = Path(__file__).resolve().parents[1]
+# Run as a script, this file's folder comes first on sys.path, and this file's name would then
+# hide the project's `kernels` package; the repository root lets `bench.timing` be imported.
+sys.path = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 
 import torch  # noqa: E402
 
+from bench.timing import timed  # noqa: E402
 from kernels import decode_attention, decode_attention_ref  # noqa: E402
 from kernels.paged_cpu import decode_attention_c  # noqa: E402
-
-
-def timed(fn, repeat: int, cuda: bool) -> float:
-    """Best seconds of `repeat` calls after a warm-up (which also compiles)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> None:
