@@ -7,12 +7,14 @@ step of its own, with its own time limit, its results written to OUT_DIR as it g
 Steps: wheels (install from bench/gpu-wheels/, `make gpu-wheels` fills it; the dry run checks
 its manifest), api (tests/test_gpu_api.py: the torch/Triton names the GPU path touches),
 kernels (tests/test_kernels.py: compiled on CUDA, fp32/fp16/bf16; interpreted in the dry run),
-parity (tests/test_gpu_parity.py: the engine against transformers on the device), daemon
+parity (tests/test_gpu_parity.py: the engine against transformers on the device;
+tests/test_cuda_graphs.py: decode steps replayed from CUDA graphs against eager ones), daemon
 (tests/test_kernel.py, test_crash.py, test_engine_process.py: a daemon on the device, CUDA IPC
 of the KV pool, complete.py equal to generate, 16 concurrent LIPs, a killed LIP leaking
 nothing, a dead engine process stopping the kernel), then bench/kernels.py and
-bench/prefill_kernels.py, bench/engine.py (on a random Llama of Llama-3.2-1B's shape) and
-bench/kernel.py, and a summary table printed last (also OUT_DIR/summary.txt).
+bench/prefill_kernels.py, bench/engine.py (on a random Llama of Llama-3.2-1B's shape, our
+decode with and without CUDA graphs) and bench/kernel.py, and a summary table printed last
+(also OUT_DIR/summary.txt).
 
 A step that fails or hangs costs only itself: it runs in a process group of its own, killed
 at its limit. Each step's output is OUT_DIR/NN-step.log, pytest's OUT_DIR/NN-step.xml, and a
@@ -71,13 +73,16 @@ def steps(dry: bool, out: Path) -> list[Step]:
             f"tests/test_kernels.py::test_{t}" for t in (
                 "store_kv[dtype0-16]", "prefill_attention[dtype0-8-1-24-16]",  # excluded ranges
                 "decode_attention[dtype0-8-1-24-16]", "prefill_attention_tree[dtype0]")))
-        parity = pytest_argv(out, "parity", "tests/test_gpu_parity.py", "-k", "fp32 and llama]")
+        # The graphs' static-buffer step on the interpreted Triton kernels; the suite has the rest.
+        parity = pytest_argv(out, "parity", "tests/test_gpu_parity.py", "tests/test_cuda_graphs.py",
+                             "-k", "fp32 and llama] or cuda_graphs and triton")
         daemon = pytest_argv(out, "daemon", "tests/test_kernel.py", "-k",
                              "killed_lip_leaks_nothing and sigkill")
     else:
         kernels = pytest_argv(out, "kernels", "tests/test_kernels.py")
         # (tests/test_engine_parity.py holds the CPU's paths: it has no CUDA case to run.)
-        parity = pytest_argv(out, "parity", "tests/test_gpu_parity.py")
+        parity = pytest_argv(out, "parity", "tests/test_gpu_parity.py",
+                             "tests/test_cuda_graphs.py")
         daemon = pytest_argv(
             out, "daemon", "tests/test_engine_process.py",
             "tests/test_kernel.py::test_complete_equals_generate",
@@ -88,7 +93,7 @@ def steps(dry: bool, out: Path) -> list[Step]:
     # The dry run's limits are about twice its steps' times on a 2-core machine that others
     # load (50-60 s in all, three steps at a time).
     s += [Step("kernels", 60 if dry else 90, kernels),
-          Step("parity", 60, parity),
+          Step("parity", 75 if dry else 60, parity),
           Step("daemon", 90 if dry else 110, daemon)]
     if dry:
         s += [
@@ -99,9 +104,9 @@ def steps(dry: bool, out: Path) -> list[Step]:
                  "4", "--kv-heads", "2", "--head-dim", "32", "--repeat", "1"])),
             Step("bench-engine", 60, shell(
                 [py, "bench/gpu.py", "--make-llama", "tiny", str(out / "llama-tiny")],
-                [py, "bench/engine.py", "--model", str(out / "llama-tiny"), "--batches", "1",
+                [py, "bench/engine.py", "--model", str(out / "llama-tiny"), "--batches", "1,3",
                  "--prompt-len", "8", "--new-tokens", "3", "--prefill-len", "16",
-                 "--prefill-batch", "1", "--repeat", "1"])),
+                 "--prefill-batch", "1", "--repeat", "1", "--cuda-graphs", "both"])),
             # The pred path on the simulated accelerator: the kernel's own path, in seconds.
             Step("bench-kernel", 60, [py, "bench/kernel.py", "--only", "path", "--path-lips", "1",
                                       "--path-preds", "16", "--path-asyncio", "1x2",
@@ -117,7 +122,7 @@ def steps(dry: bool, out: Path) -> list[Step]:
                 [py, "bench/gpu.py", "--make-llama", "1b", str(out / "llama-1b")],
                 [py, "bench/engine.py", "--model", str(out / "llama-1b"), "--batches",
                  "1,32,128", "--new-tokens", "32", "--prefill-len", "2048",
-                 "--prefill-batch", "1", "--repeat", "2"],
+                 "--prefill-batch", "1", "--repeat", "2", "--cuda-graphs", "both"],
                 ["rm", "-rf", str(out / "llama-1b")])),  # not to come back with OUT_DIR
             Step("bench-kernel", 90, [py, "bench/kernel.py", "--only", "tax,batch,path",
                                        "--repeat", "2", "--tokens", "32", "--path-lips", "1,32",

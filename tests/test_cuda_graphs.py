@@ -199,19 +199,21 @@ def test_replayed_graphs_give_the_normal_paths_logits_and_kv(monkeypatch):
     assert graphs is not None and graphs.capture
     start = pool_state(engine)
     cases = [
-        ([5, 21, 40], [[7, 30], [3, 9], [12, 1, 5, 20]]),  # bucket (4, 4)
-        ([5, 21, 40, 2], [[7], [3, 9], [12, 1, 5], [25]]),  # the same bucket
-        ([70], [[2, 4, 6, 8, 10]]),  # (1, 8)
-        ([3] * 5, [[p] for p in (11, 13, 15, 17, 19)]),
-    ]  # (8, 4)
-    for kv_lens, tables in cases:
+        ([5, 21, 40], [[7, 30], [3, 9], [12, 1, 5, 20]], None),  # bucket (4, 4)
+        ([5, 21, 40, 2], [[7], [3, 9], [12, 1, 5], [25]], [3, 1]),  # the same, some rows
+        ([70], [[2, 4, 6, 8, 10]], None),  # (1, 8)
+        ([3] * 5, [[p] for p in (11, 13, 15, 17, 19)], None),  # (8, 4)
+    ]
+    for kv_lens, tables, rows in cases:
         batch = decode_batch(kv_lens, tables)
+        batch.logit_rows = rows or batch.logit_rows
         got = engine.forward(batch)
         got_kv = pool_state(engine)
         restore(engine, start)
         engine.decode_graphs = None
         want = engine.forward(batch)
         engine.decode_graphs = graphs
+        assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got_kv, pool_state(engine), atol=1e-5, rtol=1e-5)
         restore(engine, start)

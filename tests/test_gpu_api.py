@@ -105,6 +105,34 @@ def test_other_torch_names_the_gpu_path_uses_exist():
         assert _exists(dotted), dotted
 
 
+def test_what_the_decode_graphs_call_exists():
+    """symphony/engine/cuda_graphs.py: a warm-up on a side stream, a capture into a memory
+    pool every graph shares, replays (methods and keywords the grep above cannot see)."""
+    assert "pool" in inspect.signature(torch.cuda.graph.__init__).parameters
+    for dotted in ("torch.cuda.CUDAGraph.replay", "torch.cuda.Stream.wait_stream",
+                   "torch.cuda.graph_pool_handle", "torch.cuda.current_stream",
+                   "torch.cuda.stream"):
+        assert _exists(dotted), dotted
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_graph_captures_and_replays():
+    """As cuda_graphs.py does it, in small: static input, warm-up, capture, refill, replay."""
+    x = torch.zeros(8, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        x * 2 + 1
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+        y = x * 2 + 1
+    x.copy_(torch.arange(8.0))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert y.tolist() == [2.0 * i + 1 for i in range(8)]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_ipc_round_trip():
     """A CUDA tensor pickled here and unpickled in a spawned process maps the same memory."""

@@ -174,8 +174,10 @@ class DecodeGraphs:
         captured = self._graphs.get(key) or self._capture(key)
         captured.inputs.fill(host)
         captured.graph.replay()
-        # Indexing copies: the next replay overwrites the buffer.
-        return self._logits[key[0]][batch.logit_rows]
+        # A copy, as the next replay overwrites the buffer. Rows in order (a decode's usual)
+        # are a slice: a list as an index would wait for the replay to copy itself over.
+        logits, rows = self._logits[key[0]], batch.logit_rows
+        return logits[: len(rows)].clone() if rows == list(range(len(rows))) else logits[rows]
 
     def step(self, inputs: StaticInputs) -> torch.Tensor:
         """The decode step on static inputs, logits of every row: what a graph records."""
