@@ -24,11 +24,17 @@ SHAPE = PageShape(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, PAGE, torch
 
 def test_kv_heads_split_in_blocks_or_are_replicated():
     assert [shard_heads(8, 2, r) for r in range(2)] == [range(0, 4), range(4, 8)]
-    assert [shard_heads(2, 4, r) for r in range(4)] == [range(0, 1), range(0, 1),
-                                                        range(1, 2), range(1, 2)]
+    assert [shard_heads(2, 4, r) for r in range(4)] == [
+        range(0, 1),
+        range(0, 1),
+        range(1, 2),
+        range(1, 2),
+    ]
     assert [shard_heads(4, 4, r) for r in range(4)] == [range(r, r + 1) for r in range(4)]
-    for kv_heads, shards, words in ((3, 2, "3 KV heads do not split over 2"),
-                                    (2, 3, "3 ranks do not share 2 KV heads")):
+    for kv_heads, shards, words in (
+        (3, 2, "3 KV heads do not split over 2"),
+        (2, 3, "3 ranks do not share 2 KV heads"),
+    ):
         with pytest.raises(ValueError, match=words):
             shard_heads(kv_heads, shards, 0)
     with pytest.raises(ValueError, match="rank 2 outside"):
@@ -45,8 +51,12 @@ def test_a_sharded_pool_checks_its_arrays():
     good = pool_shard_shape(SHAPE, 8, 2, 0)
     bad = (*good[:3], 2, good[4])
     with pytest.raises(ValueError, match="want K and V of"):
-        KVPool(SHAPE, 8, shards=2, arrays=[(torch.zeros(good), torch.zeros(good))] * 1
-               + [(torch.zeros(bad), torch.zeros(bad))])
+        KVPool(
+            SHAPE,
+            8,
+            shards=2,
+            arrays=[(torch.zeros(good), torch.zeros(good)), (torch.zeros(bad), torch.zeros(bad))],
+        )
     with pytest.raises(ValueError, match="dtype torch.float32"):
         KVPool(SHAPE, 8, shards=2, arrays=[(torch.zeros(good, dtype=torch.float16),) * 2] * 2)
 
@@ -94,9 +104,11 @@ def test_a_page_moves_down_gathered_and_up_scattered(shards):
 def shift_keys(fs: FileSystem):
     """An exact stand-in for rotating keys: adds delta to them, in every shard (as the engine
     process's rotate_keys turns them through pool.key_layers())."""
+
     def rotate(rows: torch.Tensor, delta: int) -> None:
         for k in fs.store.pool.key_layers():
             k.view(-1, *k.shape[2:])[rows] += delta
+
     return rotate
 
 
