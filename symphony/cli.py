@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 from symphony import kv, mount, top
 from symphony.engine.errors import ModelError
@@ -61,7 +62,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_kernel(args: argparse.Namespace) -> int:
     import logging
-    from pathlib import Path
 
     import torch
 
@@ -71,10 +71,14 @@ def cmd_kernel(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    rendezvous = rendezvous_of(args)
+    if rendezvous.node_rank != 0:
+        raise ValueError(f"--node-rank {rendezvous.node_rank}: the kernel lives on node 0; "
+                         "start the ranks of other nodes with `symphony rank`")
     engine = EngineProcess(
         args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages,
         host_pages=args.host_pages if args.host_pages is not None else args.kv_pages or 0,
-        sleep_ms=parse_engine(args.engine), weights=args.weights)
+        sleep_ms=parse_engine(args.engine), weights=args.weights, rendezvous=rendezvous)
     opts = Options(
         socket=socket_path(args.socket), state_dir=Path(args.state_dir or default_state_dir()),
         token_budget=args.token_budget, max_seqs=args.max_seqs, disk_pages=args.disk_pages,
@@ -82,6 +86,41 @@ def cmd_kernel(args: argparse.Namespace) -> int:
         max_procs_per_user=args.max_procs_per_user,
     )
     return run_kernel(engine, opts)
+
+
+def rendezvous_of(args: argparse.Namespace):
+    """The ranks' Rendezvous from the flags, else torchrun's environment variables."""
+    from symphony.ranks import from_environment
+
+    return from_environment(args.tensor_parallel, args.nnodes, args.node_rank,
+                            args.master_addr, args.master_port)
+
+
+def cmd_rank(args: argparse.Namespace) -> int:
+    """Start this node's ranks and wait for them: 0 when every one ended cleanly."""
+    import signal
+
+    from symphony.engine.engine import default_model_dir
+    from symphony.ranks import start_node
+
+    rendezvous = rendezvous_of(args)
+    if rendezvous.node_rank == 0:
+        raise ValueError("--node-rank 0 is the kernel's node: start `symphony kernel` there")
+    model = Path(args.model) if args.model else default_model_dir()
+    device = args.device or ("cuda" if _cuda() else "cpu")
+    procs = start_node(rendezvous, device, model)
+    # The ranks die with this process (PR_SET_PDEATHSIG): a Ctrl-C here ends them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    try:
+        return 0 if all(p.wait() == 0 for p in procs) else 1
+    except KeyboardInterrupt:
+        return 1
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def control():
@@ -92,7 +131,8 @@ def control():
 
 KERNEL_OPTIONS = ("model", "state_dir", "device", "dtype", "kv_pages", "host_pages",
                   "disk_pages", "token_budget", "max_seqs", "quota", "decode_ahead",
-                  "max_procs_per_user", "engine", "weights")
+                  "max_procs_per_user", "engine", "weights", "tensor_parallel", "nnodes",
+                  "node_rank", "master_addr", "master_port")
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -175,6 +215,21 @@ def add_kernel_flags(k: argparse.ArgumentParser) -> None:
                    "answers made-up tokens, loading no weights (to measure the kernel's own "
                    "path)")
     add_weights_flag(k)
+    add_rank_flags(k)
+
+
+def add_rank_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel", type=positive, default=1, metavar="N",
+                   help="ranks the engine is split over, one device each (default 1)")
+    p.add_argument("--nnodes", type=positive,
+                   help="machines the ranks are on, N / nnodes each (default: $NNODES, else 1)")
+    p.add_argument("--node-rank", type=int,
+                   help="this machine's place among them; the kernel's is 0 (default: "
+                   "$NODE_RANK, else $GROUP_RANK, else 0)")
+    p.add_argument("--master-addr", help="node 0's address, where the ranks meet (default: "
+                   "$MASTER_ADDR, else 127.0.0.1)")
+    p.add_argument("--master-port", type=int, help="the port there (default: $MASTER_PORT; "
+                   "else 29500 with several nodes, a free one with one)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,6 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
     kill.add_argument("--socket")
     kill.add_argument("pids", type=int, nargs="+")
     kill.set_defaults(func=lambda a: control().cmd_kill(a))
+    rk = sub.add_parser("rank", help="start this machine's ranks of a kernel's engine that "
+                        "spans machines (every node but node 0, the kernel's)")
+    rk.add_argument("--model", help="the kernel's checkpoint, as found on this machine "
+                    f"{DEFAULT_MODEL_HELP}")
+    rk.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available; "
+                    "the kernel's")
+    add_rank_flags(rk)
+    rk.set_defaults(func=cmd_rank)
     top.add_parser(sub)
     kv.add_parser(sub)
     mount.add_parsers(sub)

@@ -151,8 +151,7 @@ class Kernel:
         finally:
             self.engine_lost = engine_exit.done() or scheduler.done()
             if self.engine_lost:
-                log.critical("shutting down: the engine process (pid %s) exited",
-                             self.engine.pid)
+                log.critical("shutting down: %s", self.engine.deaths())
             else:
                 log.info("shutting down")
             engine_exit.cancel()

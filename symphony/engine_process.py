@@ -29,14 +29,13 @@ would otherwise spend itself on forward passes.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno
 import gc
 import io
 import math
 import os
 import pickle
-import signal
+import select
 import socket
 import struct
 import subprocess
@@ -57,7 +56,22 @@ from symphony.engine.engine import Engine
 from symphony.engine.rope import Rotary, rotate_keys
 from symphony.engine.sampler import mask_words
 from symphony.engine.settings import PAGE_SIZE, EngineSettings, HasSettings
+from symphony.engine.tensor_parallel import Group, shard_of
 from symphony.engine.tokenizer import Tokenizer
+from symphony.ranks import (
+    FollowerLaunch,
+    Leader,
+    Mirror,
+    MirroredPool,
+    RankInfo,
+    RankSetup,
+    Rendezvous,
+    die_with_parent,
+    gather_infos,
+    info,
+    join,
+    rank_device,
+)
 from symphony.step import StepResult, StepWork, forward
 
 LENGTH = struct.Struct("<Q")  # each message: its pickle's length, then the pickle
@@ -150,51 +164,102 @@ class EngineProcess(HasSettings):
     the KV pool, and step() to run a StepWork in the engine process. Built before the event
     loop starts; it raises what building the Engine raised there (ModelError, ...).
     `sleep_ms`: a simulated accelerator (SleepEngine) whose steps take that long; `weights`:
-    as the Engine's."""
+    as the Engine's. `rendezvous`: the ranks of a tensor-parallel engine (symphony.ranks),
+    of which this node's are started here."""
 
     def __init__(self, model_dir: str | Path | None = None, *, device: str | None = None,
                  dtype: torch.dtype | None = None, kv_pages: int | None = None,
                  host_pages: int = 0, page_size: int = PAGE_SIZE, sleep_ms: float | None = None,
-                 weights: str = "quantized"):
+                 weights: str = "quantized", rendezvous: Rendezvous | None = None):
         self.settings = EngineSettings.resolve(model_dir, device=device, dtype=dtype,
                                                page_size=page_size)
         self.mode = "model" if sleep_ms is None else f"sleep:{sleep_ms:g}"  # as --engine
         simulated = None if sleep_ms is None else sleep_engine(self.config, self.tokenizer,
                                                                 sleep_ms / 1e3)
+        rdv = rendezvous or Rendezvous()
+        if rdv.world > 1:
+            if simulated is not None:
+                raise ValueError("--engine sleep:MS loads no model to split over ranks: "
+                                 "it takes no --tensor-parallel")
+            shard_of(self.config, 0, rdv.world)  # a model N does not divide: refused now
+            rdv = rdv.with_port()
+        self.rendezvous, world = rdv, rdv.world
         if kv_pages is None:
             kv_pages = self.settings.kv_pages()
-        shape = pool_shard_shape(self.settings.page_shape, kv_pages, 1, 0)
-        self._memfd, arrays = _device_tier(shape, self.dtype, self.device)
-        self.pool = KVPool(self.settings.page_shape, kv_pages, host_pages, self.device,
-                           arrays=[arrays])
+        # Each shard in memory the rank that computes in it maps: its own device's on node 0;
+        # the kernel's for a rank elsewhere (a mirror, kept equal: symphony.ranks).
+        remote = tuple(r for r in range(world) if rdv.node_of(r) != 0)
+        shapes = [pool_shard_shape(self.settings.page_shape, kv_pages, world, r)
+                  for r in range(world)]
+        tiers = [_device_tier(shapes[r], self.dtype,
+                              torch.device("cpu") if r in remote else
+                              self.device if world == 1 else
+                              rank_device(self.device.type, rdv, r))
+                 for r in range(world)]
+        self._memfds = [fd for fd, _ in tiers if fd is not None]
+        self.pool = (MirroredPool if remote else KVPool)(
+            self.settings.page_shape, kv_pages, host_pages, self.device, world,
+            arrays=[arrays for _, arrays in tiers])
         self._rotary = Rotary(self.config.head_dim, self.config.rope_theta,
                               self.config.rope_scaling)
         # The loop's own torch work (page copies, sampling a kept row) is small: one thread,
         # so that it never forms an OpenMP team that competes with the engine's.
         torch.set_num_threads(1)
-        ours, theirs = socket.socketpair()
-        self._sock, self._buf = ours, bytearray()
-        fds = [theirs.fileno()] + ([self._memfd] if self._memfd is not None else [])
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "symphony.engine_process", str(theirs.fileno())],
-            pass_fds=fds, stdin=subprocess.DEVNULL)
-        theirs.close()
+        # Each shard's device tier as its rank takes it: on the CPU the memfd's number
+        # there (the same), on a GPU the tensors, which pickle as CUDA IPC handles. A
+        # simulated accelerator writes no K/V: it gets none (nor sets up CUDA for them).
+        shipped = [fd if fd is not None else arrays for fd, arrays in tiers]
+        self._buf, self._procs, self._followers = bytearray(), {}, []
         try:
-            # The pool's device tier: on the CPU the memfd's number there (the same), on
-            # a GPU the tensors, which pickle as CUDA IPC handles. A simulated accelerator
-            # writes no K/V: it gets none (nor sets up CUDA for them).
-            tier = self._memfd if self._memfd is not None else arrays
-            ours.sendall(_message(ForkingPickler.dumps(
-                (os.getpid(), self.model_dir, self.device, self.dtype, shape,
-                 None if simulated else tier, simulated, weights))))
-            self.attention = self._reply(_recv(ours))  # the attention kernels' name
+            # Node 0's ranks: rank 0 here, the others in symphony.ranks; each with its socket.
+            for r in rdv.local_ranks():
+                ours, theirs = socket.socketpair()
+                fds = [theirs.fileno()] + [fd for fd in (tiers[r][0],) if fd is not None]
+                if r == 0:
+                    fds += [tiers[m][0] for m in remote]
+                    command = ["symphony.engine_process", str(theirs.fileno())]
+                else:
+                    command = ["symphony.ranks", "--socket", str(theirs.fileno())]
+                self._procs[r] = subprocess.Popen([sys.executable, "-m", *command],
+                                                  pass_fds=fds, stdin=subprocess.DEVNULL)
+                theirs.close()
+                if r == 0:
+                    self._sock = ours
+                    ranks = None if world == 1 else (rdv, {m: shipped[m] for m in remote},
+                                                     shapes)
+                    message = (os.getpid(), self.model_dir, self.device, self.dtype,
+                               shapes[0], None if simulated else shipped[0], simulated,
+                               weights, ranks)
+                else:
+                    self._followers.append(ours)
+                    message = FollowerLaunch(os.getpid(), r, rdv, self.device.type,
+                                             self.model_dir, shipped[r], shapes[r], self.dtype)
+                ours.sendall(_message(ForkingPickler.dumps(message)))
+            # The attention kernels' name, and what each rank is.
+            self.attention, self.ranks = self._reply(self._ready())
         except BaseException:
             self.close()
             raise
 
     @property
     def pid(self) -> int:
-        return self._proc.pid
+        """Rank 0's: the process the kernel talks to."""
+        return self._procs[0].pid
+
+    def _ready(self) -> object:
+        """Rank 0's first answer; EngineDied if a rank of this node exits first (a rank that
+        never joins would leave rank 0 waiting for it)."""
+        pidfds = {os.pidfd_open(p.pid): r for r, p in self._procs.items()}
+        try:
+            while True:
+                ready, _, _ = select.select([self._sock, *pidfds], [], [])
+                if self._sock in ready:
+                    return receive(self._sock)
+                self._procs[pidfds[ready[0]]].wait()
+                raise self._died()
+        finally:
+            for fd in pidfds:
+                os.close(fd)
 
     @torch.inference_mode()
     def rotate_keys(self, rows: torch.Tensor, delta: int) -> None:
@@ -202,6 +267,8 @@ class EngineProcess(HasSettings):
         positions, in every layer of every shard (kvfs's shift; docs/syscalls.md)."""
         for k_cache in self.pool.key_layers():
             rotate_keys(k_cache, rows, delta, self._rotary)
+        if isinstance(self.pool, MirroredPool):
+            self.pool.rows_changed(rows)
 
     async def step(self, work: StepWork) -> StepResult:
         """Run one step in the engine process; the event loop goes on meanwhile. The work's
@@ -210,8 +277,9 @@ class EngineProcess(HasSettings):
         answer = loop.create_future()
         if self.device.type == "cuda":  # the kernel's page copies done before the step reads
             torch.cuda.synchronize()
+        dirty = self.pool.take_dirty() if isinstance(self.pool, MirroredPool) else []
         try:
-            _send(self._sock, work)
+            _send(self._sock, (work, dirty))
         except OSError as e:
             raise self._died() from e
         loop.add_reader(self._sock, self._readable, answer)
@@ -224,18 +292,28 @@ class EngineProcess(HasSettings):
                 mine.set_state(theirs.get_state())
         return result
 
-    async def exited(self) -> int:
-        """Wait until the engine process exits: its exit status."""
+    async def exited(self) -> None:
+        """Wait until the engine process, or any rank of this node's, exits."""
         loop = asyncio.get_running_loop()
         gone = loop.create_future()
-        pidfd = os.pidfd_open(self._proc.pid)  # readable once the process has exited
-        loop.add_reader(pidfd, lambda: gone.done() or gone.set_result(None))
+        pidfds = [os.pidfd_open(p.pid) for p in self._procs.values()]  # readable at exit
+        for fd in pidfds:
+            loop.add_reader(fd, lambda: gone.done() or gone.set_result(None))
         try:
             await gone
         finally:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
-        return self._proc.wait()
+            for fd in pidfds:
+                loop.remove_reader(fd)
+                os.close(fd)
+
+    def deaths(self) -> str:
+        """Which of the engine's processes exited, and how: for the log and EIO's message."""
+        if len(self._procs) == 1 and self.rendezvous.world == 1:
+            return (f"the engine process (pid {self.pid}) exited with status "
+                    f"{self._procs[0].poll()}")
+        gone = [f"rank {r} (pid {p.pid}) exited with status {p.poll()}"
+                for r, p in self._procs.items() if p.poll() is not None]
+        return "the engine's " + ("; ".join(gone) if gone else "rank 0 lost its group")
 
     def _readable(self, answer: asyncio.Future) -> None:
         try:
@@ -265,23 +343,26 @@ class EngineProcess(HasSettings):
 
     def _died(self) -> EngineDied:
         try:
-            status = self._proc.wait(timeout=1.0)
+            self._procs[0].wait(timeout=1.0)
         except subprocess.TimeoutExpired:
-            status = None
-        return EngineDied(errno.EIO, f"the engine process (pid {self._proc.pid}) exited with "
-                          f"status {status}")
+            pass
+        return EngineDied(errno.EIO, self.deaths())
 
     def close(self) -> None:
-        """Stop the engine process: it exits when its socket closes."""
-        self._sock.close()
-        try:
-            self._proc.wait(timeout=10.0)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        if self._memfd is not None:
-            os.close(self._memfd)
-            self._memfd = None
+        """Stop the engine process: it exits when its socket closes, and ends the other
+        ranks (which die with the kernel in any case)."""
+        for sock in (getattr(self, "_sock", None), *self._followers):
+            if sock is not None:
+                sock.close()
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for fd in self._memfds:
+            os.close(fd)
+        self._memfds = []
 
 
 def _device_tier(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -293,10 +374,10 @@ def _device_tier(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
                       torch.zeros(shape, dtype=dtype, device=device))
     fd = os.memfd_create("symphony-kv-pool")
     os.ftruncate(fd, 2 * math.prod(shape) * dtype.itemsize)
-    return fd, _mapped(fd, shape, dtype)
+    return fd, mapped(fd, shape, dtype)
 
 
-def _mapped(fd: int, shape: tuple[int, ...], dtype: torch.dtype
+def mapped(fd: int, shape: tuple[int, ...], dtype: torch.dtype
             ) -> tuple[torch.Tensor, torch.Tensor]:
     numel = math.prod(shape)
     both = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=2 * numel, dtype=dtype)
@@ -345,7 +426,7 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def _recv(sock: socket.socket) -> object:
+def receive(sock: socket.socket) -> object:
     """The next message; EOFError when the other end has closed."""
     head = _recv_exactly(sock, LENGTH.size)
     body = None if head is None else _recv_exactly(sock, LENGTH.unpack(head)[0])
@@ -363,54 +444,82 @@ def _picklable(e: BaseException) -> BaseException:
 
 
 def main(sock: socket.socket) -> None:
-    """The engine process: build the Engine over the kernel's pool (or take the simulated
-    accelerator the kernel sent), then run steps until the kernel closes the socket."""
-    kernel, model_dir, device, dtype, shape, tier, simulated, weights = _recv(sock)
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != kernel:  # the kernel died before prctl: nobody would stop us
+    """The engine process (rank 0): build the Engine over the kernel's pool (or take the
+    simulated accelerator the kernel sent), with the other ranks where there are, then run
+    steps until the kernel closes the socket."""
+    (kernel, model_dir, device, dtype, shape, tier, simulated, weights,
+     ranks) = receive(sock)
+    if not die_with_parent(kernel):  # the kernel died before prctl: nobody would stop us
         return
-    # A Ctrl-C, or a SIGTERM sent to the kernel's whole process group, reaches the kernel,
-    # which stops cleanly and then stops us: we do not stop first.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    leader = None
     if simulated is not None:  # no weights to load
         step, attention = simulated.forward, "none"
+        infos = [RankInfo(0, os.getpid(), socket.gethostname(), 0, "none")]
     else:
         try:
-            arrays = _mapped(tier, shape, dtype) if isinstance(tier, int) else tier
-            layers, pages, page_size, heads, head_dim = shape
-            pool = KVPool(PageShape(layers, heads, head_dim, page_size, dtype), pages,
-                          device=device, arrays=[arrays])
-            engine = Engine(model_dir, device=str(device), dtype=dtype, pool=pool,
-                            weights=weights)
+            engine, leader, infos = _build(model_dir, device, dtype, shape, tier, weights, ranks)
         except BaseException as e:  # handed to the kernel, which reports it
             _send(sock, ("error", _picklable(e)))
             return
-        step, attention = (lambda work: forward(engine, work)), engine.kernels.name
+        step, attention = (lambda work: forward(leader or engine, work)), engine.kernels.name
     # What is built by now lives as long as the process: out of the collector's sight, so
     # that the collections the steps' garbage sets off do not walk torch's and the model's
     # objects each time (in the kernel, collecting was 19% of the loop thread's CPU).
     gc.freeze()
-    _send(sock, ("ready", attention))
+    _send(sock, ("ready", (attention, infos)))
     try:
         while True:
             try:
-                work = _recv(sock)
+                work, dirty = receive(sock)
             except (EOFError, OSError):
+                if leader is not None:
+                    leader.stop()
                 return
+            if leader is not None:
+                leader.dirty = dirty
             try:
                 answer = ("done", step(work))
                 if device.type == "cuda" and simulated is None:
                     torch.cuda.synchronize()  # the step's K/V written before the kernel reads
-            except Exception as e:  # this step failed, as a whole; the next may not
+            except ValueError as e:  # this step's batch, refused on every rank alike
                 answer = ("error", _picklable(e))
-            try:
+            except Exception as e:
+                if leader is not None:
+                    raise  # a collective failed: the group is broken, and so is this rank
+                answer = ("error", _picklable(e))  # this step failed, as a whole; the next
+            try:  # may not
                 _send(sock, answer)
             except OSError:  # the kernel closed its end while the step ran: it is stopping
                 return
     finally:
         gc.unfreeze()  # collected at exit as usual (else triton's bindings report leaks)
+
+
+def _build(model_dir: Path, device: torch.device, dtype: torch.dtype, shape: tuple[int, ...],
+           tier: object, weights: str, ranks: tuple | None
+           ) -> tuple[Engine, Leader | None, list[RankInfo]]:
+    """Rank 0's engine; with other ranks, joined to them, and what each of them is."""
+    arrays = mapped(tier, shape, dtype) if isinstance(tier, int) else tier
+    layers, pages, page_size, heads, head_dim = shape
+    pool = KVPool(PageShape(layers, heads, head_dim, page_size, dtype), pages, device=device,
+                  arrays=[arrays])
+    if ranks is None:
+        engine = Engine(model_dir, device=str(device), dtype=dtype, pool=pool, weights=weights)
+        return engine, None, [RankInfo(0, os.getpid(), socket.gethostname(), 0, str(device))]
+    rdv, mirror_tiers, shapes = ranks
+    dev = rank_device(device.type, rdv, 0)
+    group: Group = join(rdv, 0, dev, ModelConfig.from_file(Path(model_dir) / "config.json"))
+    remote = tuple(sorted(mirror_tiers))
+    group.broadcast(RankSetup(dtype, pages, page_size, weights, remote))
+    engine = Engine(model_dir, device=str(dev), dtype=dtype, pool=pool, weights=weights,
+                    group=group)
+    infos = gather_infos(group, info(0, rdv, dev))
+    for got in infos:
+        if isinstance(got, BaseException):
+            raise got
+    mirrors = {r: mapped(t, shapes[r], dtype) for r, t in mirror_tiers.items()}
+    return engine, Leader(engine, group, Mirror(group, remote, mirrors) if remote else None), \
+        infos
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from kvfs.errors import FSError
 from kvfs.perm import Cred
 from kvfs.pool import DISK, TIERS
 from symphony.process import Process
+from symphony.sched_stats import RankClock
 from symphony.users import user_name
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ def lines(pairs: list[tuple[str, object]]) -> str:
 class ProcFS:
     def __init__(self, kernel: Kernel):
         self.k = kernel
+        self.clock = RankClock()
 
     def read(self, path: str, cred: Cred) -> str:
         """The text of a file as `cred` may see it; for a directory, its entries a line
@@ -110,6 +112,10 @@ class ProcFS:
             ("engine_mode", engine.mode),
             # The process that runs them (engine_process.py): its CPU is not the kernel's.
             ("engine_pid", engine.pid),
+            # Its ranks (symphony.ranks): each one's pid, machine and device, and its busy
+            # share (CPU seconds per second over the window; "-" off this machine).
+            ("tensor_parallel", len(engine.ranks)),
+            *self.rank_rows(),
             ("run_queue", len(s.queue)),
             ("waiting_for_memory", sum(p.waiting for p in self.k.procs)),
             ("processes", len(self.k.procs)),
@@ -144,6 +150,13 @@ class ProcFS:
             ("ahead_used", st.ahead_used),
         ]
         return lines(pairs)
+
+    def rank_rows(self) -> list[tuple[str, str]]:
+        ranks = self.k.engine.ranks
+        busy = self.clock.busy([r.pid for r in ranks if r.node == 0], time.monotonic())
+        return [(f"rank{r.rank}", f"pid={r.pid} node={r.node} host={r.host} device={r.device} "
+                 f"busy={f'{busy[r.pid]:.2f}' if r.node == 0 and r.pid in busy else '-'}")
+                for r in ranks]
 
     def status(self, p: Process, mine: bool) -> str:
         return lines([

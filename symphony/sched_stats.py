@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass, field
 
 STATS_WINDOW = 10.0  # seconds of steps /proc/sched summarises
+MIN_SPAN = 1.0  # seconds of readings a rank's busy share is taken over, at the least
 
 
 @dataclass
@@ -55,3 +57,43 @@ class SchedStats:
     def _forget(self, now: float) -> None:
         while self.recent and self.recent[0].end < now - STATS_WINDOW:
             self.recent.popleft()
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """A process's CPU seconds so far (user and system) and its age in seconds, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    tick = os.sysconf("SC_CLK_TCK")
+    # Fields 14, 15 and 22 of proc(5): utime, stime, starttime; fields[0] is field 3.
+    return (int(fields[11]) + int(fields[12])) / tick, uptime - int(fields[19]) / tick
+
+
+@dataclass
+class RankClock:
+    """The busy share of the engine's ranks on this machine: CPU seconds per second since the
+    oldest reading of the last STATS_WINDOW seconds (readings are taken when /proc/sched is
+    read), or over the process's life where that is under MIN_SPAN ago. A rank's threads
+    together may pass 1."""
+
+    readings: deque = field(default_factory=deque)  # (time.monotonic(), {pid: cpu seconds})
+
+    def busy(self, pids: list[int], now: float) -> dict[int, float]:
+        got = {}
+        for pid in pids:
+            try:
+                got[pid] = cpu_seconds(pid)
+            except (OSError, IndexError, ValueError):  # exited meanwhile
+                continue
+        self.readings.append((now, {pid: cpu for pid, (cpu, _) in got.items()}))
+        while self.readings[0][0] < now - STATS_WINDOW:
+            self.readings.popleft()
+        then, before = self.readings[0]
+        out = {}
+        for pid, (cpu, age) in got.items():
+            if then <= now - MIN_SPAN and pid in before:
+                out[pid] = (cpu - before[pid]) / (now - then)
+            else:
+                out[pid] = cpu / age if age > 0 else 0.0
+        return out

@@ -1,0 +1,473 @@
+"""The engine's ranks: with `--tensor-parallel N`, N engine processes in one torch.distributed
+group, each with its shard of the weights (symphony.engine.tensor_parallel) and of the KV
+pool (kvfs.pool).
+
+Who starts them. The kernel lives on node 0 and starts node 0's ranks as its children; rank
+0 is the engine process of engine_process.py, which talks to the kernel. On every other
+node `symphony rank` starts that node's ranks (`python -m symphony.ranks`). All of them meet
+by torch.distributed's TCP rendezvous at node 0's address (--master-addr, --master-port),
+rank r on node r // (N / nnodes). The backend is NCCL on GPUs (one a rank: cuda:LOCAL_RANK),
+gloo on the CPU; Python objects go over a gloo group either way.
+
+What flows. Rank 0 builds its engine from the kernel's settings and broadcasts them
+(`RankSetup`); the others build theirs, and rank 0 gathers what each is (`RankInfo`) or the
+error that stopped it. Then, each step, rank 0 broadcasts the step's batch; every rank runs
+the forward pass, whose all-reduces and LM-head gather join them; rank 0 samples and
+answers. A broadcast of None stops them.
+
+The KV pool's shards. A rank on node 0 computes in its shard of the kernel's pool, mapped
+from the kernel's memory (a memfd on the CPU, CUDA IPC on a GPU). A rank on another node
+cannot map it: it holds its shard itself, and the kernel keeps a mirror of it that rank 0
+maps. The two are kept equal around each step: before it, rank 0 sends the rank the pages
+the kernel changed since the last step (kvfs's copies, moves up, imports, shifts); after
+it, the rank sends back the K/V rows the step wrote. So kvfs sees one pool on every node.
+
+Life and death. Node 0's ranks die with the kernel (PR_SET_PDEATHSIG), and the kernel stops
+when any of them exits. A collective that fails (a rank gone, on any node) ends the rank
+that saw it: so a dead rank anywhere ends rank 0, and with it the kernel; and ranks on other
+nodes end when the group breaks, the kernel's death included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from kvfs.pool import DEVICE, KVPool, PageShape, pool_shard_shape
+from symphony.engine.config import ModelConfig
+from symphony.engine.engine import Batch, Engine
+from symphony.engine.tensor_parallel import Group, shard_of
+
+# How long a rank waits for the others to join, and for a collective: a rank that died
+# mid-collective is seen at once (its sockets close); this bounds a rank that hangs.
+TIMEOUT = timedelta(minutes=10)
+DEFAULT_PORT = 29500  # torchrun's
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and how the N ranks meet: N/nnodes ranks on each of `nnodes` nodes."""
+
+    world: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port of node 0's, picked by the kernel (one node)
+
+    def __post_init__(self):
+        if self.world < 1 or self.nnodes < 1 or self.world % self.nnodes:
+            raise ValueError(
+                f"--tensor-parallel {self.world} ranks over --nnodes "
+                f"{self.nnodes}: want a multiple of the node count"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} outside [0, {self.nnodes})")
+        if self.nnodes > 1 and not 0 < self.master_port < 65536:
+            raise ValueError(
+                "--nnodes above 1 needs --master-port (and --master-addr, node 0's address)"
+            )
+
+    @property
+    def per_node(self) -> int:
+        return self.world // self.nnodes
+
+    def local_ranks(self) -> range:
+        """This node's ranks."""
+        return range(self.node_rank * self.per_node, (self.node_rank + 1) * self.per_node)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.per_node
+
+    def with_port(self) -> Rendezvous:
+        """This one, with a free port picked when none was given."""
+        if self.master_port:
+            return self
+        with socket.socket() as s:
+            s.bind((self.master_addr, 0))
+            port = s.getsockname()[1]
+        return Rendezvous(self.world, self.nnodes, self.node_rank, self.master_addr, port)
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.master_addr}:{self.master_port}"
+
+
+def from_environment(
+    world: int,
+    nnodes: int | None,
+    node_rank: int | None,
+    master_addr: str | None,
+    master_port: int | None,
+) -> Rendezvous:
+    """A Rendezvous from the flags given, else torchrun's environment variables (NNODES,
+    NODE_RANK or GROUP_RANK, MASTER_ADDR, MASTER_PORT), else one node."""
+    env = os.environ
+    nnodes = nnodes or int(env.get("NNODES", 1))
+    return Rendezvous(
+        world,
+        nnodes,
+        node_rank if node_rank is not None else int(env.get("NODE_RANK", env.get("GROUP_RANK", 0))),
+        master_addr or env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port or int(env.get("MASTER_PORT", DEFAULT_PORT if nnodes > 1 else 0)),
+    )
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What rank 0 tells the others to build: its engine's settings (each rank reads the
+    checkpoint at its own path: on node 0 the kernel's, elsewhere `symphony rank --model`)."""
+
+    dtype: torch.dtype
+    pages: int
+    page_size: int
+    weights: str
+    remote: tuple[int, ...]  # ranks off node 0: their shards are mirrored in the kernel
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank is, for /proc/sched: `busy` is read from node 0's /proc where `node` is 0."""
+
+    rank: int
+    pid: int
+    host: str
+    node: int
+    device: str
+
+
+def rank_device(kind: str, rdv: Rendezvous, rank: int) -> torch.device:
+    """A rank's device: its own GPU of its node's (cuda:LOCAL_RANK), or the CPU."""
+    if kind == "cuda":
+        return torch.device("cuda", rank - rdv.node_rank * rdv.per_node)
+    return torch.device("cpu")
+
+
+def join(rdv: Rendezvous, rank: int, device: torch.device, cfg: ModelConfig) -> Group:
+    """Join the group as rank `rank`: once all N have come."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:  # the node's cores shared out: threads of ranks that outnumber them stall
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // rdv.per_node))
+    dist.init_process_group(
+        backend, init_method=rdv.init_method, rank=rank, world_size=rdv.world, timeout=TIMEOUT
+    )
+    cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT) if backend == "nccl" else None
+    return Group(shard_of(cfg, rank, rdv.world), cpu_group)
+
+
+def info(rank: int, rdv: Rendezvous, device: torch.device) -> RankInfo:
+    return RankInfo(rank, os.getpid(), socket.gethostname(), rdv.node_of(rank), str(device))
+
+
+def gather_infos(group: Group, mine: RankInfo | BaseException) -> list:
+    """Every rank's RankInfo, or the exception that stopped it, on rank 0 (None elsewhere)."""
+    out = [None] * group.world if group.rank == 0 else None
+    dist.gather_object(mine, out, dst=0, group=group.cpu_group)
+    return out
+
+
+class Mirror:
+    """Keeps the shards of ranks off node 0 equal to their mirrors in the kernel's pool (see
+    the module's docstring), from both ends: rank 0 with `mirrors` (rank -> the kernel's K
+    and V of it), a remote rank with its own shard."""
+
+    def __init__(
+        self,
+        group: Group,
+        remote: tuple[int, ...],
+        mirrors: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        own: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        self.group, self.remote, self.mirrors, self.own = group, remote, mirrors, own
+
+    def _p2p(self, tensor: torch.Tensor, peer: int, send: bool) -> None:
+        (dist.send if send else dist.recv)(tensor, peer, group=self.group.cpu_group)
+
+    def before(self, pages: list[int]) -> None:
+        """The pages the kernel changed, to the remote shards."""
+        if not pages:
+            return
+        index = torch.tensor(pages)
+        if self.mirrors is not None:
+            for r in self.remote:
+                k, v = self.mirrors[r]
+                self._p2p(torch.stack([k[:, index], v[:, index]]), r, send=True)
+        elif self.group.rank in self.remote:
+            k, v = self.own
+            buf = torch.empty((2, k.shape[0], len(pages), *k.shape[2:]), dtype=k.dtype)
+            self._p2p(buf, 0, send=False)
+            k[:, index.to(k.device)] = buf[0].to(k.device)
+            v[:, index.to(v.device)] = buf[1].to(v.device)
+
+    def after(self, slots: torch.Tensor) -> None:
+        """The rows the step wrote, from the remote shards to their mirrors."""
+        slots = slots.cpu()
+        if self.mirrors is not None:
+            for r in self.remote:
+                k, v = self.mirrors[r]
+                rows_k, rows_v = _rows(k), _rows(v)
+                buf = torch.empty((2, k.shape[0], len(slots), *k.shape[3:]), dtype=k.dtype)
+                self._p2p(buf, r, send=False)
+                rows_k[:, slots], rows_v[:, slots] = buf[0], buf[1]
+        elif self.group.rank in self.remote:
+            k, v = self.own
+            at = slots.to(k.device)
+            self._p2p(torch.stack([_rows(k)[:, at], _rows(v)[:, at]]).cpu(), 0, send=True)
+
+
+def _rows(cache: torch.Tensor) -> torch.Tensor:
+    """[layers, pages, page_size, heads, dim] as [layers, pages * page_size, heads, dim]."""
+    return cache.view(cache.shape[0], -1, *cache.shape[3:])
+
+
+def run_step(engine: Engine, mirror: Mirror | None, batch: Batch, dirty: list[int]):
+    """One step's forward pass on any rank, its shard's mirror kept: rank 0's logits."""
+    if mirror is None:
+        return engine.forward(batch)
+    mirror.before(dirty)
+    engine.check(batch)  # a bad batch fails on every rank alike, before any collective
+    logits = engine.forward(batch)
+    mirror.after(engine.metadata(batch).slot_mapping)
+    return logits
+
+
+def follow(group: Group, engine: Engine, mirror: Mirror | None) -> None:
+    """A follower's life: run each step rank 0 broadcasts, until it broadcasts None."""
+    while True:
+        message = group.broadcast(None)
+        if message is None:
+            return
+        batch, dirty = message
+        try:
+            run_step(engine, mirror, batch, dirty)
+        except ValueError:  # the batch's, raised on rank 0 too, which reports it
+            continue
+
+
+def build_follower(
+    group: Group,
+    rdv: Rendezvous,
+    device: torch.device,
+    model_dir: Path,
+    arrays: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[Engine, Mirror | None]:
+    """A follower's engine, from rank 0's setup: over `arrays` (its shard of the kernel's
+    pool, on node 0) or over a shard of its own (elsewhere), mirrored if so."""
+    setup: RankSetup = group.broadcast(None)
+    try:
+        cfg = ModelConfig.from_file(model_dir / "config.json")
+        whole = PageShape(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, setup.page_size, setup.dtype
+        )
+        if arrays is None:
+            size = pool_shard_shape(whole, setup.pages, rdv.world, group.rank)
+            arrays = (
+                torch.zeros(size, dtype=setup.dtype, device=device),
+                torch.zeros(size, dtype=setup.dtype, device=device),
+            )
+        pool = KVPool(
+            replace(whole, kv_heads=group.shard.num_kv_heads),
+            setup.pages,
+            0,
+            device,
+            arrays=[arrays],
+        )
+        engine = Engine(
+            model_dir,
+            device=str(device),
+            dtype=setup.dtype,
+            pool=pool,
+            weights=setup.weights,
+            group=group,
+        )
+    except BaseException as e:
+        gather_infos(group, e)
+        raise
+    gather_infos(group, info(group.rank, rdv, device))
+    return engine, Mirror(group, setup.remote, own=arrays) if setup.remote else None
+
+
+class Leader:
+    """Rank 0's engine as step.forward sees it: each forward pass broadcast to the others
+    first, with the pages the kernel changed (`dirty`, set before each step)."""
+
+    def __init__(self, engine: Engine, group: Group, mirror: Mirror | None):
+        self.engine, self.group, self.mirror = engine, group, mirror
+        self.dirty: list[int] = []
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        self.group.broadcast((batch, self.dirty))
+        return run_step(self.engine, self.mirror, batch, self.dirty)
+
+    def stop(self) -> None:
+        """End the followers (they take None for the end), then this rank's group."""
+        self.group.broadcast(None)
+        dist.destroy_process_group()
+
+
+class MirroredPool(KVPool):
+    """The kernel's pool where some shards are mirrors of ranks on other nodes: it notes the
+    device pages it changes, which rank 0 sends those ranks before the next step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dirty: set[int] = set()
+
+    def take_dirty(self) -> list[int]:
+        pages, self.dirty = sorted(self.dirty), set()
+        return pages
+
+    def copy_page(self, src: int, dst: int) -> None:
+        super().copy_page(src, dst)
+        self.dirty.add(dst)
+
+    def move(self, page: int, src: str, dst: str) -> int:
+        new = super().move(page, src, dst)
+        if dst == DEVICE:
+            self.dirty.add(new)
+        return new
+
+    def write_page(self, page: int, k: torch.Tensor, v: torch.Tensor, tier: str = DEVICE) -> None:
+        super().write_page(page, k, v, tier)
+        if tier == DEVICE:
+            self.dirty.add(page)
+
+    def write_rows(self, page: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().write_rows(page, start, k, v)
+        self.dirty.add(page)
+
+    def write_pages(self, pages: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        super().write_pages(pages, k, v)
+        self.dirty.update(pages)
+
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        super().move_rows(src, dst)
+        self.dirty.update(r // self.page_size for r in dst)
+
+    def rows_changed(self, rows: torch.Tensor) -> None:
+        """Rows changed in place through key_layers (kvfs's shift)."""
+        self.dirty.update((rows // self.page_size).tolist())
+
+
+def die_with_parent(parent: int) -> bool:
+    """SIGKILL this process when its parent dies; False if the parent is gone already. And
+    ignore SIGINT and SIGTERM: a Ctrl-C reaches the whole process group, and the parent
+    stops cleanly, then stops us."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    return os.getppid() == parent
+
+
+@dataclass(frozen=True)
+class FollowerLaunch:
+    """What the kernel tells a follower of node 0's, over its socket."""
+
+    kernel: int  # the kernel's pid
+    rank: int
+    rendezvous: Rendezvous
+    device: str  # "cpu" or "cuda"
+    model_dir: Path
+    tier: object  # its shard of the pool: a memfd's number, or CUDA tensors
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def run_follower(
+    rank: int,
+    rdv: Rendezvous,
+    device: str,
+    model_dir: Path,
+    arrays: tuple[torch.Tensor, torch.Tensor] | None,
+) -> int:
+    """A follower rank's life: join, build, follow; its exit status."""
+    try:
+        dev = rank_device(device, rdv, rank)
+        group = join(rdv, rank, dev, ModelConfig.from_file(model_dir / "config.json"))
+        engine, mirror = build_follower(group, rdv, dev, model_dir, arrays)
+        follow(group, engine, mirror)
+    except Exception as e:  # the group broke (a rank or the kernel died), or setup failed
+        print(f"symphony: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    dist.destroy_process_group()
+    return 0
+
+
+def follower_main(argv: list[str]) -> int:
+    """`python -m symphony.ranks`: one follower rank, the kernel's child on node 0 (given
+    its socket) or `symphony rank`'s on another node (given the flags)."""
+    p = argparse.ArgumentParser(prog="python -m symphony.ranks")
+    p.add_argument("--socket", type=int, help="the kernel's socket (node 0)")
+    p.add_argument("--rank", type=int)
+    p.add_argument("--world", type=int)
+    p.add_argument("--nnodes", type=int)
+    p.add_argument("--master-addr")
+    p.add_argument("--master-port", type=int)
+    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--parent", type=int)
+    p.add_argument("--model")
+    a = p.parse_args(argv)
+    if a.socket is not None:
+        from symphony.engine_process import mapped, receive  # it imports this module
+
+        with socket.socket(fileno=a.socket) as sock:
+            launch: FollowerLaunch = receive(sock)
+        if not die_with_parent(launch.kernel):
+            return 1
+        tier = launch.tier
+        arrays = mapped(tier, launch.shape, launch.dtype) if isinstance(tier, int) else tier
+        return run_follower(launch.rank, launch.rendezvous, launch.device, launch.model_dir, arrays)
+    if not die_with_parent(a.parent):
+        return 1
+    rdv = Rendezvous(
+        a.world, a.nnodes, a.rank // (a.world // a.nnodes), a.master_addr, a.master_port
+    )
+    return run_follower(a.rank, rdv, a.device, Path(a.model), None)
+
+
+def start_node(rdv: Rendezvous, device: str, model_dir: Path) -> list[subprocess.Popen]:
+    """`symphony rank`: start this node's ranks (a node other than 0)."""
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "symphony.ranks",
+                "--rank",
+                str(r),
+                "--world",
+                str(rdv.world),
+                "--nnodes",
+                str(rdv.nnodes),
+                "--master-addr",
+                rdv.master_addr,
+                "--master-port",
+                str(rdv.master_port),
+                "--device",
+                device,
+                "--parent",
+                str(os.getpid()),
+                "--model",
+                str(model_dir),
+            ],
+            stdin=subprocess.DEVNULL,
+        )
+        for r in rdv.local_ranks()
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(follower_main(sys.argv[1:]))

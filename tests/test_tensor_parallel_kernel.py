@@ -1,0 +1,203 @@
+"""Tensor parallelism through the kernel: `symphony kernel --tensor-parallel 2` against one
+rank (greedy tokens of 8 concurrent LIPs), two ranks meeting over TCP as two machines' would
+(`symphony rank` for node 1, its KV shard mirrored in the kernel), and the death of a rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from daemon import ROOT, alive, prompt, sched, start_daemon, wait_for
+from test_tensor_parallel import free_port
+
+from symphony.daemon import pid_path
+
+pytestmark = pytest.mark.slow
+
+SYMPHONY = [sys.executable, "-m", "symphony.cli"]
+FLAGS = ("--kv-pages", "256", "--token-budget", "48")  # prompts chunked, decodes interleaved
+
+
+def ranks_of(stats: dict[str, str]) -> dict[int, dict[str, str]]:
+    """/proc/sched's rank rows: rank -> its fields."""
+    out = {}
+    for key, value in stats.items():
+        if key.startswith("rank") and key[4:].isdigit():
+            out[int(key[4:])] = dict(f.split("=", 1) for f in value.split())
+    return out
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    """Greedy tokens of one prompt alone, from one rank's engine in this process."""
+    from symphony.engine.engine import Engine
+    from symphony.engine.generate import generate
+    from symphony.engine.sampler import GREEDY
+
+    engine = Engine(model, kv_pages=256)
+    return lambda ids, n: generate(engine, [ids], GREEDY, n)[0]
+
+
+def complete(d, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens of `prompts`, each a LIP of its own, all at once."""
+    lips = [
+        subprocess.Popen(
+            [
+                *SYMPHONY,
+                "run",
+                "lips/complete.py",
+                "--prompt-ids",
+                ",".join(map(str, ids)),
+                "--max-new-tokens",
+                str(n),
+                "--json",
+            ],
+            env=d.env(),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for ids in prompts
+    ]
+    outs = [lip.communicate(timeout=300) for lip in lips]
+    for lip, (_, err) in zip(lips, outs, strict=True):
+        assert lip.returncode == 0, err
+    return [json.loads(out)["output_ids"] for out, _ in outs]
+
+
+def test_eight_concurrent_lips_on_two_ranks_get_what_one_rank_gives(model, alone):
+    d = start_daemon(model, None, *FLAGS, "--tensor-parallel", "2")
+    try:
+        prompts = [prompt(5 + 17 * i, salt=i) for i in range(8)]
+        got = complete(d, prompts, 12)
+        with d.connect() as k:
+            stats = sched(k)
+        ranks = ranks_of(stats)
+        assert int(stats["batch_seqs_max"]) > 1, "the LIPs never shared a forward pass"
+        assert stats["tensor_parallel"] == "2"
+        assert sorted(ranks) == [0, 1]
+        assert int(ranks[0]["pid"]) == int(stats["engine_pid"])
+        for r in ranks.values():
+            assert alive(int(r["pid"])) and r["device"] == "cpu" and r["node"] == "0"
+            assert 0 < float(r["busy"])  # each rank computed
+    finally:
+        assert d.stop() == 0, d.log_text()
+    for ids, out in zip(prompts, got, strict=True):
+        assert out == alone(ids, 12)
+
+
+def export_after_forks(d) -> tuple[list[list[int]], bytes]:
+    """Greedy tokens and the export of files that share pages: a prompt, two forks that
+    each decode on (the shared last page copied on write), and one shifted."""
+    with d.connect() as k:
+        home = k.home
+        with k.open(home + "/base", os.O_CREAT | os.O_RDWR) as f:
+            (first,) = f.pred(prompt(37))
+            tokens = []
+            for _ in range(2):
+                with f.fork() as branch:
+                    t = first.token
+                    out = []
+                    for _ in range(6):
+                        (o,) = branch.pred([t])
+                        t = o.token
+                        out.append(t)
+                    tokens.append(out)
+                    branch.shift(0, 40, 5)
+                    (o,) = branch.pred([t])
+                    tokens.append([o.token])
+            return tokens, k.export(f)
+
+
+def test_two_nodes_meet_over_tcp_and_the_kernel_keeps_node_1s_kv(model, tmp_path):
+    """Node 1's rank holds its shard itself: what kvfs does to its pages (copy on write,
+    shift) reaches it, and what it computes reaches the kernel's mirror (the export)."""
+    one = start_daemon(model, None, *FLAGS, "--tensor-parallel", "2")
+    try:
+        want = export_after_forks(one)
+    finally:
+        assert one.stop() == 0, one.log_text()
+    port = str(free_port())
+    rendezvous = (
+        "--tensor-parallel",
+        "2",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+    )
+    log = open(tmp_path / "node1.log", "wb")
+    node1 = subprocess.Popen(
+        [
+            *SYMPHONY,
+            "rank",
+            "--node-rank",
+            "1",
+            "--model",
+            str(model),
+            "--device",
+            "cpu",
+            *rendezvous,
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+    )
+    d = start_daemon(model, None, *FLAGS, "--node-rank", "0", *rendezvous)
+    try:
+        with d.connect() as k:
+            ranks = ranks_of(sched(k))
+        assert ranks[1]["node"] == "1" and ranks[1]["busy"] == "-"  # not on node 0's /proc
+        assert export_after_forks(d) == want
+    finally:
+        assert d.stop() == 0, d.log_text()
+    # The kernel's stop ends the group, and with it node 1's ranks.
+    assert node1.wait(30) == 0, (tmp_path / "node1.log").read_text()
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_dead_rank_stops_the_kernel_and_loses_no_saved_file(model, victim):
+    d = start_daemon(model, None, *FLAGS, "--tensor-parallel", "2")
+    try:
+        with d.connect() as k:
+            x = k.home + "/x"
+            with k.open(x, os.O_CREAT | os.O_RDWR) as f:
+                f.pred(prompt(40), no_outputs=True)
+                f.fsync()
+            ranks = {r: int(f["pid"]) for r, f in ranks_of(sched(k)).items()}
+            os.kill(ranks[victim], signal.SIGKILL)
+            # The pred in flight, or the next, fails: the kernel stops, it does not hang.
+            with pytest.raises(OSError), k.open(x, os.O_RDWR) as f:
+                for _ in range(100):
+                    f.pred([7], no_outputs=True)
+        assert d.process.wait(30) == 1, d.log_text()
+        assert f"rank {victim} (pid {ranks[victim]}) exited with status -9" in d.log_text()
+        assert not d.socket.exists() and not pid_path(d.socket).exists()
+        for pid in ranks.values():  # the other rank went too
+            wait_for(lambda p=pid: not alive(p), timeout=10, what=f"rank pid {pid} to exit")
+        d = start_daemon(model, d.socket.parent)
+        with d.connect() as k:
+            assert k.stat(x).tokens == 40  # saved at N=2, opened at N=1
+    finally:
+        d.stop()
+
+
+def test_a_killed_kernel_takes_every_rank_with_it(model):
+    d = start_daemon(model, None, *FLAGS, "--tensor-parallel", "2")
+    try:
+        with d.connect() as k:
+            pids = [int(f["pid"]) for f in ranks_of(sched(k)).values()]
+        d.process.kill()
+        d.process.wait(30)
+        for pid in pids:
+            wait_for(lambda p=pid: not alive(p), timeout=10, what=f"rank pid {pid} to exit")
+    finally:
+        d.stop()
