@@ -250,7 +250,8 @@ class KVPool:
             sv[:, dst].copy_(sv[:, src])
 
     def move(self, page: int, src: str, dst: str) -> int:
-        """Copy a page to another tier and free it here; returns its id there."""
+        """Copy a page between the device and the host tier (gathered going down, scattered
+        going up) and free it here; returns its id there."""
         (new,) = self.allocate(1, dst)
         if src == HOST:
             self._put(dst, (slice(None), new), self.host_k[:, page], self.host_v[:, page])
