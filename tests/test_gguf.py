@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from checkpoints import CHAT_TEMPLATE, add_tokenizer
+from checkpoints import CHAT_TEMPLATE, SMALL, add_tokenizer
 
 from symphony.engine.config import ModelConfig
 from symphony.engine.engine import Engine
@@ -40,19 +40,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-# Rows of 256 (hidden, MLP and attention widths), so that the K-quants' blocks fit.
-SHAPE = dict(
-    vocab_size=320,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-5,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+# The parity tests' small shape with rows of 256 (hidden, MLP and attention widths), so that
+# the K-quants' blocks fit.
+SHAPE = dict(SMALL, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+             rms_norm_eps=1e-5)
 FAMILIES = {
     # Llama 3.1's frequency scaling: the converter writes it as a rope_freqs tensor.
     "llama": ("llama", "LlamaConfig", "LlamaForCausalLM", dict(

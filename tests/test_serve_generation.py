@@ -240,26 +240,36 @@ async def pages_of(k: AsyncKernel) -> int:
     return next(p.pages for p in await k.ps() if p.pid == k.pid)
 
 
+async def cancelled_midstream(k: AsyncKernel, stream: Any,
+                              until: Callable[[list[Delta]], bool]) -> tuple[int, list[Delta]]:
+    """Consumes `stream` (a generation or a batch) in a task until `until(deltas so far)`,
+    then cancels the task, as a client's disconnect cancels the task streaming to it, and
+    closes the stream, which returns once all is freed. The session's pages while it
+    streamed, and the deltas it got."""
+    deltas: list[Delta] = []
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for delta in stream:
+            deltas.append(delta)
+            if until(deltas):
+                started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    during = await pages_of(k)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await stream.aclose()
+    return during, deltas
+
+
 def test_a_cancelled_consumer_frees_its_pages(daemon):
     async def body(g: Generator, k: AsyncKernel) -> tuple[int, int, int]:
         before = await pages_of(k)
         gen = g.start(GenParams(prompt(150, salt=4), 2000, n=2, ignore_eos=True))
-        started = asyncio.Event()
-
-        async def consume() -> None:
-            count = 0
-            async for _ in gen:
-                count += 1
-                if count == 6:
-                    started.set()
-
-        task = asyncio.create_task(consume())
-        await started.wait()
-        during = await pages_of(k)
-        task.cancel()  # as a client's disconnect cancels the task streaming to it
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await gen.aclose()  # returns once all is freed
+        during, _ = await cancelled_midstream(k, gen, lambda deltas: len(deltas) == 6)
         return before, during, await pages_of(k)
 
     before, during, after = served(daemon, body)

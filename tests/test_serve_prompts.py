@@ -12,14 +12,13 @@ same figures (a request of its own, pred's own scores, the kernel's tokenizer).
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import httpx2 as httpx
 import openai
 import pytest
 from daemon import prompt
-from test_serve_generation import pages_of, served
+from test_serve_generation import cancelled_midstream, pages_of, served
 
 from lips.serving.errors import ApiError
 from lips.serving.generation import Batch, Generator, GenParams
@@ -258,23 +257,9 @@ def test_a_cancelled_batch_consumer_frees_every_prompts_pages(daemon):
         before = await pages_of(k)
         batch = Batch(g, [GenParams(prompt(90, salt=i), 2000, n=2, ignore_eos=True)
                           for i in range(3)])
-        seen: set[int] = set()
-        started = asyncio.Event()
-
-        async def consume() -> None:
-            async for delta in batch:
-                seen.add(delta.index)
-                if len(seen) == 6:
-                    started.set()
-
-        task = asyncio.create_task(consume())
-        await started.wait()
-        during = await pages_of(k)
-        task.cancel()  # as a client's disconnect cancels the task streaming to it
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await batch.aclose()
-        return before, during, await pages_of(k), seen
+        during, deltas = await cancelled_midstream(
+            k, batch, lambda deltas: len({d.index for d in deltas}) == 6)
+        return before, during, await pages_of(k), {d.index for d in deltas}
 
     before, during, after, seen = served(daemon, body)
     assert seen == set(range(6)) and during > before and after == before
