@@ -104,7 +104,7 @@ def steps(dry: bool, out: Path) -> list[Step]:
                  "4", "--kv-heads", "2", "--head-dim", "32", "--repeat", "1"])),
             Step("bench-engine", 60, shell(
                 [py, "bench/gpu.py", "--make-llama", "tiny", str(out / "llama-tiny")],
-                [py, "bench/engine.py", "--model", str(out / "llama-tiny"), "--batches", "1,3",
+                [py, "bench/engine.py", "--model", str(out / "llama-tiny"), "--batches", "1",
                  "--prompt-len", "8", "--new-tokens", "3", "--prefill-len", "16",
                  "--prefill-batch", "1", "--repeat", "1", "--cuda-graphs", "both"])),
             # The pred path on the simulated accelerator: the kernel's own path, in seconds.

@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from checkpoints import make_checkpoint
 
 from symphony.engine.cuda_graphs import (
     BATCH_BUCKETS,
@@ -53,7 +54,7 @@ def test_buckets():
 
 def decode_batch(kv_lens: list[int], tables: list[list[int]], seed: int = 0) -> Batch:
     rng = np.random.default_rng(seed)
-    ids = rng.integers(3, 4000, len(kv_lens)).tolist()
+    ids = rng.integers(3, 300, len(kv_lens)).tolist()  # in every test model's vocabulary
     n = len(kv_lens)
     return Batch(ids, [k - 1 for k in kv_lens], [1] * n, kv_lens, tables, list(range(n)))
 
@@ -126,9 +127,19 @@ BACKENDS = [
 ]
 
 
-def engine_with(backend: str, monkeypatch, **kw) -> Engine:
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory):
+    """Two layers: the Triton interpreter runs every program of every layer in Python."""
+    directory = tmp_path_factory.mktemp("llama")
+    make_checkpoint(directory, "llama")
+    return directory
+
+
+def engine_with(backend: str, model_dir, monkeypatch, **kw) -> Engine:
     monkeypatch.setenv("SYMPHONY_ATTENTION", backend)
-    engine = Engine(device=DEVICE, dtype=torch.float32, kv_pages=32, page_size=PAGE, **kw)
+    engine = Engine(
+        model_dir, device=DEVICE, dtype=torch.float32, kv_pages=32, page_size=PAGE, **kw
+    )
     assert engine.kernels.name == backend
     g = torch.Generator().manual_seed(1)
     engine.pool.k.copy_(torch.randn(engine.pool.k.shape, generator=g))  # as if prefilled
@@ -155,10 +166,12 @@ def written_slots(engine: Engine, before: tuple[torch.Tensor, torch.Tensor]) -> 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_padded_static_step_gives_the_normal_paths_logits_and_kv(backend, monkeypatch):
+def test_a_padded_static_step_gives_the_normal_paths_logits_and_kv(
+    backend, small_llama, monkeypatch
+):
     """The step a graph records, run eagerly: 3 sequences padded to a bucket of 4 (one row
     of padding) over page tables padded to 4 pages, against the engine's own forward."""
-    engine = engine_with(backend, monkeypatch, cuda_graphs="off")
+    engine = engine_with(backend, small_llama, monkeypatch, cuda_graphs="off")
     graphs = DecodeGraphs(
         engine.model, engine.pool, engine.kernels, engine.ops, engine.scale, capture=False
     )
@@ -192,9 +205,9 @@ def test_batches_without_a_bucket_take_the_normal_path():
 
 
 @cuda_only
-def test_replayed_graphs_give_the_normal_paths_logits_and_kv(monkeypatch):
+def test_replayed_graphs_give_the_normal_paths_logits_and_kv(small_llama, monkeypatch):
     """Captured on CUDA, once per bucket, replayed for every batch that falls in it."""
-    engine = engine_with("triton", monkeypatch)
+    engine = engine_with("triton", small_llama, monkeypatch)
     graphs = engine.decode_graphs
     assert graphs is not None and graphs.capture
     start = pool_state(engine)
