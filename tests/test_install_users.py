@@ -4,7 +4,8 @@ kernel root started, as README's "Quick start" says a multi-user install allows.
 
 The venv's interpreter is what makes or breaks this: one linked into a pyenv under root's
 home (mode 0700) cannot even be started by others, and a copied binary still loads its
-standard library from its base prefix, so the user must be able to run it, not just read it.
+standard library from its base prefix, so the user must get root's Python from it, standard
+library included, not merely a Python.
 """
 
 from __future__ import annotations
