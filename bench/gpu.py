@@ -81,8 +81,11 @@ def steps(dry: bool, out: Path) -> list[Step]:
     else:
         kernels = pytest_argv(out, "kernels", "tests/test_kernels.py")
         # (tests/test_engine_parity.py holds the CPU's paths: it has no CUDA case to run.)
-        parity = pytest_argv(out, "parity", "tests/test_gpu_parity.py",
-                             "tests/test_cuda_graphs.py")
+        parity = pytest_argv(out, "parity", "tests/test_gpu_parity.py", *(
+            f"tests/test_cuda_graphs.py::test_{t}" for t in (  # the rest is the CPU's
+                "a_padded_static_step_gives_the_normal_paths_logits_and_kv",
+                "replayed_graphs_give_the_normal_paths_logits_and_kv",
+                "greedy_decoding_is_the_same_with_and_without_graphs")))
         daemon = pytest_argv(
             out, "daemon", "tests/test_engine_process.py",
             "tests/test_kernel.py::test_complete_equals_generate",

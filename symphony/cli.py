@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # 1024 were 755 MB with SmolLM2's 0.7 MB pages).
     pages = args.kv_pages or -(-(len(prompt) + args.max_new_tokens) // PAGE_SIZE) + 1
     engine = Engine(model, device=args.device, dtype=dtype, kv_pages=pages, page_size=PAGE_SIZE,
-                    weights=args.weights)
+                    weights=args.weights, cuda_graphs=args.cuda_graphs)
     out = generate(engine, [prompt], sampling_params(args), args.max_new_tokens)[0]
     text = tok.decode(out) if tok else None
     if args.json:
@@ -66,11 +67,14 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     import torch
 
     from symphony.daemon import default_state_dir, run_kernel
+    from symphony.engine.cuda_graphs import ENV as CUDA_GRAPHS_ENV
     from symphony.engine_process import EngineProcess
     from syscalls.session import socket_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.cuda_graphs:  # for the engine processes, which inherit the environment
+        os.environ[CUDA_GRAPHS_ENV] = args.cuda_graphs
     rendezvous = rendezvous_of(args)
     if rendezvous.node_rank != 0:
         raise ValueError(f"--node-rank {rendezvous.node_rank}: the kernel lives on node 0; "
@@ -132,7 +136,7 @@ def control():
 KERNEL_OPTIONS = ("model", "state_dir", "device", "dtype", "kv_pages", "host_pages",
                   "disk_pages", "token_budget", "max_seqs", "quota", "decode_ahead",
                   "max_procs_per_user", "engine", "weights", "tensor_parallel", "nnodes",
-                  "node_rank", "master_addr", "master_port")
+                  "node_rank", "master_addr", "master_port", "cuda_graphs")
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -178,6 +182,13 @@ def engine_mode(text: str) -> str:
     return text
 
 
+def add_cuda_graphs_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cuda-graphs", choices=["on", "off"],
+                   help="replay decode steps from CUDA graphs (default: $SYMPHONY_CUDA_GRAPHS, "
+                   "else on where they can be captured: the Triton kernels on CUDA, one rank; "
+                   "on is refused anywhere else)")
+
+
 def add_weights_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["quantized", "float"], default="quantized",
                    help="on the CPU, a GGUF file's Q4_0, Q4_1 and Q8_0 matrices: multiplied "
@@ -215,6 +226,7 @@ def add_kernel_flags(k: argparse.ArgumentParser) -> None:
                    "answers made-up tokens, loading no weights (to measure the kernel's own "
                    "path)")
     add_weights_flag(k)
+    add_cuda_graphs_flag(k)
     add_rank_flags(k)
 
 
@@ -250,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pages of 16 tokens (default: what the prompt and --max-new-tokens "
                    "need)")
     add_weights_flag(g)
+    add_cuda_graphs_flag(g)
     g.set_defaults(func=cmd_generate)
     k = sub.add_parser("kernel", help="run the kernel daemon in the foreground")
     add_kernel_flags(k)

@@ -10,12 +10,15 @@ without them. SYMPHONY_TEST_DEVICE picks the device.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 from checkpoints import make_checkpoint
 
+from symphony.cli import KERNEL_OPTIONS, build_parser, main
 from symphony.engine.cuda_graphs import (
     BATCH_BUCKETS,
     ENV,
@@ -89,9 +92,7 @@ def test_the_switch(monkeypatch):
     assert graphs_wanted("on", cuda, "triton")
     assert not graphs_wanted(None, cpu, "c") and not graphs_wanted("off", cpu, "torch")
     assert not graphs_wanted(None, cuda, "torch")  # the torch reference syncs: no capture
-    with pytest.raises(
-        ValueError, match="CUDA graphs .* the c kernels on cpu: use cuda_graphs off"
-    ):
+    with pytest.raises(ValueError, match="CUDA graphs .* the c kernels on cpu: they must be off"):
         graphs_wanted("on", cpu, "c")
     with pytest.raises(ValueError, match="the torch kernels on cuda"):
         graphs_wanted("on", cuda, "torch")
@@ -110,8 +111,41 @@ def test_the_switch(monkeypatch):
 def test_an_engine_on_the_cpu_has_no_graphs_and_refuses_them():
     engine = Engine(device="cpu", kv_pages=8)
     assert engine.decode_graphs is None
-    with pytest.raises(ValueError, match="use cuda_graphs off"):
+    with pytest.raises(ValueError, match="they must be off"):
         Engine(device="cpu", kv_pages=8, cuda_graphs="on")
+
+
+@pytest.mark.parametrize("command", ["kernel", "start", "generate"])
+def test_the_cli_flag(command, capsys):
+    parser = build_parser()
+    args = [command] + (["--prompt", "hi"] if command == "generate" else [])
+    assert parser.parse_args(args).cuda_graphs is None  # the engine's default
+    assert parser.parse_args([*args, "--cuda-graphs", "off"]).cuda_graphs == "off"
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args([*args, "--cuda-graphs", "yes"])
+    assert e.value.code == 2 and "--cuda-graphs" in capsys.readouterr().err
+    assert "cuda_graphs" in KERNEL_OPTIONS  # start passes it on to the kernel
+
+
+def test_generate_on_the_cpu_with_graphs_on_says_why(capsys):
+    argv = ["generate", "--device", "cpu", "--prompt-ids", "1,2", "--max-new-tokens", "1"]
+    assert main([*argv, "--cuda-graphs", "on"]) == 1
+    assert "the c kernels on cpu: they must be off" in capsys.readouterr().err
+    assert main([*argv, "--cuda-graphs", "off"]) == 0
+
+
+@pytest.mark.slow
+def test_a_kernel_asked_for_graphs_on_the_cpu_says_why(tmp_path):
+    """The flag reaches the engine process (through its environment), which refuses."""
+    run = subprocess.run(
+        [sys.executable, "-m", "symphony.cli", "kernel", "--cuda-graphs", "on", "--device",
+         "cpu", "--kv-pages", "8", "--socket", str(tmp_path / "k.sock"), "--state-dir",
+         str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k != ENV},
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr
+    assert "the c kernels on cpu: they must be off" in run.stderr
 
 
 def test_capture_is_refused_off_cuda():

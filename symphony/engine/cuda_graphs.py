@@ -51,7 +51,7 @@ def graphs_wanted(switch: str | None, device: torch.device, kernels: str, ranks:
         group = f" as one of {ranks} tensor-parallel ranks" if ranks > 1 else ""
         raise ValueError(
             f"CUDA graphs capture a single rank's CUDA work of the Triton kernels; this engine "
-            f"runs the {kernels} kernels on {device}{group}: use cuda_graphs off"
+            f"runs the {kernels} kernels on {device}{group}: they must be off"
         )
     return capturable if choice is None else choice == "on"
 
