@@ -193,8 +193,8 @@ def errno_of(fn, *args) -> int:
 
 
 def as_user(uid: int, *cmd: str) -> subprocess.CompletedProcess:
-    """A plain system tool run as another user (the venv's Python lives where they cannot
-    read)."""
+    """A plain system tool (ls, cat, cp on the mount) run as another user: what the mount
+    tests ask of the file system needs no Python."""
     return subprocess.run(
         cmd, user=uid, group=uid, extra_groups=[], capture_output=True, cwd="/", timeout=60
     )
