@@ -79,6 +79,13 @@ def frame(s: Sample, rate: Mapping[int, float]) -> list[str]:
         for key, value in s.meminfo.items()
         if key.startswith("quota_")
     ]
+    # The engine's ranks (tensor parallelism): /proc/sched's "rankR: pid=... busy=..." rows.
+    ranks = []
+    for key, value in s.sched.items():
+        if key.startswith("rank") and key[4:].isdigit():
+            f = defaultdict(lambda: "-", (kv.split("=", 1) for kv in value.split() if "=" in kv))
+            ranks.append(f"{key[4:]} pid {f['pid']} {f['device']} on {f['host']} "
+                         f"busy {f['busy']}")
     lines = [
         *wrap(f"symphony top - {time.strftime('%H:%M:%S', time.localtime(s.taken))}  "
               f"processes {len(s.procs)}: ",
@@ -103,6 +110,7 @@ def frame(s: Sample, rate: Mapping[int, float]) -> list[str]:
             f"decoding ahead {q['decode_ahead']}: {q['ahead_used']} of "
             f"{q['ahead_guesses']} guesses taken",
         ]),
+        *(wrap("Ranks: ", ranks) if ranks else []),
         *(wrap("Quota (pages used / limit): ", quotas) if quotas else []),
         "",
         COLUMNS,

@@ -19,6 +19,7 @@ from symphony.engine.errors import ModelError
 from symphony.engine.loader import load_model
 from symphony.engine.tensor_parallel import Group, kv_heads_of, shard_of
 from symphony.engine.tree import ancestor_bits
+from symphony.top import Sample, frame
 
 ATOL = 1e-4
 PAGES = [5, 2, 7, 0]  # a shuffled page table, 64 slots
@@ -164,3 +165,11 @@ def test_a_model_that_does_not_divide_is_refused_naming_the_dimension(checkpoint
         shard_of(replace(cfg, intermediate_size=162), 0, 4)
     with pytest.raises(ModelError, match="3 KV heads neither divide by 2 nor divide it"):
         shard_of(replace(cfg, num_heads=6, num_kv_heads=3), 0, 2)
+
+
+def test_top_shows_a_row_per_rank():
+    sched = {"tensor_parallel": "2",
+             "rank0": "pid=41 node=0 host=a device=cpu busy=0.93",
+             "rank1": "pid=7 node=1 host=b device=cuda:0 busy=-"}
+    screen = "\n".join(frame(Sample(0.0, [], {}, sched), {}))
+    assert "Ranks: 0 pid 41 cpu on a busy 0.93, 1 pid 7 cuda:0 on b busy -" in screen
