@@ -85,6 +85,7 @@ def steps(dry: bool, out: Path) -> list[Step]:
             f"tests/test_cuda_graphs.py::test_{t}" for t in (  # the rest is the CPU's
                 "a_padded_static_step_gives_the_normal_paths_logits_and_kv",
                 "replayed_graphs_give_the_normal_paths_logits_and_kv",
+                "a_step_that_cannot_be_captured_runs_eagerly",
                 "greedy_decoding_is_the_same_with_and_without_graphs")))
         daemon = pytest_argv(
             out, "daemon", "tests/test_engine_process.py",

@@ -264,7 +264,31 @@ def test_replayed_graphs_give_the_normal_paths_logits_and_kv(small_llama, monkey
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got_kv, pool_state(engine), atol=1e-5, rtol=1e-5)
         restore(engine, start)
-    assert graphs.captured == [(4, 4), (1, 8), (8, 4)]
+    assert graphs.failed is None and graphs.captured == [(4, 4), (1, 8), (8, 4)]
+
+
+@cuda_only
+def test_a_step_that_cannot_be_captured_runs_eagerly(small_llama, monkeypatch, caplog):
+    """A host sync in the step (here an .item()) breaks the capture: logged, graphs off, the
+    step and the ones after it computed eagerly, as without graphs."""
+    engine = engine_with("triton", small_llama, monkeypatch)
+    graphs, step = engine.decode_graphs, engine.decode_graphs.step
+
+    def syncing(inputs):
+        inputs.kv_lens.sum().item()
+        return step(inputs)
+
+    monkeypatch.setattr(graphs, "step", syncing)
+    start = pool_state(engine)
+    batch = decode_batch([5, 21, 40], [[7, 30], [3, 9], [12, 1, 5, 20]])
+    got = engine.forward(batch)
+    assert graphs.failed and "bucket (4, 4)" in graphs.failed and graphs.captured == []
+    assert "CUDA graphs off" in caplog.text
+    restore(engine, start)
+    engine.decode_graphs = None
+    torch.testing.assert_close(got, engine.forward(batch), atol=1e-4, rtol=1e-4)
+    engine.decode_graphs = graphs
+    assert graphs.forward(batch) is None  # off for good
 
 
 @cuda_only

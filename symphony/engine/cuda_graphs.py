@@ -1,5 +1,5 @@
-"""CUDA graphs of decode steps: a small model's decode step is hundreds of kernel launches of
-a few microseconds each, more than its GPU work at batch 1; a graph replays them in one.
+"""CUDA graphs of decode steps: a small model's decode step is hundreds of kernel launches,
+which at batch 1 can take longer than its GPU work; a graph replays them in one launch.
 
 A graph replays fixed shapes at fixed addresses, so a decode batch is padded to a bucket (a
 batch size of BATCH_BUCKETS, a page table width of a power of two pages) and its inputs are
@@ -7,12 +7,14 @@ copied into that bucket's static buffers, which the graph reads. A padding row h
 and slot -1: decode attention attends to nothing for it (its output is zeros) and store_kv
 stores nothing, so padding needs no page of the pool. Each bucket's graph is captured the
 first time a batch falls in it; all graphs share one memory pool, as steps run one at a time.
+A capture that fails is logged and turns the graphs off: every later step runs eagerly.
 
 With `capture=False` the same static-buffer step runs eagerly: what the CPU can test of it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -29,9 +31,11 @@ if TYPE_CHECKING:  # engine.py imports this module
     from kvfs.pool import KVPool
     from symphony.engine.engine import Batch
 
+log = logging.getLogger(__name__)
+
 ENV = "SYMPHONY_CUDA_GRAPHS"
 SWITCH = ("on", "off")
-# Fine steps where batches are common, coarser above: a step pads at most a third.
+# Fine steps where batches are common, coarser above: at most 3 rows in 8 are padding.
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_PAGES = 4  # the narrowest page table: fewer graphs for short sequences
 
@@ -130,14 +134,10 @@ class DecodeGraphs:
                 f"CUDA graphs cannot be captured on {device}: they need a CUDA "
                 f"device (capture=False runs the same steps eagerly)"
             )
-        self.model, self.pool, self.kernels, self.ops, self.scale = (
-            model,
-            pool,
-            kernels,
-            ops,
-            scale,
-        )
+        self.model, self.pool, self.ops = model, pool, ops
+        self.kernels, self.scale = kernels, scale
         self.device, self.capture = device, capture
+        self.failed: str | None = None  # why a capture failed, which turned the graphs off
         self._graphs: dict[tuple[int, int], Captured] = {}
         self._eager: dict[tuple[int, int], StaticInputs] = {}
         self._logits: dict[int, torch.Tensor] = {}  # per batch bucket: every width shares it
@@ -161,7 +161,7 @@ class DecodeGraphs:
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits [len(logit_rows), vocab] of a checked batch, its K/V written, as the
         engine's forward gives them; None for a batch without a bucket."""
-        key = self.bucket(batch)
+        key = None if self.failed else self.bucket(batch)
         if key is None:
             return None
         host = pad(batch, *key, self.pool.page_size)
@@ -171,7 +171,14 @@ class DecodeGraphs:
                 inputs = self._eager[key] = StaticInputs(*key, self.device)
             inputs.fill(host)
             return self.step(inputs)[batch.logit_rows]
-        captured = self._graphs.get(key) or self._capture(key)
+        captured = self._graphs.get(key)
+        if captured is None:
+            try:
+                captured = self._capture(key)
+            except RuntimeError as e:  # a step that cannot be captured still runs, eagerly
+                self.failed = f"capturing the decode step of bucket {key}: {e}"
+                log.warning("CUDA graphs off: %s", self.failed)
+                return None
         captured.inputs.fill(host)
         captured.graph.replay()
         # A copy, as the next replay overwrites the buffer. Rows in order (a decode's usual)
