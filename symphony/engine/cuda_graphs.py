@@ -204,22 +204,23 @@ class DecodeGraphs:
         return self.model.logits(hidden, self.ops)
 
     def _capture(self, key: tuple[int, int]) -> Captured:
-        inputs = StaticInputs(*key, self.device)  # all padding: capturing stores nothing
-        # One eager run first, on a side stream as torch's capture wants: Triton compiles its
-        # kernels and cuBLAS picks its algorithms, which may not happen while capturing.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            warm = self.step(inputs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        logits = self._logits.get(key[0])
-        if logits is None:
-            logits = self._logits[key[0]] = torch.empty_like(warm)
-        if self._memory is None:
-            self._memory = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._memory):
-            logits.copy_(self.step(inputs))
+        with torch.cuda.device(self.device):  # the capture's streams are the current device's
+            inputs = StaticInputs(*key, self.device)  # all padding: capturing stores nothing
+            # One eager run first, on a side stream as torch's capture wants: Triton compiles
+            # its kernels and cuBLAS picks its algorithms, which may not happen in a capture.
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                warm = self.step(inputs)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            logits = self._logits.get(key[0])
+            if logits is None:
+                logits = self._logits[key[0]] = torch.empty_like(warm)
+            if self._memory is None:
+                self._memory = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._memory):
+                logits.copy_(self.step(inputs))
         captured = self._graphs[key] = Captured(graph, inputs)
         return captured
 
