@@ -19,6 +19,8 @@ from symphony.engine.errors import ModelError
 from symphony.engine.loader import load_model
 from symphony.engine.tensor_parallel import Group, kv_heads_of, shard_of
 from symphony.engine.tree import ancestor_bits
+from symphony.engine_process import EngineProcess
+from symphony.ranks import Rendezvous, from_environment
 from symphony.top import Sample, frame
 
 ATOL = 1e-4
@@ -168,8 +170,73 @@ def test_a_model_that_does_not_divide_is_refused_naming_the_dimension(checkpoint
 
 
 def test_top_shows_a_row_per_rank():
-    sched = {"tensor_parallel": "2",
-             "rank0": "pid=41 node=0 host=a device=cpu busy=0.93",
-             "rank1": "pid=7 node=1 host=b device=cuda:0 busy=-"}
+    sched = {
+        "tensor_parallel": "2",
+        "rank0": "pid=41 node=0 host=a device=cpu busy=0.93",
+        "rank1": "pid=7 node=1 host=b device=cuda:0 busy=-",
+    }
     screen = "\n".join(frame(Sample(0.0, [], {}, sched), {}))
     assert "Ranks: 0 pid 41 cpu on a busy 0.93, 1 pid 7 cuda:0 on b busy -" in screen
+
+
+def test_a_rendezvous_comes_from_flags_or_torchruns_variables(monkeypatch):
+    for name in ("NNODES", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert from_environment(2, None, None, None, None) == Rendezvous(2, 1, 0, "127.0.0.1", 0)
+    monkeypatch.setenv("NNODES", "2")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    r = from_environment(4, None, None, None, None)
+    assert r == Rendezvous(4, 2, 1, "10.0.0.1", 29500)
+    assert list(r.local_ranks()) == [2, 3] and r.node_of(1) == 0
+    assert from_environment(4, None, 0, "a", 7).master_port == 7  # flags first
+    with pytest.raises(ValueError, match="--tensor-parallel 3 ranks over --nnodes 2"):
+        Rendezvous(3, 2, 0, "a", 1)
+    with pytest.raises(ValueError, match="--node-rank 2 outside"):
+        Rendezvous(4, 2, 2, "a", 1)
+    with pytest.raises(ValueError, match="needs --master-port"):
+        Rendezvous(4, 2, 0)
+
+
+def test_the_kernel_refuses_what_ranks_cannot_run(model, capsys):
+    from symphony.cli import main
+
+    # The kernel lives on node 0; a simulated accelerator has nothing to split.
+    assert (
+        main(
+            [
+                "kernel",
+                "--tensor-parallel",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--master-port",
+                "1",
+            ]
+        )
+        == 1
+    )
+    assert (
+        main(
+            [
+                "rank",
+                "--tensor-parallel",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "0",
+                "--master-port",
+                "1",
+            ]
+        )
+        == 1
+    )
+    err = capsys.readouterr().err
+    assert "the kernel lives on node 0" in err and "--node-rank 0 is the kernel's node" in err
+    with pytest.raises(ValueError, match="sleep:MS loads no model"):
+        EngineProcess(model, kv_pages=4, sleep_ms=1, rendezvous=Rendezvous(2))
+    with pytest.raises(ModelError, match="attention heads \\(8\\) do not divide by 3"):
+        EngineProcess(model, kv_pages=4, rendezvous=Rendezvous(3))

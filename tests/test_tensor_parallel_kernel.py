@@ -70,23 +70,27 @@ def complete(d, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [json.loads(out)["output_ids"] for out, _ in outs]
 
 
-def test_eight_concurrent_lips_on_two_ranks_get_what_one_rank_gives(model, alone):
+@pytest.fixture(scope="module")
+def two_ranks(model):
+    """A kernel of two ranks on this machine; the module's last test kills it."""
     d = start_daemon(model, None, *FLAGS, "--tensor-parallel", "2")
-    try:
-        prompts = [prompt(5 + 17 * i, salt=i) for i in range(8)]
-        got = complete(d, prompts, 12)
-        with d.connect() as k:
-            stats = sched(k)
-        ranks = ranks_of(stats)
-        assert int(stats["batch_seqs_max"]) > 1, "the LIPs never shared a forward pass"
-        assert stats["tensor_parallel"] == "2"
-        assert sorted(ranks) == [0, 1]
-        assert int(ranks[0]["pid"]) == int(stats["engine_pid"])
-        for r in ranks.values():
-            assert alive(int(r["pid"])) and r["device"] == "cpu" and r["node"] == "0"
-            assert 0 < float(r["busy"])  # each rank computed
-    finally:
-        assert d.stop() == 0, d.log_text()
+    yield d
+    d.stop()
+
+
+def test_eight_concurrent_lips_on_two_ranks_get_what_one_rank_gives(two_ranks, alone):
+    prompts = [prompt(5 + 17 * i, salt=i) for i in range(8)]
+    got = complete(two_ranks, prompts, 12)
+    with two_ranks.connect() as k:
+        stats = sched(k)
+    ranks = ranks_of(stats)
+    assert int(stats["batch_seqs_max"]) > 1, "the LIPs never shared a forward pass"
+    assert stats["tensor_parallel"] == "2"
+    assert sorted(ranks) == [0, 1]
+    assert int(ranks[0]["pid"]) == int(stats["engine_pid"])
+    for r in ranks.values():
+        assert alive(int(r["pid"])) and r["device"] == "cpu" and r["node"] == "0"
+        assert 0 < float(r["busy"])  # each rank computed
     for ids, out in zip(prompts, got, strict=True):
         assert out == alone(ids, 12)
 
@@ -114,14 +118,11 @@ def export_after_forks(d) -> tuple[list[list[int]], bytes]:
             return tokens, k.export(f)
 
 
-def test_two_nodes_meet_over_tcp_and_the_kernel_keeps_node_1s_kv(model, tmp_path):
+def test_two_nodes_meet_over_tcp_and_the_kernel_keeps_node_1s_kv(model, two_ranks, tmp_path):
     """Node 1's rank holds its shard itself: what kvfs does to its pages (copy on write,
-    shift) reaches it, and what it computes reaches the kernel's mirror (the export)."""
-    one = start_daemon(model, None, *FLAGS, "--tensor-parallel", "2")
-    try:
-        want = export_after_forks(one)
-    finally:
-        assert one.stop() == 0, one.log_text()
+    shift) reaches it, and what it computes reaches the kernel's mirror (the export): all
+    as on one node, bit for bit."""
+    want = export_after_forks(two_ranks)
     port = str(free_port())
     rendezvous = (
         "--tensor-parallel",
@@ -163,6 +164,15 @@ def test_two_nodes_meet_over_tcp_and_the_kernel_keeps_node_1s_kv(model, tmp_path
     assert node1.wait(30) == 0, (tmp_path / "node1.log").read_text()
 
 
+def test_a_killed_kernel_takes_every_rank_with_it(two_ranks):
+    with two_ranks.connect() as k:
+        pids = [int(f["pid"]) for f in ranks_of(sched(k)).values()]
+    two_ranks.process.kill()
+    two_ranks.process.wait(30)
+    for pid in pids:
+        wait_for(lambda p=pid: not alive(p), timeout=10, what=f"rank pid {pid} to exit")
+
+
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_dead_rank_stops_the_kernel_and_loses_no_saved_file(model, victim):
     d = start_daemon(model, None, *FLAGS, "--tensor-parallel", "2")
@@ -183,21 +193,9 @@ def test_a_dead_rank_stops_the_kernel_and_loses_no_saved_file(model, victim):
         assert not d.socket.exists() and not pid_path(d.socket).exists()
         for pid in ranks.values():  # the other rank went too
             wait_for(lambda p=pid: not alive(p), timeout=10, what=f"rank pid {pid} to exit")
-        d = start_daemon(model, d.socket.parent)
-        with d.connect() as k:
-            assert k.stat(x).tokens == 40  # saved at N=2, opened at N=1
-    finally:
-        d.stop()
-
-
-def test_a_killed_kernel_takes_every_rank_with_it(model):
-    d = start_daemon(model, None, *FLAGS, "--tensor-parallel", "2")
-    try:
-        with d.connect() as k:
-            pids = [int(f["pid"]) for f in ranks_of(sched(k)).values()]
-        d.process.kill()
-        d.process.wait(30)
-        for pid in pids:
-            wait_for(lambda p=pid: not alive(p), timeout=10, what=f"rank pid {pid} to exit")
+        if victim == 1:  # saved at N=2, opened at N=1
+            d = start_daemon(model, d.socket.parent)
+            with d.connect() as k:
+                assert k.stat(x).tokens == 40
     finally:
         d.stop()
