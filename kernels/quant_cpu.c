@@ -14,9 +14,14 @@
  *   Q8: qs [N, K] int8; scales [N, K/32] fp16 d: element = d * q.
  * x [M, K], y [M, N], contiguous. K is a multiple of 32.
  *
- * Written for AVX-512 (quant_simd() says whether this build has it). The portable code
- * computes the same sums, for tests and correctness elsewhere; it is not fast, and the engine
- * does not use it.
+ * Written for AVX-512 (quant_simd() says whether this build has it: the compiler's target,
+ * -march=native, has AVX512F). The portable code computes the same sums with plain C (fp16
+ * scales read as bits, no _Float16, no intrinsics), so that the file builds with any C
+ * compiler on any CPU; it is not fast, and the engine then keeps to fp32 matmuls.
+ *
+ * q4_dequantize_f32 and q8_dequantize_f32 write a matrix out in fp32, each weight the float
+ * gguf's reader computes (d * q, then + m: two roundings), for batches large enough that
+ * fp32 matmuls on a copy made for the call beat the block kernels.
  */
 
 #include <stdint.h>
@@ -40,15 +45,31 @@ int quant_simd(void)
 #endif
 }
 
+/* An IEEE half (as its bits) as a float, exactly: the portable path's conversion. */
+static inline float half_to_float(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 0x3ff;
+    union { uint32_t u; float f; } v;
+    if (exp == 31) /* inf, nan */
+        v.u = sign | 0x7f800000 | man << 13;
+    else if (exp) /* normal */
+        v.u = sign | (exp + 112) << 23 | man << 13;
+    else { /* zero, subnormal: man * 2^-24 */
+        v.f = (float)man * 5.9604644775390625e-8f;
+        v.u |= sign;
+    }
+    return v.f;
+}
+
 #if defined(__AVX512F__)
 
-static inline void to_floats(const _Float16 *h, float *f, int64_t n)
+static inline void to_floats(const uint16_t *h, float *f, int64_t n)
 {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
         _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
     for (; i < n; i++)
-        f[i] = (float)h[i];
+        f[i] = half_to_float(h[i]);
 }
 
 /* The block's 32 weights as two vectors: elements 0-15, 16-31. A Q4 block's 16 values are
@@ -100,10 +121,10 @@ DOT_ROWS(q8_dot, q8_block((const int8_t *)qs + b * BLOCK, s[b], &lo, &hi))
 
 #else /* portable: the same sums, one block dequantized to 32 floats at a time */
 
-static inline void to_floats(const _Float16 *h, float *f, int64_t n)
+static inline void to_floats(const uint16_t *h, float *f, int64_t n)
 {
     for (int64_t i = 0; i < n; i++)
-        f[i] = (float)h[i];
+        f[i] = half_to_float(h[i]);
 }
 
 static inline void q4_block(const uint8_t *qs, const float *dm, float *w)
@@ -151,7 +172,7 @@ DOT_ROWS(q8_dot, q8_block((const int8_t *)qs + b * BLOCK, s[b], w))
  * rows as a constant, so that its sums stay in registers. */
 #define LINEAR(NAME, DOT, QTYPE, BYTES_A_ROW, SCALES_A_ROW)                                  \
     void NAME(const float *x, int64_t M, int64_t K, const QTYPE *qs,                       \
-              const _Float16 *scales, float *y, int64_t N)                                 \
+              const uint16_t *scales, float *y, int64_t N)                                 \
     {                                                                                      \
         _Pragma("omp parallel for if (N * K >= 65536) schedule(static)")                   \
         for (int64_t n0 = 0; n0 < N; n0 += COLS)                                           \
@@ -174,6 +195,54 @@ DOT_ROWS(q8_dot, q8_block((const int8_t *)qs + b * BLOCK, s[b], w))
 LINEAR(q4_linear_f32, q4_dot, uint8_t, K / 2, K / BLOCK * 2)
 LINEAR(q8_linear_f32, q8_dot, int8_t, K, K / BLOCK)
 
+/* W [N, K] in fp32, as gguf's reader dequantizes it. GCC would fuse d * q + m into one
+ * rounding (-ffp-contract=fast, its default); the reader rounds twice. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define TWO_ROUNDINGS __attribute__((optimize("fp-contract=off")))
+#else
+#define TWO_ROUNDINGS
+#endif
+
+TWO_ROUNDINGS void q4_dequantize_f32(const uint8_t *qs, const uint16_t *scales, float *w,
+                                     int64_t N, int64_t K)
+{
+    _Pragma("omp parallel for if (N * K >= 65536) schedule(static)")
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < K / BLOCK; b++) {
+            const uint8_t *q = qs + n * (K / 2) + b * 16;
+            const float d = half_to_float(scales[(n * (K / BLOCK) + b) * 2]);
+            const float m = half_to_float(scales[(n * (K / BLOCK) + b) * 2 + 1]);
+            float *out = w + n * K + b * BLOCK;
+#if defined(__AVX512F__) /* q4_block's lookup, its table rounded twice */
+            const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                              1, 0);
+            __m512 table = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d), iota),
+                                         _mm512_set1_ps(m));
+            __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+            _mm512_storeu_ps(out, _mm512_permutexvar_ps(bytes, table));
+            _mm512_storeu_ps(out + 16,
+                             _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table));
+#else
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)(q[j] & 15) + m;
+                out[16 + j] = d * (float)(q[j] >> 4) + m;
+            }
+#endif
+        }
+}
+
+void q8_dequantize_f32(const int8_t *qs, const uint16_t *scales, float *w, int64_t N,
+                       int64_t K)
+{
+    _Pragma("omp parallel for if (N * K >= 65536) schedule(static)")
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < K / BLOCK; b++) {
+            const float d = half_to_float(scales[n * (K / BLOCK) + b]);
+            for (int j = 0; j < BLOCK; j++)
+                w[n * K + b * BLOCK + j] = d * (float)qs[n * K + b * BLOCK + j];
+        }
+}
+
 /* ---------------------------------------------------------------------------------------
  * A whole decode step of a Llama-family model whose every matrix is in blocks above: the
  * layers, the final norm and the logits of the rows asked for, in one call. At batch 1 the
@@ -184,7 +253,7 @@ LINEAR(q8_linear_f32, q8_dot, int8_t, K, K / BLOCK)
 typedef struct {
     int32_t format; /* 4: Q4 layout, 8: Q8 */
     const void *qs;
-    const _Float16 *scales;
+    const uint16_t *scales; /* fp16 bits */
     int64_t rows, cols;
 } qmat_t;
 

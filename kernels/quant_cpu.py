@@ -1,5 +1,6 @@
 """Matrix multiplies on weights kept as GGUF stores them (``quant_cpu.c``: Q4_0, Q4_1 and
-Q8_0 blocks of 32; fp32 activations, CPUs with AVX-512), called through ctypes.
+Q8_0 blocks of 32; fp32 activations, CPUs with AVX-512), called through ctypes; and the
+same matrices written out in fp32 for one call, for batches where fp32 matmuls win.
 
 A block of 32 weights is a scale d (fp16), for Q4_1 a minimum m (fp16), and 32 quants:
 Q4_0 nibbles q with weights d * (q - 8); Q4_1 nibbles, d * q + m; Q8_0 int8, d * q. Both Q4
@@ -31,17 +32,29 @@ def library() -> ctypes.CDLL:
     for fn in (lib.q4_linear_f32, lib.q8_linear_f32):
         fn.argtypes = [p, i64, i64, p, p, p, i64]
         fn.restype = None
+    for fn in (lib.q4_dequantize_f32, lib.q8_dequantize_f32):
+        fn.argtypes = [p, p, p, i64, i64]
+        fn.restype = None
     lib.quant_simd.restype = ctypes.c_int
     return lib
 
 
-def fast() -> bool:
-    """Whether the kernels build here with the vector code they are written for (AVX-512):
-    without it they compute the same sums, slower than fp32 matmuls."""
+def unavailable() -> str | None:
+    """Why the kernels cannot be the fast path here, or None if they can: they are written
+    for AVX-512, and built without it (another CPU, or a compiler that does not target it)
+    they compute the same sums slower than fp32 matmuls."""
     try:
-        return bool(library().quant_simd())
-    except (RuntimeError, OSError):
-        return False
+        simd = library().quant_simd()
+    except (RuntimeError, OSError) as e:
+        return f"kernels/quant_cpu.c did not build ({str(e).splitlines()[0]})"
+    if not simd:
+        return "this CPU, or the C compiler's -march=native for it, has no AVX-512 (AVX512F)"
+    return None
+
+
+def fast() -> bool:
+    """Whether the kernels build here with the vector code they are written for."""
+    return unavailable() is None
 
 
 @dataclass
@@ -68,6 +81,20 @@ class QuantWeight:
         nibbles = self.qs.view(rows, -1, 1, 16)
         q = torch.cat([nibbles & 15, nibbles >> 4], dim=2).view(rows, -1, BLOCK).float()
         return (q * scales[..., :1] + scales[..., 1:]).view(rows, cols)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64 [T]) in fp32, as `dequantize` computes them: an embedding lookup."""
+        return QuantWeight(self.format, self.qs[ids], self.scales[ids]).dequantize()
+
+    def to_float(self) -> torch.Tensor:
+        """The fp32 matrix, as `dequantize` computes it, written by the C kernels (threads,
+        one pass) for a matmul too large for `linear`."""
+        rows, cols = self.shape
+        w = torch.empty(rows, cols)
+        lib = library()
+        fn = lib.q4_dequantize_f32 if self.format == "q4" else lib.q8_dequantize_f32
+        fn(self.qs.data_ptr(), self.scales.data_ptr(), w.data_ptr(), rows, cols)
+        return w
 
 
 def from_blocks(kind: str, blocks: torch.Tensor) -> QuantWeight | None:

