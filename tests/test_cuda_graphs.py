@@ -2,7 +2,8 @@
 
 On the CPU: the buckets, the padding, the switch, the refusal to capture, and the static-buffer
 step (what a graph records) run eagerly against the engine's normal decode path, with every
-attention backend the CPU has (Triton's interpreted). On CUDA (bench/gpu.sh's parity step)
+attention backend the CPU has (Triton's interpreted), and without an op that would wait for
+the device (which a capture cannot hold). On CUDA (bench/gpu.sh's parity step)
 also the captured graphs replayed against the normal path, and greedy decoding with and
 without them. SYMPHONY_TEST_DEVICE picks the device.
 """
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import make_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from symphony.cli import KERNEL_OPTIONS, build_parser, main
 from symphony.engine.cuda_graphs import (
@@ -224,6 +226,46 @@ def test_a_padded_static_step_gives_the_normal_paths_logits_and_kv(
     # The new tokens' K/V where the normal path put them, and nothing else written.
     assert written_slots(engine, start) == [5 * PAGE + 7, 7 * PAGE + 4, 9 * PAGE + 4]
     torch.testing.assert_close(pool_state(engine), want_kv, atol=1e-5, rtol=1e-5)
+
+
+# The ops that read a device tensor back to the host: a capture fails at the first of them.
+SYNCING = {
+    "aten.item.default", "aten._local_scalar_dense.default", "aten.is_nonzero.default",
+    "aten.nonzero.default", "aten.masked_select.default", "aten.equal.default",
+    "aten.repeat_interleave.Tensor", "aten._unique2.default", "aten.allclose.default",
+}  # fmt: skip
+
+
+class OpsSeen(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", [BACKENDS[2], "torch"])
+def test_the_recorded_step_never_reads_the_device_back(backend, small_llama, monkeypatch):
+    """What makes a step capturable, seen on the CPU: not one op of the static-buffer step
+    (Triton's launches included, interpreted) waits for the device. The torch reference
+    reads the longest length back, which is why graphs are refused for it."""
+    engine = engine_with(backend, small_llama, monkeypatch, cuda_graphs="off")
+    graphs = DecodeGraphs(
+        engine.model, engine.pool, engine.kernels, engine.ops, engine.scale, capture=False
+    )
+    inputs = StaticInputs(4, 4, engine.pool.k.device)
+    inputs.fill(pad(decode_batch([5, 21, 40], [[7], [3, 9], [12, 1, 5]]), 4, 4, PAGE))
+    with torch.inference_mode(), OpsSeen() as seen:
+        graphs.step(inputs)
+    assert "aten.embedding.default" in seen.ops  # it saw the step
+    if backend == "triton":
+        assert not seen.ops & SYNCING
+        assert graphs_wanted(None, torch.device("cuda"), backend)
+    else:
+        assert {"aten.item.default", "aten.is_nonzero.default"} <= seen.ops
+        assert not graphs_wanted(None, torch.device("cuda"), backend)
 
 
 def test_batches_without_a_bucket_take_the_normal_path():
