@@ -253,7 +253,9 @@ class EngineProcess(HasSettings):
         try:
             while True:
                 ready, _, _ = select.select([self._sock, *pidfds], [], [])
-                if self._sock in ready:
+                # A rank that failed to build told rank 0 why before it exited: its answer
+                # names the error, where there is one.
+                if self._sock in ready or select.select([self._sock], [], [], 5.0)[0]:
                     return receive(self._sock)
                 self._procs[pidfds[ready[0]]].wait()
                 raise self._died()

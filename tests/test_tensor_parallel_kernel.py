@@ -15,6 +15,7 @@ from daemon import ROOT, alive, prompt, sched, start_daemon, wait_for
 from test_tensor_parallel import free_port
 
 from symphony.daemon import pid_path
+from syscalls.convert import LogitControl
 
 pytestmark = pytest.mark.slow
 
@@ -95,27 +96,28 @@ def test_eight_concurrent_lips_on_two_ranks_get_what_one_rank_gives(two_ranks, a
         assert out == alone(ids, 12)
 
 
-def export_after_forks(d) -> tuple[list[list[int]], bytes]:
-    """Greedy tokens and the export of files that share pages: a prompt, two forks that
-    each decode on (the shared last page copied on write), and one shifted."""
-    with d.connect() as k:
-        home = k.home
-        with k.open(home + "/base", os.O_CREAT | os.O_RDWR) as f:
-            (first,) = f.pred(prompt(37))
-            tokens = []
-            for _ in range(2):
-                with f.fork() as branch:
-                    t = first.token
-                    out = []
-                    for _ in range(6):
-                        (o,) = branch.pred([t])
-                        t = o.token
-                        out.append(t)
-                    tokens.append(out)
-                    branch.shift(0, 40, 5)
-                    (o,) = branch.pred([t])
-                    tokens.append([o.token])
-            return tokens, k.export(f)
+def export_after_forks(d) -> tuple[list[list[int]], list[bytes]]:
+    """Greedy tokens and the exports of files that share pages: a prompt, and two forks that
+    each decode on (the shared last page copied on write), one of them under a mask, and are
+    shifted, then decode once more."""
+    allowed = [40, 41, 42]
+    with d.connect() as k, k.open(k.home + "/base", os.O_CREAT | os.O_RDWR) as f:
+        (first,) = f.pred(prompt(37))
+        tokens, exports = [], [k.export(f)]
+        for masked in (False, True):
+            control = LogitControl.allowing(allowed, 320) if masked else None
+            with f.fork() as branch:
+                t, out = first.token, []
+                for _ in range(6):
+                    (o,) = branch.pred([t], control=control)
+                    t = o.token
+                    out.append(t)
+                branch.shift(0, 40, 5)
+                (o,) = branch.pred([t])
+                tokens.append([*out, o.token])
+                exports.append(k.export(branch))
+        assert set(tokens[1][:6]) <= set(allowed)
+        return tokens, exports
 
 
 def test_two_nodes_meet_over_tcp_and_the_kernel_keeps_node_1s_kv(model, two_ranks, tmp_path):
