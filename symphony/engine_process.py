@@ -486,8 +486,8 @@ def main(sock: socket.socket) -> None:
             except ValueError as e:  # this step's batch, refused on every rank alike
                 answer = ("error", _picklable(e))
             except Exception as e:
-                if leader is not None:
-                    raise  # a collective failed: the group is broken, and so is this rank
+                if leader is not None and leader.broken:
+                    raise  # the ranks are out of step, for good: this one ends (so the kernel)
                 answer = ("error", _picklable(e))  # this step failed, as a whole; the next
             try:  # may not
                 _send(sock, answer)

@@ -306,10 +306,20 @@ class Leader:
     def __init__(self, engine: Engine, group: Group, mirror: Mirror | None):
         self.engine, self.group, self.mirror = engine, group, mirror
         self.dirty: list[int] = []
+        self.broken = False  # a forward pass failed past the batch's checks
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        self.group.broadcast((batch, self.dirty))
-        return run_step(self.engine, self.mirror, batch, self.dirty)
+        """Rank 0's logits. A ValueError is the batch's, refused alike on every rank; any
+        other failure leaves the ranks out of step (a collective failed, or one rank did
+        what the others did not), and `broken` says so."""
+        try:
+            self.group.broadcast((batch, self.dirty))
+            return run_step(self.engine, self.mirror, batch, self.dirty)
+        except ValueError:
+            raise
+        except Exception:
+            self.broken = True
+            raise
 
     def stop(self) -> None:
         """End the followers (they take None for the end), then this rank's group."""
