@@ -87,7 +87,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
         socket=socket_path(args.socket), state_dir=Path(args.state_dir or default_state_dir()),
         token_budget=args.token_budget, max_seqs=args.max_seqs, disk_pages=args.disk_pages,
         quota=args.quota, decode_ahead=args.decode_ahead == "on",
-        max_procs_per_user=args.max_procs_per_user, loop_nice=args.loop_nice,
+        max_procs_per_user=args.max_procs_per_user,
     )
     return run_kernel(engine, opts)
 
@@ -135,8 +135,8 @@ def control():
 
 KERNEL_OPTIONS = ("model", "state_dir", "device", "dtype", "kv_pages", "host_pages",
                   "disk_pages", "token_budget", "max_seqs", "quota", "decode_ahead",
-                  "max_procs_per_user", "loop_nice", "engine", "weights", "tensor_parallel",
-                  "nnodes", "node_rank", "master_addr", "master_port", "cuda_graphs")
+                  "max_procs_per_user", "engine", "weights", "tensor_parallel", "nnodes",
+                  "node_rank", "master_addr", "master_port", "cuda_graphs")
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -220,10 +220,6 @@ def add_kernel_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument("--max-procs-per-user", type=positive, default=Options.max_procs_per_user,
                    help="processes a user may have at once; more get EAGAIN (root: no "
                    "limit; default %(default)s)")
-    k.add_argument("--loop-nice", type=int, default=Options.loop_nice, metavar="N",
-                   help="the nice value of the kernel's loop thread, which drains the rings "
-                   "and answers every pred (default %(default)s; kept as it is where the "
-                   "kernel may not lower it: /proc/sched's loop_nice says which)")
     k.add_argument("--engine", type=engine_mode, default="model", metavar="model|sleep:MS",
                    help="what runs the forward passes: the model (default), or sleep:MS, a "
                    "simulated accelerator whose every step sleeps MS milliseconds and "

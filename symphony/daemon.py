@@ -44,7 +44,6 @@ def pid_path(sock: Path) -> Path:
 class Kernel:
     def __init__(self, engine: EngineProcess, opts: Options):
         self.engine, self.opts = engine, opts
-        self.loop_nice = os.getpriority(os.PRIO_PROCESS, 0)  # run_kernel may lower it
         self.model_name = engine.model_dir.name
         self.fingerprint = fingerprint(engine.model_dir)
         opts.state_dir.mkdir(parents=True, exist_ok=True)
@@ -181,17 +180,6 @@ def _answers(path: Path) -> bool:
         probe.close()
 
 
-def set_thread_nice(nice: int) -> int:
-    """Give the calling thread (Linux's nice is per thread) the nice value `nice` where the
-    kernel may (raising priority needs root or CAP_SYS_NICE); the value it has."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
-    except PermissionError:
-        log.info("the loop keeps nice %d: --loop-nice %d needs root or CAP_SYS_NICE",
-                 os.getpriority(os.PRIO_PROCESS, 0), nice)
-    return os.getpriority(os.PRIO_PROCESS, 0)
-
-
 def run_kernel(engine: EngineProcess, opts: Options) -> int:
     """Serve until SIGTERM or SIGINT, on uvloop: 0. Or until the engine process dies: 1."""
     import uvloop
@@ -201,7 +189,6 @@ def run_kernel(engine: EngineProcess, opts: Options) -> int:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     kernel = Kernel(engine, opts)
-    kernel.loop_nice = set_thread_nice(opts.loop_nice)
     gc.freeze()  # see engine_process.py's main
     try:
         uvloop.run(kernel.serve())

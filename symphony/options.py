@@ -19,8 +19,3 @@ class Options:
     quota: int | None = None  # pages per user (root has none)
     decode_ahead: bool = True  # compute a decoding LIP's next pred before it comes
     max_procs_per_user: int = 256  # sessions a user other than root may hold at once
-    # The loop thread's nice value (Linux: per thread, so the engine processes and gRPC's
-    # threads keep theirs). A LIP the loop wakes with its answer would otherwise take the
-    # loop's CPU at once, before the loop has rung the others: below the LIPs, it rings
-    # them all, then they run.
-    loop_nice: int = -10

@@ -116,8 +116,6 @@ class ProcFS:
             # share (CPU seconds per second over the window; "-" off this machine).
             ("tensor_parallel", len(engine.ranks)),
             *self.rank_rows(),
-            # The loop thread's nice value (--loop-nice), as the OS gave it.
-            ("loop_nice", self.k.loop_nice),
             ("run_queue", len(s.queue)),
             ("waiting_for_memory", sum(p.waiting for p in self.k.procs)),
             ("processes", len(self.k.procs)),

@@ -552,14 +552,3 @@ def test_a_prefill_is_not_starved_by_decodes_that_fill_every_step(model):
     finally:
         stop.set()
         assert d.stop() == 0, d.log_text()
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="raising a thread's priority needs root")
-def test_the_loop_thread_runs_at_loop_nice_and_nothing_else_does(daemon, k):
-    # The loop rings the LIPs' bells; below them, a woken LIP does not take its CPU before
-    # it has rung the rest. Only that thread: the engine process keeps the nice it had.
-    stats = sched(k)
-    assert int(stats["loop_nice"]) == -10
-    assert os.getpriority(os.PRIO_PROCESS, daemon.process.pid) == -10
-    assert os.getpriority(os.PRIO_PROCESS, int(stats["engine_pid"])) == os.getpriority(
-        os.PRIO_PROCESS, 0)
