@@ -510,15 +510,14 @@ def _build(model_dir: Path, device: torch.device, dtype: torch.dtype, shape: tup
         return engine, None, [RankInfo(0, os.getpid(), socket.gethostname(), 0, str(device))]
     rdv, mirror_tiers, shapes = ranks
     dev = rank_device(device.type, rdv, 0)
-    group: Group = join(rdv, 0, dev, ModelConfig.from_file(Path(model_dir) / "config.json"))
+    cpu_group = join(rdv, 0, dev)
+    group = Group(shard_of(ModelConfig.from_file(Path(model_dir) / "config.json"), 0, rdv.world),
+                  cpu_group)
     remote = tuple(sorted(mirror_tiers))
     group.broadcast(RankSetup(dtype, pages, page_size, weights, remote))
     engine = Engine(model_dir, device=str(dev), dtype=dtype, pool=pool, weights=weights,
                     group=group)
-    infos = gather_infos(group, info(0, rdv, dev))
-    for got in infos:
-        if isinstance(got, BaseException):
-            raise got
+    infos = gather_infos(cpu_group, info(0, rdv, dev))  # ModelError: a rank did not start
     mirrors = {r: mapped(t, shapes[r], dtype) for r, t in mirror_tiers.items()}
     return engine, Leader(engine, group, Mirror(group, remote, mirrors) if remote else None), \
         infos

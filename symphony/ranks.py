@@ -47,6 +47,7 @@ import torch.distributed as dist
 from kvfs.pool import DEVICE, KVPool, PageShape, pool_shard_shape
 from symphony.engine.config import ModelConfig
 from symphony.engine.engine import Batch, Engine
+from symphony.engine.errors import ModelError
 from symphony.engine.tensor_parallel import Group, shard_of
 
 # How long a rank waits for the others to join, and for a collective: a rank that died
@@ -153,8 +154,9 @@ def rank_device(kind: str, rdv: Rendezvous, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def join(rdv: Rendezvous, rank: int, device: torch.device, cfg: ModelConfig) -> Group:
-    """Join the group as rank `rank`: once all N have come."""
+def join(rdv: Rendezvous, rank: int, device: torch.device) -> dist.ProcessGroup | None:
+    """Join the group as rank `rank`, once all N have come: the gloo group for objects where
+    the default one is NCCL (None: the default one is gloo)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -163,18 +165,22 @@ def join(rdv: Rendezvous, rank: int, device: torch.device, cfg: ModelConfig) -> 
     dist.init_process_group(
         backend, init_method=rdv.init_method, rank=rank, world_size=rdv.world, timeout=TIMEOUT
     )
-    cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT) if backend == "nccl" else None
-    return Group(shard_of(cfg, rank, rdv.world), cpu_group)
+    return dist.new_group(backend="gloo", timeout=TIMEOUT) if backend == "nccl" else None
 
 
 def info(rank: int, rdv: Rendezvous, device: torch.device) -> RankInfo:
     return RankInfo(rank, os.getpid(), socket.gethostname(), rdv.node_of(rank), str(device))
 
 
-def gather_infos(group: Group, mine: RankInfo | BaseException) -> list:
-    """Every rank's RankInfo, or the exception that stopped it, on rank 0 (None elsewhere)."""
-    out = [None] * group.world if group.rank == 0 else None
-    dist.gather_object(mine, out, dst=0, group=group.cpu_group)
+def gather_infos(cpu_group: dist.ProcessGroup | None, mine: RankInfo | BaseException
+                 ) -> list | None:
+    """Every rank's RankInfo, or the exception that stopped it, on rank 0 (None elsewhere);
+    ModelError on rank 0 for the first rank that did not start, naming it."""
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, out, dst=0, group=cpu_group)
+    for rank, got in enumerate(out or ()):
+        if isinstance(got, BaseException):
+            raise ModelError(f"rank {rank}: {got}") from got
     return out
 
 
@@ -257,46 +263,37 @@ def follow(group: Group, engine: Engine, mirror: Mirror | None) -> None:
 
 
 def build_follower(
-    group: Group,
+    rank: int,
     rdv: Rendezvous,
+    cpu_group: dist.ProcessGroup | None,
     device: torch.device,
     model_dir: Path,
     arrays: tuple[torch.Tensor, torch.Tensor] | None,
-) -> tuple[Engine, Mirror | None]:
-    """A follower's engine, from rank 0's setup: over `arrays` (its shard of the kernel's
-    pool, on node 0) or over a shard of its own (elsewhere), mirrored if so."""
-    setup: RankSetup = group.broadcast(None)
+) -> tuple[Group, Engine, Mirror | None]:
+    """A follower's engine, from rank 0's setup and its own checkpoint: over `arrays` (its
+    shard of the kernel's pool, on node 0) or over a shard of its own (elsewhere), mirrored
+    if so. What stops it is told to rank 0 before it is raised here."""
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=cpu_group)
+    setup: RankSetup = box[0]
     try:
         cfg = ModelConfig.from_file(model_dir / "config.json")
-        whole = PageShape(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, setup.page_size, setup.dtype
-        )
+        group = Group(shard_of(cfg, rank, rdv.world), cpu_group)
+        whole = PageShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, setup.page_size,
+                          setup.dtype)
         if arrays is None:
-            size = pool_shard_shape(whole, setup.pages, rdv.world, group.rank)
-            arrays = (
-                torch.zeros(size, dtype=setup.dtype, device=device),
-                torch.zeros(size, dtype=setup.dtype, device=device),
-            )
-        pool = KVPool(
-            replace(whole, kv_heads=group.shard.num_kv_heads),
-            setup.pages,
-            0,
-            device,
-            arrays=[arrays],
-        )
-        engine = Engine(
-            model_dir,
-            device=str(device),
-            dtype=setup.dtype,
-            pool=pool,
-            weights=setup.weights,
-            group=group,
-        )
+            size = pool_shard_shape(whole, setup.pages, rdv.world, rank)
+            arrays = (torch.zeros(size, dtype=setup.dtype, device=device),
+                      torch.zeros(size, dtype=setup.dtype, device=device))
+        pool = KVPool(replace(whole, kv_heads=group.shard.num_kv_heads), setup.pages, 0,
+                      device, arrays=[arrays])
+        engine = Engine(model_dir, device=str(device), dtype=setup.dtype, pool=pool,
+                        weights=setup.weights, group=group)
     except BaseException as e:
-        gather_infos(group, e)
+        gather_infos(cpu_group, e)
         raise
-    gather_infos(group, info(group.rank, rdv, device))
-    return engine, Mirror(group, setup.remote, own=arrays) if setup.remote else None
+    gather_infos(cpu_group, info(rank, rdv, device))
+    return group, engine, Mirror(group, setup.remote, own=arrays) if setup.remote else None
 
 
 class Leader:
@@ -406,8 +403,8 @@ def run_follower(
     """A follower rank's life: join, build, follow; its exit status."""
     try:
         dev = rank_device(device, rdv, rank)
-        group = join(rdv, rank, dev, ModelConfig.from_file(model_dir / "config.json"))
-        engine, mirror = build_follower(group, rdv, dev, model_dir, arrays)
+        cpu_group = join(rdv, rank, dev)
+        group, engine, mirror = build_follower(rank, rdv, cpu_group, dev, model_dir, arrays)
         follow(group, engine, mirror)
     except Exception as e:  # the group broke (a rank or the kernel died), or setup failed
         print(f"symphony: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)

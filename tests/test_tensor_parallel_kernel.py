@@ -166,6 +166,42 @@ def test_two_nodes_meet_over_tcp_and_the_kernel_keeps_node_1s_kv(model, two_rank
     assert node1.wait(30) == 0, (tmp_path / "node1.log").read_text()
 
 
+def test_a_rank_that_cannot_start_fails_the_kernels_start_naming_it(model, tmp_path):
+    rendezvous = (
+        "--tensor-parallel",
+        "2",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+    )
+    node1 = subprocess.Popen(
+        [
+            *SYMPHONY,
+            "rank",
+            "--node-rank",
+            "1",
+            "--device",
+            "cpu",
+            "--model",
+            str(tmp_path / "nowhere"),
+            *rendezvous,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"the kernel exited \(1\)(.|\n)*symphony: rank 1: "
+        r".*nowhere/config.json: no such file",
+    ):
+        start_daemon(model, None, *FLAGS, "--node-rank", "0", *rendezvous)
+    assert node1.wait(30) == 1
+
+
 def test_a_killed_kernel_takes_every_rank_with_it(two_ranks):
     with two_ranks.connect() as k:
         pids = [int(f["pid"]) for f in ranks_of(sched(k)).values()]
