@@ -197,6 +197,8 @@ class EngineProcess(HasSettings):
                               rank_device(self.device.type, rdv, r))
                  for r in range(world)]
         self._memfds = [fd for fd, _ in tiers if fd is not None]
+        self._gpus = sorted({k.device for _, (k, _) in tiers if k.device.type == "cuda"},
+                            key=str)
         self.pool = (MirroredPool if remote else KVPool)(
             self.settings.page_shape, kv_pages, host_pages, self.device, world,
             arrays=[arrays for _, arrays in tiers])
@@ -278,7 +280,8 @@ class EngineProcess(HasSettings):
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
         if self.device.type == "cuda":  # the kernel's page copies done before the step reads
-            torch.cuda.synchronize()
+            for device in self._gpus:  # every rank's
+                torch.cuda.synchronize(device)
         dirty = self.pool.take_dirty() if isinstance(self.pool, MirroredPool) else []
         try:
             _send(self._sock, (work, dirty))
