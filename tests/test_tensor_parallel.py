@@ -119,6 +119,7 @@ def two_ranks(checkpoints, tmp_path_factory) -> dict[str, list[torch.Tensor]]:
     return torch.load(out)
 
 
+@pytest.mark.slow  # two rank processes
 @pytest.mark.parametrize("family", CHECKPOINTS)
 def test_two_ranks_give_the_logits_of_one(family, checkpoints, two_ranks):
     directory = checkpoints[family]
