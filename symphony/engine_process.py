@@ -29,6 +29,7 @@ would otherwise spend itself on forward passes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gc
 import io
@@ -478,7 +479,8 @@ def main(sock: socket.socket) -> None:
                 work, dirty = receive(sock)
             except (EOFError, OSError):
                 if leader is not None:
-                    leader.stop()
+                    with contextlib.suppress(Exception):  # a group a rank left has no one
+                        leader.stop()  # to tell: the others are ending, or gone
                 return
             if leader is not None:
                 leader.dirty = dirty
