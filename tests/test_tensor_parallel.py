@@ -17,7 +17,7 @@ from symphony.engine.config import ModelConfig
 from symphony.engine.engine import Batch, Engine, TreeRows
 from symphony.engine.errors import ModelError
 from symphony.engine.loader import load_model
-from symphony.engine.tensor_parallel import Group, kv_heads_of, shard_of
+from symphony.engine.tensor_parallel import Group, shard_of
 from symphony.engine.tree import ancestor_bits
 from symphony.engine_process import EngineProcess
 from symphony.ranks import Rendezvous, from_environment
@@ -144,8 +144,10 @@ def test_a_shard_holds_whole_heads_and_its_vocab_rows(checkpoints):
     assert [s.kv_heads for s in shards] == [(0, 1), (1, 2)]
     assert [s.features for s in shards] == [(0, 80), (80, 160)]
     assert [s.vocab for s in shards] == [(0, 160), (160, 320)]
-    assert [kv_heads_of(r, 4, 1) for r in range(4)] == [(0, 1)] * 4
-    assert [kv_heads_of(r, 4, 2) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    qwen3 = ModelConfig.from_file(f"{checkpoints['qwen3']}/config.json")  # one KV head
+    assert [shard_of(qwen3, r, 2).kv_heads for r in range(2)] == [(0, 1), (0, 1)]
+    four = replace(cfg, num_heads=8, num_kv_heads=2)
+    assert [shard_of(four, r, 4).kv_heads for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
 
 
 def test_a_rank_loads_its_slices_of_each_matrix(checkpoints):

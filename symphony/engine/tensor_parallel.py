@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kvfs.pool import shard_heads
 from symphony.engine.config import ModelConfig
 from symphony.engine.errors import ModelError
 
@@ -54,15 +55,6 @@ class Shard:
         return self.features[1] - self.features[0]
 
 
-def kv_heads_of(rank: int, world: int, kv_heads: int) -> tuple[int, int]:
-    """The KV heads rank `rank` holds, [first, last)."""
-    if kv_heads >= world:
-        per = kv_heads // world
-        return rank * per, (rank + 1) * per
-    head = rank * kv_heads // world
-    return head, head + 1
-
-
 def shard_of(cfg: ModelConfig, rank: int, world: int) -> Shard:
     """Rank `rank`'s shard of the model; ModelError naming the dimension that N does not
     divide."""
@@ -84,11 +76,12 @@ def shard_of(cfg: ModelConfig, rank: int, world: int) -> Shard:
         )
     q, f = cfg.num_heads // world, cfg.intermediate_size // world
     chunk = -(-cfg.vocab_size // world)
+    heads = shard_heads(kv, world, rank)  # the pool's rule, so that the two agree
     return Shard(
         rank,
         world,
         (rank * q, (rank + 1) * q),
-        kv_heads_of(rank, world, kv),
+        (heads.start, heads.stop),
         (rank * f, (rank + 1) * f),
         (min(rank * chunk, cfg.vocab_size), min((rank + 1) * chunk, cfg.vocab_size)),
         chunk,
