@@ -35,6 +35,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from symphony.engine.config import ModelConfig  # noqa: E402
 from symphony.engine.engine import Batch, Engine  # noqa: E402
 from symphony.engine.tensor_parallel import Group, shard_of  # noqa: E402
+from symphony.ranks import Rendezvous  # noqa: E402
 
 SHAPE = dict(
     vocab_size=32768,
@@ -193,11 +194,7 @@ def main() -> None:
         cfg = ModelConfig.from_file(Path(args.model) / "config.json")
         params = sum(p.numel() for p in Engine(args.model, kv_pages=1).model.parameters())
         out = Path(tmp) / "rows.tsv"
-        from socket import socket
-
-        with socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = Rendezvous(2).with_port().master_port
         mp.spawn(_rank, (port, args, str(out)), nprocs=2)
         rows = [line.split("\t") for line in out.read_text().splitlines()]
     print(

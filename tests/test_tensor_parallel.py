@@ -4,7 +4,6 @@ through prefill chunks, decodes, a tree and an excluded range."""
 
 from __future__ import annotations
 
-import socket
 from dataclasses import replace
 
 import pytest
@@ -69,9 +68,7 @@ def scenario(engine: Engine) -> list[torch.Tensor | None]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return Rendezvous(2).with_port().master_port
 
 
 def _rank(rank: int, world: int, port: int, directories: list[str], out: str) -> None:
