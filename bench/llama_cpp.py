@@ -9,6 +9,11 @@ of them alike; the table has the best of each. On a machine others use, --wait-i
 each run only once the CPUs were mostly idle for a second (threads that share their cores
 with another process wait at every barrier, ours and llama.cpp's alike).
 
+Memory last: the resident set of a fresh process that loads the model and prefills 512
+tokens (ours with 40 KV pages, 640 tokens; llama.cpp's llama-bench -p 512 -n 0), each
+weights mode of ours and llama.cpp: ours at the end (VmRSS) and at its peak (VmHWM),
+llama.cpp's peak (its ru_maxrss).
+
     bash bench/llama_server.sh                       # builds llama.cpp's tools into ../llama
     python bench/llama_cpp.py [--model FILE.gguf] [--threads 2] [--llama-dir ../llama]
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -72,6 +78,38 @@ def llama(bin_dir: Path, model: Path, threads: int, batch: int, prefill: bool) -
     return float(json.loads(lines[-1][lines[-1].index("{"):])["speed_tg"])
 
 
+RSS_SCRIPT = """
+import sys, torch
+from pathlib import Path
+from symphony.engine.engine import Engine
+from symphony.engine.generate import generate
+from symphony.engine.sampler import GREEDY
+torch.set_num_threads(int(sys.argv[3]))
+engine = Engine(Path(sys.argv[1]), device="cpu", kv_pages=40, weights=sys.argv[2])
+prompt = torch.randint(3, engine.config.vocab_size, (1, 512)).tolist()
+generate(engine, prompt, GREEDY, 1, stop_ids=())
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(int(status["VmRSS"].split()[0]) // 1024, int(status["VmHWM"].split()[0]) // 1024)
+"""
+
+
+def our_rss(model: Path, weights: str, threads: int) -> tuple[int, int]:
+    """(resident MiB at the end, at the peak) of a process that loads `model` with `weights`
+    and prefills 512 tokens."""
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(model), weights, str(threads)],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    end, peak = out.split()
+    return int(end), int(peak)
+
+
+def llama_rss(bin_dir: Path, model: Path, threads: int) -> int:
+    """Peak resident MiB of llama-bench prefilling 512 tokens (this process's largest child
+    so far: call it before any other child runs)."""
+    subprocess.run([bin_dir / "llama-bench", "-m", model, "-t", str(threads), "-p",
+                    str(PREFILL), "-n", "0", "-r", "1"], capture_output=True, check=True)
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024
+
+
 def cpu_times() -> tuple[int, int]:
     """(idle, total) jiffies of all CPUs so far."""
     with open("/proc/stat") as f:
@@ -98,12 +136,20 @@ def main() -> None:
     ap.add_argument("--llama-dir", type=Path, default=ROOT.parent / "llama")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--memory-only", action="store_true",
+                    help="the resident memory table alone (it does not depend on the load)")
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="FRACTION",
                     help="start each run once the CPUs were this idle over a second (0.8)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     bin_dir = args.llama_dir / "build" / "bin"
+    # First: ru_maxrss is the largest child's, and llama-bench must be the first child.
+    memory = {"llama.cpp": (None, llama_rss(bin_dir, args.model, args.threads))}
+    for w in ("quantized", "float"):
+        memory[f"ours {w}"] = our_rss(args.model, w, args.threads)
+    if args.memory_only:
+        return print_memory(args.model, memory)
     engines = {w: Engine(args.model, device="cpu", kv_pages=512, weights=w)
                for w in ("quantized", "float")}
     gen = torch.Generator().manual_seed(0)
@@ -132,6 +178,15 @@ def main() -> None:
         row = [best[name, c] for c in cols]
         print(f"{name:<18}" + "".join(f"{v:>16.1f}" for v in row)
               + f"{row[0] / row[-1]:>16.2f}x")
+    print_memory(args.model, memory)
+
+
+def print_memory(model: Path, memory: dict[str, tuple[int | None, int]]) -> None:
+    print(f"\n# {model.name}: resident memory, MiB, of a process that loads the model and "
+          "prefills 512 tokens")
+    print(f"{'':<18}{'at the end':>16}{'peak':>16}")
+    for system, (end, peak) in memory.items():
+        print(f"{system:<18}{'-' if end is None else end:>16}{peak:>16}")
 
 
 if __name__ == "__main__":

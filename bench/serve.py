@@ -1,10 +1,12 @@
 """Symphony's OpenAI-compatible server against llama.cpp's, in one run (issue 17).
 
-Ours: `symphony serve` (lips/openai_server.py) on a kernel of the default model (float32 on
-a CPU), both started here. The peer: llama.cpp's `llama-server` (C++, continuous batching,
-its prompt cache on as by default) on the same model converted to GGUF f32, with as many
-slots as the largest concurrency, each of the model's whole context. bench/llama_server.sh
-builds it from PyPI's sdist and converts the model (out of CI).
+Ours: `symphony serve` (lips/openai_server.py) on a kernel of --model (default: the default
+model, SmolLM2-135M-Instruct's GGUF file where installed; float32 activations on a CPU),
+both started here. The peer: llama.cpp's `llama-server` (C++, continuous batching, its
+prompt cache on as by default) on the same GGUF file, or for the tiny model (models/tiny)
+its conversion to GGUF f32, with as many slots as the largest concurrency, each of
+--context tokens (default: the model's context, at most 2048). bench/llama_server.sh builds
+it from PyPI's sdist and converts the tiny model (out of CI).
 
 Both compute with --threads threads (llama-server's -t and -tb; the kernel's
 OMP_NUM_THREADS, which torch and our C kernels follow), one fewer than the cores by
@@ -16,10 +18,13 @@ streams, and our kernel's steps went from 3 to about 265 ms under other load.
 Both get the same client (the `openai` package's AsyncOpenAI, a new connection a request)
 and the same requests: streamed chat completions, greedy, a fixed max_tokens and
 `ignore_eos` (a vLLM extra both accept), so every answer has the same length. A first
-request without ignore_eos checks that both give the same greedy answer and prompt length.
-Prompts: the chat prompts of the default model's held-out evaluation slice
+request without ignore_eos shows whether both give the same greedy answer and prompt length
+(on a quantized file llama.cpp rounds the activations to 8 bits, and may answer otherwise).
+Prompts (--prompts): for the tiny model, the chat prompts of its held-out evaluation slice
 (data/corpus/eval.txt, models/README.md; fetched if missing), system prompt and question;
-successive runs take successive prompts, the same ones on both sides.
+for any other, bench/chat_prompts.jsonl (a JSON list of messages a line), with the
+repository's docs as the prefix section's documents. Successive runs take successive
+prompts, the same ones on both sides.
 
 Sections (--only):
 - concurrent: N streaming clients (--concurrency), each sending its next request as soon as
@@ -28,7 +33,8 @@ Sections (--only):
   servers see the same schedule), --poisson-requests a rate;
 - prefix: a shared system prompt (the first --system-tokens tokens of an evaluation-slice
   library page: prompts close to the model's 1024-token context) before varied short
-  questions, --prefix-clients clients; TTFT of ours with its prefix cache against ours with
+  questions (a page of docs/ for a --prompts file), --prefix-clients clients; TTFT of ours
+  with its prefix cache against ours with
   `--prefix-cache-pages 0` (a second `symphony serve` on the same kernel), and against
   llama.cpp. Two requests with the system prompt warm each side first.
 
@@ -43,7 +49,7 @@ with the end of their server's log, and left out of the figures. The client shar
 machine with the servers.
 
     bash bench/llama_server.sh        # once: builds llama-server and the GGUF
-    python bench/serve.py [--only concurrent,poisson,prefix] [--repeat 3] ...
+    python bench/serve.py [--model models/tiny] [--only concurrent,poisson,prefix] ...
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import re
@@ -75,12 +82,15 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).pa
 sys.path[:0] = [str(ROOT), str(ROOT / "models")]
 
 from bench.kernel import KernelDaemon, header, machine_line, row  # noqa: E402
+from symphony.engine.engine import SHIPPED_MODEL, default_model_dir  # noqa: E402
+from symphony.engine.gguf_file import is_gguf  # noqa: E402
 from syscalls.client import Kernel  # noqa: E402
 
 SECTIONS = ("concurrent", "poisson", "prefix")
 OURS, PEER = "ours", "llama.cpp"
 LABELS = {PEER: "llama"}  # in column headers, which are 14 characters wide
 START_TIMEOUT = 300.0  # seconds a server may take to come up
+CHAT_PROMPTS = ROOT / "bench" / "chat_prompts.jsonl"
 
 
 # -- the servers -------------------------------------------------------------------------
@@ -160,8 +170,8 @@ Messages = list[dict[str, str]]
 
 
 def eval_chats(data: Path) -> tuple[list[Messages], list[str]]:
-    """The evaluation slice's chat prompts (system if any, and user; no answer) and its other
-    documents' texts, in file order."""
+    """The evaluation slice's chat prompts (system if any, and user; no answer) and its
+    library pages' texts (titled "`module` --- ..."), in file order."""
     corpus = data / "corpus" / "eval.txt"
     if not corpus.exists():
         from prepare_corpus import prepare
@@ -172,19 +182,24 @@ def eval_chats(data: Path) -> tuple[list[Messages], list[str]]:
         turns = re.findall(r"<\|(system|user)\|>\n(.*?)<\|eos\|>", doc, re.S)
         if turns:
             chats.append([{"role": role, "content": text} for role, text in turns])
-        elif doc.strip():
+        elif re.match(r"`[\w.]+` ---", doc):
             docs.append(doc.split("<|eos|>")[0])
     return chats, docs
 
 
+def file_chats(path: Path) -> tuple[list[Messages], list[str]]:
+    """The chats of a JSONL file (a list of messages a line), and the repository's docs."""
+    chats = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return chats, [f.read_text() for f in sorted((ROOT / "docs").glob("*.md"))]
+
+
 def system_prompt(k: Kernel, docs: list[str], tokens: int) -> str:
-    """The first `tokens` tokens of the first library page (titled "`module` --- ...") that
-    long, as text."""
+    """The first `tokens` tokens of the first document that long, as text."""
     for doc in docs:
         ids = k.tokenize(doc[: 8 * tokens])
-        if re.match(r"`[\w.]+` ---", doc) and len(ids) >= tokens:
+        if len(ids) >= tokens:
             return k.detokenize(ids[:tokens])
-    raise SystemExit(f"no library page of {tokens} tokens in the evaluation slice")
+    raise SystemExit(f"no document of {tokens} tokens for the shared system prompt")
 
 
 class Prompts:
@@ -476,6 +491,13 @@ async def run_all(args: argparse.Namespace, sides: list[Side], no_cache: Side | 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=default_model_dir(),
+                    help="a GGUF file both serve, or models/tiny (default: %(default)s)")
+    ap.add_argument("--prompts", type=Path, default=None,
+                    help="chats, a JSON list of messages a line (default: the tiny model's "
+                    f"evaluation slice for it, else {CHAT_PROMPTS.relative_to(ROOT)})")
+    ap.add_argument("--context", type=int, default=2048,
+                    help="llama-server's tokens a slot, at most the model's context")
     ap.add_argument("--only", type=lambda t: t.split(","), default=list(SECTIONS),
                     help="a subset of " + ",".join(SECTIONS))
     ap.add_argument("--sides", type=lambda t: t.split(","), default=[OURS, PEER],
@@ -503,16 +525,25 @@ def main() -> int:
     bad = (set(args.only) - set(SECTIONS)) | (set(args.sides) - {OURS, PEER})
     if bad:
         ap.error(f"unknown {', '.join(sorted(bad))}")
-    binary, gguf = args.llama_dir / "build/bin/llama-server", args.llama_dir / "tiny-f32.gguf"
+    tiny = args.model.resolve() == SHIPPED_MODEL
+    if not (tiny or is_gguf(args.model)):
+        ap.error(f"--model {args.model}: llama-server needs a GGUF file (or models/tiny, which "
+                 "bench/llama_server.sh converts)")
+    binary = args.llama_dir / "build/bin/llama-server"
+    gguf = args.llama_dir / "tiny-f32.gguf" if tiny else args.model
     if PEER in args.sides and not (binary.exists() and gguf.exists()):
         ap.error(f"no {binary} or {gguf}: run bench/llama_server.sh first")
 
     print(machine_line())
     started = time.monotonic()
-    chats, docs = eval_chats(args.data)
+    if args.prompts is None and tiny:
+        chats, docs = eval_chats(args.data)
+    else:
+        chats, docs = file_chats(args.prompts or CHAT_PROMPTS)
     slots = max([*args.concurrency, args.prefix_clients, 1])
     with tempfile.TemporaryDirectory(prefix="symphony-bench-") as tmp, \
-            KernelDaemon(Path(tmp), "kernel", args.kernel_flags.split(),
+            KernelDaemon(Path(tmp), "kernel", ["--model", str(args.model),
+                                               *args.kernel_flags.split()],
                          {"OMP_NUM_THREADS": str(args.threads)}) as kd:
         with Kernel.connect(kd.socket) as k:
             info = k.model_info()
@@ -520,11 +551,12 @@ def main() -> int:
             longest = max(len(k.tokenize(messages=[{"role": "system", "content": system},
                                                     {"role": "user", "content": c[-1]["content"]}],
                                          add_generation_prompt=True)) for c in chats)
-        if longest + args.prefix_max_tokens > info.context_length:
+        context = min(args.context, info.context_length)
+        if longest + args.prefix_max_tokens > context:
             ap.error(f"prefix: {longest} prompt tokens + {args.prefix_max_tokens} > context "
-                     f"{info.context_length}: lower --system-tokens")
-        print(f"# model {ROOT / 'models/tiny'}, context {info.context_length}; "
-              f"{len(chats)} evaluation-slice chat prompts; shared system prompt "
+                     f"{context}: lower --system-tokens")
+        print(f"# model {args.model} (peer: {gguf}), context {info.context_length} ({context} "
+              f"a llama-server slot); {len(chats)} chat prompts; shared system prompt "
               f"{args.system_tokens} tokens (prompts up to {longest}); {args.threads} compute "
               f"thread(s) a server")
         with contextlib.ExitStack() as stack:
@@ -538,7 +570,7 @@ def main() -> int:
                                                        ["--prefix-cache-pages", "0"]))
                     no_cache = Side(NO_CACHE, nc.url, nc.log)
             if PEER in args.sides:
-                peer = stack.enter_context(LlamaServer(binary, gguf, slots, info.context_length,
+                peer = stack.enter_context(LlamaServer(binary, gguf, slots, context,
                                                        args.threads, Path(tmp) / "llama.log",
                                                        args.peer_flags.split()))
                 sides.append(Side(PEER, peer.url, peer.log))
