@@ -13,7 +13,8 @@
    each LIP keeps 1 or 2 preds in flight (one file and thread each).
 4. prompt cache: time to first token of a question after forking a saved document file,
    against prefilling the document and the question into a fresh file, on a random-weight
-   checkpoint of the default model's shape with a longer context (made in a temp dir).
+   checkpoint of --model's shape with a longer context (made in a temp dir): --model must
+   then be a checkpoint directory, as the tiny model (models/tiny) is.
 5. the pred path, this system's getpid(): preds/s of one kernel with 1, 32 (also as one
    asyncio process) and 128 decoding LIPs, against generate at the same batch, on a
    random-weight model of one layer and hidden 64, where a forward pass costs next to
@@ -863,7 +864,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=",".join(BENCHES), help="a subset of " + ",".join(BENCHES))
-    ap.add_argument("--model", help="checkpoint (default: the shipped model)")
+    ap.add_argument("--model", help="checkpoint (default: $SYMPHONY_MODEL, else the default "
+                    "model, SmolLM2-135M-Instruct where installed; `make bench` sets the tiny "
+                    "model, models/tiny)")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=128, help="decoded tokens per LIP")
     ap.add_argument("--prompt-len", type=int, default=32)

@@ -191,9 +191,10 @@ def add_cuda_graphs_flag(p: argparse.ArgumentParser) -> None:
 
 def add_weights_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["quantized", "float"], default="quantized",
-                   help="on the CPU, a GGUF file's Q4_0, Q4_1 and Q8_0 matrices: multiplied "
-                   "as the file keeps them when decoding (quantized, the default: the same "
-                   "greedy output, faster), or always through their dequantized fp32 copy "
+                   help="on the CPU, a GGUF file's Q4_0, Q4_1 and Q8_0 matrices: kept as the "
+                   "file keeps them, alone, and multiplied so (quantized, the default: the "
+                   "same greedy output, faster, half the memory; without AVX-512 the "
+                   "kernel logs why and computes as float), or dequantized to fp32 at load "
                    "(float)")
 
 
