@@ -1,9 +1,9 @@
 """prompt_cache: Prompt Cache (Gim et al., MLSys 2024) as a program: prompts assembled from
 modules whose attention states are computed once and kept in KV files.
 
-    python lips/prompt_cache.py --schema travel.xml --prompt-file ask.xml
-    python lips/prompt_cache.py --schema travel.xml \\
-        --prompt '<prompt><system/><tokyo/><plan days="3"/>Where first?</prompt>'
+    python lips/prompt_cache.py --schema lips/schemas/travel.xml --prompt-file ask.xml
+    python lips/prompt_cache.py --schema lips/schemas/travel.xml \\
+        --prompt '<prompt><system/><tokyo/><plan days="3" likes="temples"/>Where first?</prompt>'
     python lips/prompt_cache.py --document notes.txt --cache notes.kv --question "Why?"
 
 With --schema (lips/pml.py: the paper's Prompt Markup Language), every module of the schema
@@ -241,7 +241,11 @@ class ModuleCache:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prompt_cache", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="prompt_cache",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--schema", type=text_file, metavar="FILE", help="a Prompt Markup Language schema (XML)"
