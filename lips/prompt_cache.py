@@ -48,7 +48,7 @@ from syscalls.flags import (
 
 QUESTION = "\n\nQ: {question}\nA:"
 ROOT = ".root"  # the BOS file's name: a leading dot, so no module (an XML name) has it
-FILE_NAME = re.compile(r"(\.root|[A-Za-z_][A-Za-z0-9_.-]*)\.[0-9a-f]{16}\.kv\Z")
+FILE_NAME = re.compile(rf"({re.escape(ROOT)}|[A-Za-z_][A-Za-z0-9_.-]*)\.[0-9a-f]{{16}}\.kv\Z")
 
 
 @dataclass(frozen=True)
