@@ -1,13 +1,14 @@
 """A multi-turn agent keeping its KV file against resending the conversation (issue 16).
 
-lips/agent.py runs one scripted 8-turn task on the default model (7 tool calls, python
-snippets and file lookups under a temporary --root, then finish) twice over: keeping the
-conversation in one KV file, where each turn appends only its thought, action and
-observation, and with --resend, where every turn prefills the whole conversation so far
-into a fresh file, as a client of a prompt-based server must (no prefix cache). Both decode
-greedily, so both write the same conversation; the bench checks that they do.
+lips/agent.py runs one scripted 8-turn task on --model (default: the tiny model,
+models/tiny; 7 tool calls, python snippets and file lookups under a temporary --root, then
+finish) twice over: keeping the conversation in one KV file, where each turn appends only
+its thought, action and observation, and with --resend, where every turn prefills the whole
+conversation so far into a fresh file, as a client of a prompt-based server must (no prefix
+cache). Both decode greedily, so both write the same conversation; the bench checks that
+they do.
 
-The default model is not tuned for ReAct, so the actions are SCRIPTED (teacher-forced from
+The tiny model is not tuned for ReAct, so the actions are SCRIPTED (teacher-forced from
 --script); the model writes the thoughts. What is measured is the system: the prefill
 tokens each run computes (the kernel's own count for the process, less the tokens fed back
 one at a time while decoding), the forward-pass time the kernel charged to the process
@@ -73,7 +74,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=16, help="per thought")
-    p.add_argument("--model", help="checkpoint directory (default: the default model)")
+    p.add_argument("--model", default=str(ROOT / "models" / "tiny"),
+                   help="checkpoint (default: models/tiny, the 5.5M test model "
+                   "bench/RESULTS.md's figures were taken on)")
     args = p.parse_args()
     print(machine_line())
     print(f"# task: {len(SCRIPT)} scripted turns (actions teacher-forced, thoughts greedy, "
@@ -86,8 +89,7 @@ def main() -> int:
         script = Path(tmp) / "task.jsonl"
         script.write_text("".join(json.dumps({"action": a, "input": i}) + "\n"
                                   for a, i in SCRIPT))
-        flags = ["--model", args.model] if args.model else []
-        with KernelDaemon(Path(tmp), "k", flags) as kernel:
+        with KernelDaemon(Path(tmp), "k", ["--model", args.model]) as kernel:
             sides = {"kept": [], "resent": ["--resend"]}
             for extra in sides.values():  # warm the kernel up
                 run_agent(kernel.socket, root, script, args, *extra)

@@ -1,18 +1,19 @@
 """Asynchronous against synchronous function calling (AsyncLM), end to end (issue 16).
 
-One task: greedy decoding of --tokens tokens on the default model with --calls tool calls
-spread evenly over them, each a Python subprocess that sleeps 0.5 to 1 s and prints a
-number, then --answer-tokens more once every result is in. lips/async_lm.py runs it twice
-over: asynchronously (the tools run while decoding goes on, each result injected when it
-comes) and synchronously (decoding waits for each result), runs interleaved and repeated.
-A third row, decoding alone with no calls, is the floor.
+One task: greedy decoding of --tokens tokens on --model (default: the tiny model,
+models/tiny) with --calls tool calls spread evenly over them, each a Python subprocess that
+sleeps 0.5 to 1 s and prints a number, then --answer-tokens more once every result is in.
+lips/async_lm.py runs it twice over: asynchronously (the tools run while decoding goes on,
+each result injected when it comes) and synchronously (decoding waits for each result), runs
+interleaved and repeated. A third row, decoding alone with no calls, is the floor.
 
-The default model is not fine-tuned on the call protocol, so the calls are SCRIPTED: their
+The tiny model is not fine-tuned on the call protocol, so the calls are SCRIPTED: their
 text is teacher-forced at fixed points (--script). What is measured is the system (tools,
 decoding and injection overlapping), as AsyncLM measures end-to-end latency (it reports
 1.6x-5.4x for its own tasks), not the model's calling skill.
 
     python bench/async_lm.py [--calls 4] [--tokens 64] [--answer-tokens 16] [--repeat 5]
+        [--model DIR]
 
 Times are the LIP's own (first pred to last token); process start and connect are out.
 """
@@ -76,7 +77,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64, help="tokens sampled around the calls")
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--model", help="checkpoint directory (default: the default model)")
+    p.add_argument("--model", default=str(ROOT / "models" / "tiny"),
+                   help="checkpoint (default: models/tiny, the 5.5M test model "
+                   "bench/RESULTS.md's figures were taken on)")
     args = p.parse_args()
     print(machine_line())
     plan = script(args.calls, args.tokens)
@@ -87,8 +90,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-async-lm-") as tmp:
         path = Path(tmp) / "script.json"
         path.write_text(json.dumps(plan))
-        flags = ["--model", args.model] if args.model else []
-        with KernelDaemon(Path(tmp), "k", flags) as kernel:
+        with KernelDaemon(Path(tmp), "k", ["--model", args.model]) as kernel:
             sides = {"async": ["--script", str(path)], "sync": ["--script", str(path), "--sync"],
                      "no calls": []}
             for extra in sides.values():  # warm the kernel up

@@ -2,7 +2,7 @@
 speculation against its plain generate (issue 16).
 
 Prompts: the first --prompt-tokens tokens of --prompts documents spread evenly over the
-default model's held-out evaluation slice (data/corpus/eval.txt, models/README.md; fetched
+tiny model's held-out evaluation slice (data/corpus/eval.txt, models/README.md; fetched
 if missing). Each prompt is decoded greedily for --new-tokens tokens four ways:
 
 - plain: one pred per token through the kernel (Context.generate, the kernel's default
@@ -15,8 +15,8 @@ Times include each prompt's prefill; tokens/s is the round's new tokens over its
 The rounds (--rounds) interleave the sides; best and median over rounds are printed with
 the ratios. Tokens per pred (per forward, for transformers) say how much each draft saved.
 An output is degenerate repetition when its last 32 tokens repeat with a period of at most
-8 (the small default model loops, which flatters any n-gram method): the figures are given
-for all prompts and for the others alone.
+8 (the tiny model loops, which flatters any n-gram method): the figures are given for all
+prompts and for the others alone.
 
     python bench/cacheback.py [--prompts 16] [--new-tokens 128] [--rounds 2] [--model DIR]
 """
@@ -175,7 +175,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--lookup-tokens", type=int, default=10,
                     help="transformers' prompt_lookup_num_tokens (default 10)")
-    ap.add_argument("--model", type=Path, default=ROOT / "models" / "tiny")
+    ap.add_argument("--model", type=Path, default=ROOT / "models" / "tiny",
+                    help="checkpoint directory (default: models/tiny, the 5.5M test model "
+                    "bench/RESULTS.md's figures were taken on)")
     ap.add_argument("--data", type=Path, default=ROOT / "data")
     args = ap.parse_args()
 

@@ -1,7 +1,8 @@
 """Constrained decoding (lips/constrained.py) against unconstrained decoding (issue 16).
 
-N LIPs (separate processes; 1 and 32 by default) on one kernel serving the shipped default
-model each prefill a prompt, then decode --tokens tokens each, timed from one barrier:
+N LIPs (separate processes; 1 and 32 by default) on one kernel serving --model (default:
+the tiny model, models/tiny) each prefill a prompt, then decode --tokens tokens each, timed
+from one barrier:
 - constrained: lips/constrained.py's decode loop, llguidance's token bitmask in every pred
   (a JSON Schema for a small record; when an output is complete, the grammar starts again
   in the same file, so every LIP decodes exactly --tokens tokens);
@@ -137,7 +138,7 @@ def decode_round(lips: list[Lip], side: str) -> tuple[float, float, float, float
 def bench(args: argparse.Namespace, tmp: Path, ahead: str, batch: int) -> dict:
 
     flags = ["--kv-pages", str(args.kv_pages), "--decode-ahead", ahead,
-             *(["--model", args.model] if args.model else [])]
+             "--model", args.model]
     with KernelDaemon(tmp, f"ahead-{ahead}-{batch}", flags) as kd:
         lips = [Lip(kd.socket, "decode", attach=False, script=__file__, tokens=args.tokens)
                 for _ in range(batch)]
@@ -159,7 +160,9 @@ def bench(args: argparse.Namespace, tmp: Path, ahead: str, batch: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint (default: the kernel's default model)")
+    ap.add_argument("--model", default=str(ROOT / "models" / "tiny"),
+                    help="checkpoint (default: models/tiny, the 5.5M test model "
+                    "bench/RESULTS.md's figures were taken on)")
     ap.add_argument("--batches", default="1,32", help="LIP counts")
     ap.add_argument("--tokens", type=int, default=128, help="decoded tokens per LIP a round")
     ap.add_argument("--repeat", type=int, default=3)
@@ -173,7 +176,7 @@ def main() -> int:
 
 
     print(machine_line())
-    print(f"# model {args.model or 'the default'}; {args.tokens} greedy tokens per LIP "
+    print(f"# model {args.model}; {args.tokens} greedy tokens per LIP "
           f"a round; schema {json.dumps(SCHEMA, separators=(',', ':'))}")
     started = time.monotonic()
     results = []

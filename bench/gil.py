@@ -22,7 +22,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).pa
 
 import torch  # noqa: E402
 
-from symphony.engine.engine import Engine  # noqa: E402
+from symphony.engine.engine import SHIPPED_MODEL, Engine  # noqa: E402
 from symphony.engine.generate import generate  # noqa: E402
 from symphony.engine.sampler import GREEDY  # noqa: E402
 
@@ -49,7 +49,9 @@ def python_half_the_time(stop: threading.Event) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="checkpoint (default: the default model)")
+    ap.add_argument("--model", default=str(SHIPPED_MODEL),
+                    help="checkpoint (default: models/tiny, the 5.5M test model "
+                    "bench/RESULTS.md's figures were taken on)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()

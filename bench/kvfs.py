@@ -2,7 +2,8 @@
 
     python bench/kvfs.py
 
-The pool has the default model's KV shape (6 layers, 4 KV heads of 32, page size 16, fp32).
+The pool has the tiny model's KV shape (models/tiny: 6 layers, 4 KV heads of 32, page size
+16, fp32).
 Peers in the same run: copying the file's K/V bytes (what a fork without shared pages
 costs), and torch.save / torch.load of the same K/V tensors (what persisting costs done
 the plain way).

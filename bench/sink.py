@@ -1,6 +1,6 @@
 """Attention sinks (lips/sink.py) against recomputing the window from scratch (issue 16).
 
-A long held-out text (the default model's evaluation slice, data/corpus/eval.txt; see
+A long held-out text (the tiny model's evaluation slice, data/corpus/eval.txt; see
 models/README.md) is streamed through the sink: the first --sinks tokens kept, a window of
 the latest tokens slid --slide at a time with punch and shift, --slide tokens per pred.
 The reference recomputes, for a sample of positions (every --every-th scored token), the
@@ -118,7 +118,9 @@ def ppl(logprobs: list[float]) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="checkpoint directory (default: the kernel's default model)")
+    ap.add_argument("--model", default=str(ROOT / "models" / "tiny"),
+                    help="checkpoint (default: models/tiny, the 5.5M test model "
+                    "bench/RESULTS.md's figures were taken on)")
     ap.add_argument("--device", choices=["cpu", "cuda"], help="the kernel's (default: its own)")
     ap.add_argument("--data", type=Path, default=ROOT / "data", help="corpus cache")
     ap.add_argument("--tokens", type=int, default=10240, help="held-out tokens streamed")
