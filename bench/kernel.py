@@ -13,8 +13,8 @@
    each LIP keeps 1 or 2 preds in flight (one file and thread each).
 4. prompt cache: time to first token of a question after forking a saved document file,
    against prefilling the document and the question into a fresh file, on a random-weight
-   checkpoint of --model's shape with a longer context (made in a temp dir): --model must
-   then be a checkpoint directory, as the tiny model (models/tiny) is.
+   Llama of --model's shape (a checkpoint directory's config.json or a GGUF file's
+   metadata) with a context of twice --doc-len, made in a temp dir.
 5. the pred path, this system's getpid(): preds/s of one kernel with 1, 32 (also as one
    asyncio process) and 128 decoding LIPs, against generate at the same batch, on a
    random-weight model of one layer and hidden 64, where a forward pass costs next to
@@ -616,11 +616,24 @@ def random_model(out: Path, cfg: dict, dtype: str = "bfloat16") -> Path:
 
 
 def long_context_model(tmp: Path, base: Path, context: int) -> Path:
-    """A random-weight checkpoint of `base`'s shape with a longer context, and its
-    tokenizer files."""
-    cfg = json.loads((base / "config.json").read_text())
+    """A random-weight Llama of `base`'s shape with a longer context. `base` is a checkpoint
+    directory (its config.json, and its tokenizer files copied) or a GGUF file (the shape
+    the engine reads from its metadata; no tokenizer: the bench passes token ids)."""
+    from symphony.engine.gguf_file import is_gguf
+    from symphony.engine.loader import load_config
+
+    if is_gguf(base):
+        c = load_config(base)
+        cfg = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                   intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+                   num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                   head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                   tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias,
+                   bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids))
+    else:
+        cfg = json.loads((base / "config.json").read_text())
+        cfg.pop("architectures", None)
     cfg["max_position_embeddings"] = context
-    cfg.pop("architectures", None)
     out = random_model(tmp / f"random-{context}", cfg)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (base / name).exists():
@@ -630,14 +643,16 @@ def long_context_model(tmp: Path, base: Path, context: int) -> Path:
 
 def bench_cache(args: argparse.Namespace, tmp: Path) -> None:
     from symphony.engine.engine import default_model_dir
+    from symphony.engine.loader import load_config
 
     base = Path(args.model) if args.model else default_model_dir()
     context = args.doc_len * 2
+    own = load_config(base).max_position_embeddings
     model = long_context_model(tmp, base, context)
     print(f"\n## 4. prompt cache: time to first token of a {args.question_len}-token question "
           f"after a {args.doc_len}-token document; best/median of {args.repeat}")
     print(f"  model: random weights, {base.name}'s shape with max_position_embeddings "
-          f"{context} (the shipped model's context is shorter), made in a temporary dir")
+          f"{context} (its own: {own}), made in a temporary dir")
     from syscalls.client import Kernel
 
     with KernelDaemon(tmp, "cache", ["--model", str(model), "--kv-pages", "2048"]) as kd, \
