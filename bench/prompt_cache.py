@@ -102,12 +102,7 @@ def greedy(f, tokens: list[int], positions: list[int] | None, n: int, eos) -> li
 def tree_reference(k, cache: ModuleCache, prompt, n: int, eos) -> list[int]:
     """The composed prompt's attention pattern in one fresh file: the BOS, every module a
     branch of one tree pred, then the inputs at their positions."""
-    tokens, positions, parents = [], [], []
-    for name in prompt.modules:
-        placed = cache.placed[name]
-        parents += [-1, *range(len(tokens), len(tokens) + len(placed.tokens) - 1)]
-        tokens += placed.tokens
-        positions += placed.positions
+    tokens, positions, parents = cache.as_tree(prompt)
     inputs, at = cache.inputs(prompt)
     with k.open() as f:
         if cache.root:

@@ -203,6 +203,18 @@ class ModuleCache:
         question = self.k.tokenize(prompt.question)
         return tokens + question, positions + list(range(self.end, self.end + len(question)))
 
+    def as_tree(self, prompt: Prompt) -> tuple[list[int], list[int], list[int]]:
+        """The prompt's modules as one tree pred after the BOS (tokens, positions, parents),
+        each module a branch of its own: the attention pattern compose() gives, computed
+        without the cache (what the tests and the benchmark compare it with)."""
+        tokens, positions, parents = [], [], []
+        for name in prompt.modules:
+            placed = self.placed[name]
+            parents += [-1, *range(len(tokens), len(tokens) + len(placed.tokens) - 1)]
+            tokens += placed.tokens
+            positions += placed.positions
+        return tokens, positions, parents
+
     def compose(self, prompt: Prompt) -> File:
         """A new anonymous file: the BOS, then the prompt's modules' entries, pages shared."""
         f = self._start()

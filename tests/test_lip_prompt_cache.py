@@ -41,12 +41,7 @@ def reference(k, cache: ModuleCache, prompt_xml: str, n: int) -> tuple[list[int]
     as its own branch of one tree pred (each attends to the BOS and to itself), then the
     arguments and question, then greedy decoding, all in one fresh file."""
     prompt = parse_prompt(prompt_xml, cache.schema)
-    tokens, positions, parents = [], [], []
-    for name in prompt.modules:
-        placed = cache.placed[name]
-        parents += [-1, *range(len(tokens), len(tokens) + len(placed.tokens) - 1)]
-        tokens += placed.tokens
-        positions += placed.positions
+    tokens, positions, parents = cache.as_tree(prompt)
     inputs, at = cache.inputs(prompt)
     with k.open() as f:
         f.pred(cache.root, range(len(cache.root)), no_outputs=True)

@@ -120,13 +120,9 @@ def export_after_forks(d) -> tuple[list[list[int]], list[bytes]]:
         return tokens, exports
 
 
-def test_two_nodes_meet_over_tcp_and_the_kernel_keeps_node_1s_kv(model, two_ranks, tmp_path):
-    """Node 1's rank holds its shard itself: what kvfs does to its pages (copy on write,
-    shift) reaches it, and what it computes reaches the kernel's mirror (the export): all
-    as on one node, bit for bit."""
-    want = export_after_forks(two_ranks)
-    port = str(free_port())
-    rendezvous = (
+def two_nodes() -> tuple[str, ...]:
+    """The flags of two ranks on two nodes meeting over loopback TCP, as across machines."""
+    return (
         "--tensor-parallel",
         "2",
         "--nnodes",
@@ -134,8 +130,16 @@ def test_two_nodes_meet_over_tcp_and_the_kernel_keeps_node_1s_kv(model, two_rank
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        port,
+        str(free_port()),
     )
+
+
+def test_two_nodes_meet_over_tcp_and_the_kernel_keeps_node_1s_kv(model, two_ranks, tmp_path):
+    """Node 1's rank holds its shard itself: what kvfs does to its pages (copy on write,
+    shift) reaches it, and what it computes reaches the kernel's mirror (the export): all
+    as on one node, bit for bit."""
+    want = export_after_forks(two_ranks)
+    rendezvous = two_nodes()
     log = open(tmp_path / "node1.log", "wb")
     node1 = subprocess.Popen(
         [
@@ -167,16 +171,7 @@ def test_two_nodes_meet_over_tcp_and_the_kernel_keeps_node_1s_kv(model, two_rank
 
 
 def test_a_rank_that_cannot_start_fails_the_kernels_start_naming_it(model, tmp_path):
-    rendezvous = (
-        "--tensor-parallel",
-        "2",
-        "--nnodes",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-    )
+    rendezvous = two_nodes()
     node1 = subprocess.Popen(
         [
             *SYMPHONY,
