@@ -244,6 +244,14 @@ class EngineProcess(HasSettings):
             self.close()
             raise
 
+    def nice(self) -> int | None:
+        """The engine process's nice value (its main thread's: Linux's is per thread); None
+        once it has exited."""
+        try:
+            return os.getpriority(os.PRIO_PROCESS, self.pid)
+        except ProcessLookupError:
+            return None
+
     @property
     def pid(self) -> int:
         """Rank 0's: the process the kernel talks to."""
@@ -449,6 +457,21 @@ def _picklable(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__}: {e}")
 
 
+# The nice value of a process that drives an accelerator (a GPU, or the simulated one).
+DRIVER_NICE = -10
+
+
+def drives_accelerator() -> None:
+    """Run at DRIVER_NICE, where the OS allows it (root or CAP_SYS_NICE), every thread made
+    from here on with it. Such a process spends a step waiting for its device and must run
+    the moment the step ends, or the device idles: at nice 0 it waited behind the slices of
+    the LIPs its last answers had woken (bench/RESULTS.md, issue 27, session 13). A CPU
+    engine, whose steps are the CPU's own work, keeps the kernel's nice: above the LIPs it
+    would starve them of the CPU they decode on."""
+    with contextlib.suppress(PermissionError):
+        os.setpriority(os.PRIO_PROCESS, 0, DRIVER_NICE)
+
+
 def main(sock: socket.socket) -> None:
     """The engine process (rank 0): build the Engine over the kernel's pool (or take the
     simulated accelerator the kernel sent), with the other ranks where there are, then run
@@ -457,6 +480,8 @@ def main(sock: socket.socket) -> None:
      ranks) = receive(sock)
     if not die_with_parent(kernel):  # the kernel died before prctl: nobody would stop us
         return
+    if simulated is not None or device.type != "cpu":
+        drives_accelerator()
     leader = None
     if simulated is not None:  # no weights to load
         step, attention = simulated.forward, "none"

@@ -552,3 +552,10 @@ def test_a_prefill_is_not_starved_by_decodes_that_fill_every_step(model):
     finally:
         stop.set()
         assert d.stop() == 0, d.log_text()
+
+
+def test_a_cpu_engine_keeps_the_kernels_nice(daemon, k):
+    # Its steps are the CPU's own work: above the LIPs it would starve them (a GPU's driver
+    # or the simulated accelerator runs at DRIVER_NICE: test_engine_sleep).
+    kernel = os.getpriority(os.PRIO_PROCESS, daemon.process.pid)
+    assert int(sched(k)["engine_nice"]) == kernel != -10

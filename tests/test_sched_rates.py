@@ -31,7 +31,8 @@ def sched_at(stats: SchedStats, now: float, monkeypatch) -> dict[str, float]:
     kernel = SimpleNamespace(
         sched=SimpleNamespace(stats=stats, queue=[], token_budget=128, decode_ahead=False),
         engine=SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32,
-                               attention="c", mode="model", pid=1, ranks=[]),
+                               attention="c", mode="model", pid=1, ranks=[],
+                               nice=lambda: 0),
         procs=[])
     monkeypatch.setattr(procfs.time, "monotonic", lambda: now)
     fields = proc_fields(ProcFS(kernel).read("sched", None))
