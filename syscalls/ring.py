@@ -67,16 +67,14 @@ def record_bytes(payload: int) -> int:
     return RECORD.size + padded(payload)
 
 
-_barrier = threading.Lock()
-
-
 def fence() -> None:
     """A full memory barrier between a store to the ring and a load of the other side's
     flag: taking an uncontended lock is a locked compare-and-swap (a full barrier on x86).
     Both sides also sleep with a timeout and look again, so a reordering elsewhere can
-    delay a wake-up, never lose it."""
-    _barrier.acquire()
-    _barrier.release()
+    delay a wake-up, never lose it. The lock is a new one each time, never released: a
+    signal handler that raises between a shared lock's acquire and release would leave it
+    held, and the next fence would wait forever."""
+    threading.Lock().acquire()
 
 
 class RingMemory:

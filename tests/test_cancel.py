@@ -539,14 +539,26 @@ def test_an_interruption_at_any_moment_of_a_pred_takes_it_back(daemon, transport
 def test_closing_the_session_ends_a_grpc_pred_the_main_thread_waits_for(daemon):
     """The main thread's rpcs are made by a thread of the session's: closing the session
     (here from another thread) still ends the wait, with EBADF."""
-    k = Kernel.connect(daemon.socket, lifeline_pred=False)
-    f = k.open()
-    closing = threading.Timer(0.2, k.close)
-    closing.start()
-    with pytest.raises(OSError) as e:
-        f.pred(prompt(LONG), no_outputs=True)
+    with blocking(daemon), daemon.connect() as watcher:
+        k = Kernel.connect(daemon.socket, lifeline_pred=False)
+        f = k.open()
+
+        def close_once_waiting() -> None:  # the pred waits for the blocker's memory
+            started(watcher, k.pid, "queued")
+            k.close()
+
+        closing = threading.Thread(target=close_once_waiting)
+        closing.start()
+        previous = signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, 60)  # the pred would wait for the blocker
+        try:
+            with pytest.raises(OSError) as e:
+                f.pred(prompt(LONG), no_outputs=True)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        closing.join()
     assert e.value.errno == errno.EBADF
-    closing.join()
 
 
 def test_a_cancel_that_crosses_the_answer_or_names_no_pred_changes_nothing(daemon):

@@ -129,6 +129,31 @@ def test_bells_ring_only_when_the_other_side_asked(ends):
     assert rung(kernel.process_bell)
 
 
+def test_a_signal_handler_raising_inside_the_fence_leaves_no_lock_held(ends):
+    """A handler may raise at any call's return: raised the moment the fence's lock is
+    taken, the next submit still goes (a lock shared by every fence stayed held, and the
+    next one waited forever)."""
+    kernel, proc = ends
+
+    class Interrupt(Exception):
+        pass
+
+    def raise_once(frame, event, arg) -> None:
+        if event == "c_return" and getattr(arg, "__name__", "") == "acquire":
+            sys.setprofile(None)
+            raise Interrupt
+
+    sys.setprofile(raise_once)
+    with pytest.raises(Interrupt):
+        proc.submit(ring.PRED, 1, b"")
+    sys.setprofile(None)
+    second = threading.Thread(target=proc.submit, args=(ring.PRED, 2, b""), daemon=True)
+    second.start()
+    second.join(10)
+    assert not second.is_alive(), "the second submit waits for the first one's fence"
+    assert [call for _, call, _ in kernel.take()] == [1, 2]
+
+
 # -- a real kernel --------------------------------------------------------------------------
 
 
