@@ -6,10 +6,9 @@ or, too large for it or when it is full, as a frame on the lifeline behind a FRA
 that keeps its place in line; its reply comes in the completion ring, or as a frame when
 that is full. The lifeline still tells a clean stop (SHUTDOWN) from a crash (end of file).
 
-The synchronous client looks at its completions for a moment (SPIN seconds) before it
-sleeps on its bell, so an answer the kernel had at hand costs no system call; the asyncio
-client never spins: its bell is in the event loop, and one ring of it hands out every
-completion of a step.
+Neither client spins (docs/syscalls.md, "The clients"): the synchronous one looks at its
+completions once, then sleeps on its bell and the lifeline; the asyncio one's bell is in
+the event loop, and one ring of it hands out every completion of a step.
 """
 
 from __future__ import annotations
