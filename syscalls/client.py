@@ -144,7 +144,10 @@ class Kernel(KernelCalls, Session):
             lifeline, token, shared = session.open_session(sock, lifeline_pred and rings)
         except OSError as e:
             raise convert.connect_error(e, sock) from e
-        channel = grpc.insecure_channel(session.grpc_target(sock), options=CHANNEL_OPTIONS)
+        # gRPC's threads start with the channel: made apart, they leave the signals a LIP
+        # handles to its main thread (syscalls/pred_rpc.py).
+        channel = pred_rpc.apart(grpc.insecure_channel, session.grpc_target(sock),
+                                 options=CHANNEL_OPTIONS)
         k = cls(sock, lifeline, token, channel, shared)
         if not lifeline_pred:
             k._line = None

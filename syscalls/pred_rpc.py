@@ -15,6 +15,15 @@ for the main thread a thread of the session's (Rpcs) starts the rpcs, and cancel
 asked; their answers are taken in grpc's own thread, which rings an eventfd; the main thread
 waits on it, which an interruption leaves as it was, and touches nothing of grpc's. Other
 threads make and wait for their rpcs themselves.
+
+A signal sent to the process (a timeout's SIGALRM, Ctrl-C's SIGINT) goes to any of its
+threads that does not block it, often the one running at that moment, and Python only
+notes it there: the main thread runs the handler when it next runs Python code, so a main
+thread asleep in a wait (a pred's reply, on any transport) slept on until the reply came,
+and its pred, answered, could not be taken back. So every thread the client starts
+(gRPC's, started with a channel, and the Rpcs thread) blocks MAIN_THREAD_SIGNALS, and the
+OS gives them to the main thread, whose wait they interrupt at once (so long as the
+LIP's own threads block them too).
 """
 
 from __future__ import annotations
@@ -22,14 +31,55 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import signal
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 Start = Callable[[Any], Any]  # a request -> the rpc's future (stub.Pred.future)
+T = TypeVar("T")
+
+# The asynchronous signals a LIP may handle, which the client's threads leave to the main
+# thread. Not the ones a fault raises in the thread at fault (SIGSEGV, SIGBUS, SIGFPE...),
+# nor SIGPROF and SIGVTALRM, which samplers want in the thread that runs.
+MAIN_THREAD_SIGNALS = frozenset({
+    signal.SIGALRM, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+    signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGWINCH,
+})
+
+
+def leave_signals_to_main() -> None:
+    """This thread, and the threads it starts from now on, block MAIN_THREAD_SIGNALS (not
+    the main thread: a handler could never run)."""
+    if (hasattr(signal, "pthread_sigmask")
+            and threading.current_thread() is not threading.main_thread()):
+        signal.pthread_sigmask(signal.SIG_BLOCK, MAIN_THREAD_SIGNALS)
+
+
+def apart(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) called in a thread of its own that blocks MAIN_THREAD_SIGNALS, so
+    that the threads it starts (gRPC's, making a channel) block them too: a thread starts
+    with its creator's mask. The caller's own mask is never changed, so no interruption can
+    leave it changed."""
+    out: list[Any] = []
+
+    def run() -> None:
+        leave_signals_to_main()
+        try:
+            out.append((True, fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001  (raised in the caller)
+            out.append((False, e))
+
+    thread = threading.Thread(target=run, name="symphony-start", daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def outcomes(futures: list[Any]) -> list[Any]:
@@ -136,6 +186,7 @@ class Rpcs:
         os.eventfd_write(self.bell, 1)
 
     def _run(self) -> None:
+        leave_signals_to_main()  # and grpc's threads it starts (a future's spin thread)
         try:
             while (item := self.jobs.get()) is not None:
                 what, job = item

@@ -21,7 +21,7 @@ import threading
 import time
 
 import pytest
-from daemon import ROOT, meminfo, prompt, wait_for
+from daemon import ROOT, meminfo, prompt, run_script, wait_for
 
 from syscalls import lifeline, ring, wire
 from syscalls import symphony_pb2 as pb
@@ -534,6 +534,41 @@ def test_an_interruption_at_any_moment_of_a_pred_takes_it_back(daemon, transport
     # ring and the lifeline the wait includes the CANCEL's reply: the step's end.)
     if transport == "grpc":
         assert sorted(late)[len(late) // 2] < 0.1, late
+
+
+# The asynchronous signals a LIP may handle, left to its main thread.
+LEFT_TO_MAIN = ("SIGALRM", "SIGCHLD", "SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1",
+                "SIGUSR2", "SIGWINCH")
+THREADS = f"""
+import json, os, signal, threading
+from syscalls.client import Kernel
+
+with Kernel.connect() as k, Kernel.connect(lifeline_pred=False) as g:
+    for s in (k, g):  # g's pred from the main thread starts its Rpcs thread
+        with s.open() as f:
+            f.pred([6, 7, 8], no_outputs=True)
+    threads = {{}}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{{tid}}/status") as st:
+            status = dict(line.split(":\\t", 1) for line in st.read().splitlines())
+        blocked = int(status["SigBlk"], 16)
+        name = "main" if int(tid) == threading.get_native_id() else tid + " " + status["Name"]
+        threads[name] = [sig for sig in {LEFT_TO_MAIN!r}
+                         if not blocked >> (signal.Signals[sig] - 1) & 1]
+    print(json.dumps(threads))
+"""
+
+
+def test_the_clients_threads_leave_the_signals_a_lip_handles_to_its_main_thread(daemon):
+    """A signal sent to the process goes to any thread that does not block it (often the
+    one running); Python runs the handler in the main thread only, when it next runs Python
+    code: a signal taken by a thread of grpc's (or the Rpcs thread) left the main thread
+    asleep until the pred's reply came, too late to take it back. In a LIP that starts no
+    threads, every thread but the main one (gRPC's, the Rpcs thread) blocks them."""
+    threads = json.loads(run_script(daemon, THREADS))
+    assert threads.pop("main") == list(LEFT_TO_MAIN)  # the main thread blocks none
+    assert threads, "gRPC started no thread"
+    assert {name: open_to for name, open_to in threads.items() if open_to} == {}
 
 
 def test_closing_the_session_ends_a_grpc_pred_the_main_thread_waits_for(daemon):
