@@ -722,8 +722,9 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
                        f"{' each' if procs > 1 else ''}", procs * sessions, "adecode", procs))
     results = []
     flags = ["--model", str(model), "--kv-pages", str(args.kv_pages),
-             "--engine", args.path_engine]
+             "--engine", args.path_engine, "--pipeline", args.path_pipeline]
     sleep_ms = parse_engine(args.path_engine)
+    print(f"# the kernel's --pipeline: {args.path_pipeline}")
     if sleep_ms is not None:
         print(f"# the kernel's engine: {args.path_engine}, a simulated accelerator (its tokens "
               f"are not generate's)")
@@ -912,6 +913,8 @@ def main() -> int:
     ap.add_argument("--path-engine", default="model",
                     help="the pred path: the kernel's --engine (sleep:MS: a simulated "
                     "accelerator whose steps take MS)")
+    ap.add_argument("--path-pipeline", choices=["on", "off"], default="on",
+                    help="the path benchmark's kernel --pipeline (default on, the kernel's)")
     ap.add_argument("--prefill-shape", choices=sorted(PREFILL_SHAPES), default="mid",
                     help="the long prefill: the random model's shape (1b: 20 GB in all)")
     ap.add_argument("--prefill-len", type=int, default=512)

@@ -87,6 +87,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
         socket=socket_path(args.socket), state_dir=Path(args.state_dir or default_state_dir()),
         token_budget=args.token_budget, max_seqs=args.max_seqs, disk_pages=args.disk_pages,
         quota=args.quota, decode_ahead=args.decode_ahead == "on",
+        pipeline=args.pipeline == "on",
         max_procs_per_user=args.max_procs_per_user,
     )
     return run_kernel(engine, opts)
@@ -134,7 +135,7 @@ def control():
 
 
 KERNEL_OPTIONS = ("model", "state_dir", "device", "dtype", "kv_pages", "host_pages",
-                  "disk_pages", "token_budget", "max_seqs", "quota", "decode_ahead",
+                  "disk_pages", "token_budget", "max_seqs", "quota", "decode_ahead", "pipeline",
                   "max_procs_per_user", "engine", "weights", "tensor_parallel", "nnodes",
                   "node_rank", "master_addr", "master_port", "cuda_graphs")
 
@@ -218,6 +219,10 @@ def add_kernel_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument("--decode-ahead", choices=["on", "off"],
                    default="on" if Options.decode_ahead else "off",
                    help="compute a decoding LIP's next pred in spare room before it comes")
+    k.add_argument("--pipeline", choices=["on", "off"],
+                   default="on" if Options.pipeline else "off",
+                   help="plan each step while the one before computes and send it behind "
+                   "that one, so that the engine never waits for the kernel between steps")
     k.add_argument("--max-procs-per-user", type=positive, default=Options.max_procs_per_user,
                    help="processes a user may have at once; more get EAGAIN (root: no "
                    "limit; default %(default)s)")

@@ -55,7 +55,8 @@ class Kernel:
         self.procs = ProcessTable()
         self.lifelines: dict[int, asyncio.Transport] = {}
         self.sched = Scheduler(engine, self.fs, lambda: self.procs,
-                               opts.token_budget, opts.max_seqs, opts.decode_ahead)
+                               opts.token_budget, opts.max_seqs, opts.decode_ahead,
+                               pipeline=opts.pipeline)
         self.procfs = ProcFS(self)
         self._reaping: dict[Process, asyncio.Task] = {}
         self.engine_lost = False  # the kernel stopped because its engine process exited

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -53,8 +54,10 @@ DEPTH = 2  # guesses per file at most: the LIP may come back a whole step late
 
 class DecodeAhead:
     def __init__(self, fs: FileSystem, stats: SchedStats, *, enabled: bool, eos: set[int],
-                 context: int, device: torch.device, seq: Callable[[], int]):
+                 context: int, device: torch.device, seq: Callable[[], int],
+                 pipelined: bool = False):
         self.fs, self.stats = fs, stats
+        self.pipelined = pipelined  # a guess may follow one a step in flight computes
         self.enabled, self.eos, self.context, self.device = enabled, eos, context, device
         self.seq = seq  # the scheduler's arrival numbers, which guesses share
         self.guesses: dict[Inode, PredJob] = {}  # the first of each file's chain
@@ -63,6 +66,8 @@ class DecodeAhead:
         self._dropping: dict[PredJob, list[PredJob]] = {}
         # Per open file: (token, file length, sampler) of its last sampled pred.
         self.sampled: weakref.WeakKeyDictionary[Handle, tuple] = weakref.WeakKeyDictionary()
+        # Guesses whose token a step in flight samples, by the job that samples it.
+        self._unknown: dict[PredJob, PredJob] = {}
 
     def answered(self, job: PredJob) -> None:
         """A pred was committed: remember what it sampled for its file's next pred."""
@@ -120,15 +125,16 @@ class DecodeAhead:
         return True
 
     def _go_on(self, guess: PredJob) -> bool:
-        """After a guess was computed or its chain's first taken: guess on from the chain's
-        last, computed guess while the chain is shorter than DEPTH. Not after a masked pred
-        (the next token is the mask's to choose), an end of sequence, or the context's end.
-        Whether a guess was made."""
+        """After a guess was planned, computed or its chain's first taken: guess on from the
+        chain's last guess, planned or computed, while the chain is shorter than DEPTH. Not
+        after a masked pred (the next token is the mask's to choose), an end of sequence,
+        or the context's end. Whether a guess was made."""
         first = self.guesses.get(guess.handle.inode)
         chain = self._chain(first) if first is not None else []
-        if (not chain or chain[-1] is not guess or not guess.done or len(chain) >= DEPTH
+        ready = guess.planned if self.pipelined else guess.done
+        if (not chain or chain[-1] is not guess or not ready or len(chain) >= DEPTH
                 or guess.keep_logits or not guess.proc.alive or guess.handle.closed
-                or guess.outputs[-1].token in self.eos
+                or (guess.done and guess.outputs[-1].token in self.eos)
                 or guess.positions[-1] + 1 >= self.context):
             return False
         try:
@@ -139,14 +145,37 @@ class DecodeAhead:
         return True
 
     def _guess(self, after: PredJob, res: Reservation, keep_logits: bool) -> PredJob:
-        """The guess of the pred that feeds back `after`'s sample, in `res`."""
+        """The guess of the pred that feeds back `after`'s sample, in `res`. While a step in
+        flight computes `after`, the token is unknown (-1, which no pred sends): the step
+        that computes the guess takes it from the engine (StepPlan.placeholders)."""
         self.stats.ahead += 1
         params = after.spec.params
-        spec = PredSpec([after.outputs[-1].token], [after.positions[-1] + 1], [0], params)
-        return PredJob(after.proc, after.handle, spec, params.generator(self.device),
-                       asyncio.get_running_loop().create_future(), self.seq(),
-                       positions=spec.positions, state=JobState.AHEAD, res=res, follows=True,
-                       keep_logits=keep_logits)
+        token = after.outputs[-1].token if after.done else -1
+        spec = PredSpec([token], [after.positions[-1] + 1], [0], params)
+        guess = PredJob(after.proc, after.handle, spec, params.generator(self.device),
+                        asyncio.get_running_loop().create_future(), self.seq(),
+                        positions=spec.positions, state=JobState.AHEAD, res=res, follows=True,
+                        keep_logits=keep_logits)
+        if not after.done:
+            guess.after = after
+            self._unknown[after] = guess
+        return guess
+
+    def planned(self, guess: PredJob) -> bool:
+        """A step in flight computes the guess (pipelined): guess on from it. Whether a
+        guess was made."""
+        return self._go_on(guess)
+
+    def waiting_tokens(self) -> bool:
+        """Whether some guess waits for the token of a job a step in flight computes."""
+        return bool(self._unknown)
+
+    def sampled_token(self, job: PredJob, token: int) -> None:
+        """A step sampled `token` for job: the guess made on it while it was in flight, if
+        any, learns its token."""
+        guess = self._unknown.pop(job, None)
+        if guess is not None:
+            guess.spec, guess.after = replace(guess.spec, tokens=[token]), None
 
     @staticmethod
     def _chain(first: PredJob) -> list[PredJob]:
@@ -155,30 +184,54 @@ class DecodeAhead:
             chain.append(chain[-1].following)
         return chain
 
-    def to_compute(self, slots: int) -> list[PredJob]:
-        """Up to `slots` guesses not yet computed (the last of their chains), lowest virtual
-        runtime first."""
+    def to_compute(self, slots: int, running: list[StepPlan]) -> list[PredJob]:
+        """Up to `slots` guesses not yet planned (the last of their chains), lowest virtual
+        runtime first. One whose token is unknown only if the step in flight, the one this
+        step follows, samples it."""
         lasts = (self._chain(first)[-1] for first in self.guesses.values())
-        waiting = sorted((j for j in lasts if not j.done), key=lambda j: (j.proc.vruntime, j.seq))
+        waiting = sorted((j for j in lasts if not j.planned and (
+            j.after is None or (running and running[-1].computes(j.after)))),
+            key=lambda j: (j.proc.vruntime, j.seq))
         return waiting[:max(0, slots)]
 
-    def drop(self, inode: Inode, running: StepPlan | None) -> PredJob | None:
-        """Forget the guesses on inode. When the running step computes the last of them,
-        the chain is rolled back when the step ends: that guess is returned, so that a
-        caller can wait for that."""
+    def drop(self, inode: Inode, running: list[StepPlan]) -> PredJob | None:
+        """Forget the guesses on inode. When steps in flight compute some of them, the
+        chain is rolled back when the last such step ends: the guess it computes is
+        returned, so that a caller can wait for that."""
         first = self.guesses.pop(inode, None)
         if first is None:
             return None
         chain = self._chain(first)
         for guess in chain:
             guess.state = JobState.DROPPED
-        if running is not None and running.computes(chain[-1]):
-            self._dropping[chain[-1]] = chain
-            return chain[-1]
+        return self._release_after_steps(chain, running)
+
+    def _release_after_steps(self, chain: list[PredJob], running: list[StepPlan]
+                             ) -> PredJob | None:
+        """Roll a dropped chain back now, or, when steps in flight compute some of it, when
+        the last of those ends (the guess returned ends it)."""
+        for plan in reversed(running):
+            computed = [g for g in chain if plan.computes(g)]
+            if computed:
+                self._dropping[computed[-1]] = chain
+                return computed[-1]
         self._release(chain)
         return None
 
-    def drop_all(self, running: StepPlan | None) -> bool:
+    def dropping(self, inode: Inode) -> bool:
+        """Whether a dropped chain on inode waits for a step in flight to be rolled back."""
+        return any(chain[0].handle.inode is inode for chain in self._dropping.values())
+
+    def roll_back_with(self, job: PredJob) -> bool:
+        """A pred on whose reservation a dropped chain waiting for a step in flight is
+        stacked failed: it is rolled back after the chain. Whether there was one."""
+        for chain in self._dropping.values():
+            if chain[0].handle.inode is job.handle.inode:
+                chain.insert(0, job)
+                return True
+        return False
+
+    def drop_all(self, running: list[StepPlan]) -> bool:
         """Every guess gives its pages back (those in the running step when it ends).
         Whether there were any."""
         inodes = list(self.guesses)
@@ -186,33 +239,41 @@ class DecodeAhead:
             self.drop(inode, running)
         return bool(inodes)
 
-    def drop_process(self, proc: Process, running: StepPlan | None) -> None:
+    def drop_process(self, proc: Process, running: list[StepPlan]) -> None:
         for inode in [i for i, j in self.guesses.items() if j.proc is proc]:
             self.drop(inode, running)
 
     def computed(self, guess: PredJob, done: int, seconds: float) -> bool:
         """The step computing a guess ended: it waits for its pred, guessed on, or, dropped
         meanwhile, is rolled back now with its chain. Whether a new guess was made."""
-        if guess.state is JobState.DROPPED:
-            self._release(self._dropping.pop(guess))
+        if guess.state is JobState.DROPPED:  # rolled back when its chain's last step ends
+            chain = self._dropping.pop(guess, None)
+            if chain is not None:
+                self._release(chain)
             return False
         guess.done, guess.seconds = done, seconds
         return self._go_on(guess)
 
-    def lost(self, guess: PredJob) -> None:
-        """The step computing a guess (its chain's last) failed: the chain is rolled back."""
+    def lost(self, guess: PredJob, running: list[StepPlan]) -> None:
+        """The step computing a guess failed: its chain is rolled back (when the steps still
+        in flight that compute some of it end)."""
         chain = self._dropping.pop(guess, None)
         if chain is None:
+            if guess.state is JobState.DROPPED:
+                return  # the chain waits for a later step computing another of its guesses
             chain = self._chain(self.guesses.pop(guess.handle.inode))
         for g in chain:
             g.state = JobState.DROPPED
-        self._release(chain)
+        self._release_after_steps(chain, running)
 
     def _release(self, chain: list[PredJob]) -> None:
         """Roll a chain back, last guess first (its reservations are stacked)."""
         for guess in reversed(chain):
             self.fs.rollback(guess.res)
             guess.res, guess.following = None, None
+            if guess.after is not None:
+                self._unknown.pop(guess.after, None)
+                guess.after = None
 
     def procs(self) -> set[Process]:
         """Processes with a guess: its work fills a step already."""

@@ -73,7 +73,7 @@ from symphony.ranks import (
     join,
     rank_device,
 )
-from symphony.step import StepResult, StepWork, forward
+from symphony.step import StepResult, StepWork, fill_placeholders, forward
 
 LENGTH = struct.Struct("<Q")  # each message: its pickle's length, then the pickle
 
@@ -213,6 +213,9 @@ class EngineProcess(HasSettings):
         # simulated accelerator writes no K/V: it gets none (nor sets up CUDA for them).
         shipped = [fd if fd is not None else arrays for fd, arrays in tiers]
         self._buf, self._procs, self._followers = bytearray(), {}, []
+        # Steps sent (or held), oldest first, with their answers; steps held back.
+        self._steps: list[tuple[asyncio.Future, StepWork]] = []
+        self._held: list[bytes] = []
         try:
             # Node 0's ranks: rank 0 here, the others in symphony.ranks; each with its socket.
             for r in rdv.local_ranks():
@@ -228,6 +231,7 @@ class EngineProcess(HasSettings):
                 theirs.close()
                 if r == 0:
                     self._sock = ours
+                    self._sndbuf = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
                     ranks = None if world == 1 else (rdv, {m: shipped[m] for m in remote},
                                                      shapes)
                     message = (os.getpid(), self.model_dir, self.device, self.dtype,
@@ -286,25 +290,50 @@ class EngineProcess(HasSettings):
     async def step(self, work: StepWork) -> StepResult:
         """Run one step in the engine process; the event loop goes on meanwhile. The work's
         seeded generators come back advanced, as if sampled here."""
-        loop = asyncio.get_running_loop()
-        answer = loop.create_future()
+        return await self.send(work)
+
+    def send(self, work: StepWork) -> asyncio.Future:
+        """Send a step, behind those in flight (the engine process runs them in order); the
+        future gets its StepResult. A step sent while another runs waits in the socket, or,
+        too large to be sure it fits there, here until the answer before it is read: the
+        loop never blocks on a socket the engine process is not reading."""
         if self.device.type == "cuda":  # the kernel's page copies done before the step reads
             for device in self._gpus:  # every rank's
                 torch.cuda.synchronize(device)
         dirty = self.pool.take_dirty() if isinstance(self.pool, MirroredPool) else []
+        data = _message(dumps((work, dirty)))
+        answer = asyncio.get_running_loop().create_future()
+        first = not self._steps
+        self._steps.append((answer, work))
+        if first:
+            self._sock_reading(True)
+            self._write(data)
+        elif len(data) <= self._sndbuf // 2 and not self._held:
+            self._write(data)
+        else:
+            self._held.append(data)
+        return answer
+
+    def _write(self, data: bytes) -> None:
         try:
-            _send(self._sock, (work, dirty))
-        except OSError as e:
-            raise self._died() from e
-        loop.add_reader(self._sock, self._readable, answer)
-        try:
-            result = self._reply(await answer)
-        finally:
+            self._sock.sendall(data)
+        except OSError:
+            self._fail_all(self._died())
+
+    def _sock_reading(self, on: bool) -> None:
+        loop = asyncio.get_running_loop()
+        if on:
+            loop.add_reader(self._sock, self._readable)
+        else:
             loop.remove_reader(self._sock)
-        for mine, theirs in zip(work.generators, result.generators, strict=True):
-            if mine is not None:
-                mine.set_state(theirs.get_state())
-        return result
+
+    def _fail_all(self, e: Exception) -> None:
+        steps, self._steps, self._held = self._steps, [], []
+        for answer, _ in steps:
+            if not answer.done():
+                answer.set_exception(e)
+        with contextlib.suppress(Exception):
+            self._sock_reading(False)
 
     async def exited(self) -> None:
         """Wait until the engine process, or any rank of this node's, exits."""
@@ -329,7 +358,9 @@ class EngineProcess(HasSettings):
                 for r, p in self._procs.items() if p.poll() is not None]
         return "the engine's " + ("; ".join(gone) if gone else "rank 0 lost its group")
 
-    def _readable(self, answer: asyncio.Future) -> None:
+    def _readable(self) -> None:
+        """The engine process answered: each whole answer goes to its step, in order (the
+        generators of its work advanced as the engine's were), and a held step goes out."""
         try:
             data = self._sock.recv(1 << 20, socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -337,16 +368,31 @@ class EngineProcess(HasSettings):
         except OSError:
             data = b""
         if not data:
-            if not answer.done():
-                answer.set_exception(self._died())
+            self._fail_all(self._died())
             return
         self._buf += data
-        if len(self._buf) >= LENGTH.size:
+        while self._steps and len(self._buf) >= LENGTH.size:
             (size,) = LENGTH.unpack_from(self._buf)
-            if len(self._buf) >= LENGTH.size + size and not answer.done():
-                message = pickle.loads(self._buf[LENGTH.size:LENGTH.size + size])
-                del self._buf[:LENGTH.size + size]
-                answer.set_result(message)
+            if len(self._buf) < LENGTH.size + size:
+                return
+            message = pickle.loads(self._buf[LENGTH.size:LENGTH.size + size])
+            del self._buf[:LENGTH.size + size]
+            answer, work = self._steps.pop(0)
+            if self._held:
+                self._write(self._held.pop(0))
+            if not self._steps:
+                self._sock_reading(False)
+            if answer.done():  # the step's waiter was cancelled: the kernel is stopping
+                continue
+            try:
+                result = self._reply(message)
+            except Exception as e:
+                answer.set_exception(e)
+                continue
+            for mine, theirs in zip(work.generators, result.generators, strict=True):
+                if mine is not None:
+                    mine.set_state(theirs.get_state())
+            answer.set_result(result)
 
     @staticmethod
     def _reply(message: tuple[str, object]) -> object:
@@ -498,6 +544,7 @@ def main(sock: socket.socket) -> None:
     # objects each time (in the kernel, collecting was 19% of the loop thread's CPU).
     gc.freeze()
     _send(sock, ("ready", (attention, infos)))
+    sampled: list[int] | None = None  # the last step's tokens, for the next one's placeholders
     try:
         while True:
             try:
@@ -510,7 +557,11 @@ def main(sock: socket.socket) -> None:
             if leader is not None:
                 leader.dirty = dirty
             try:
-                answer = ("done", step(work))
+                fill_placeholders(work, sampled)
+                sampled = None
+                result = step(work)
+                sampled = result.tokens
+                answer = ("done", result)
                 if device.type == "cuda" and simulated is None:
                     torch.cuda.synchronize()  # the step's K/V written before the kernel reads
             except ValueError as e:  # this step's batch, refused on every rank alike

@@ -18,4 +18,5 @@ class Options:
     disk_pages: int = 0
     quota: int | None = None  # pages per user (root has none)
     decode_ahead: bool = True  # compute a decoding LIP's next pred before it comes
+    pipeline: bool = True  # send the next step to the engine before the one in flight ends
     max_procs_per_user: int = 256  # sessions a user other than root may hold at once

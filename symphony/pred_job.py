@@ -80,6 +80,8 @@ class PredJob:
     enqueued: float = field(default_factory=time.monotonic)
     res: Reservation | None = None  # the room its entries are written into, once admitted
     done: int = 0  # tokens computed so far
+    planned: int = 0  # tokens in steps planned so far (done, or in a step in flight)
+    logit_row: int = -1  # its last sampled row's index among the logit rows of its step
     outputs: list[Output] = field(default_factory=list)
     follows: bool = False  # its tokens are the sample of its file's last pred, next in line
     seconds: float = 0.0  # accelerator time of work done ahead, charged when a pred takes it
@@ -90,10 +92,18 @@ class PredJob:
     logits: torch.Tensor | None = None
     # A computed guess's own guess: the pred after the one this guess is (decode_ahead.py).
     following: PredJob | None = None
+    # A guess on a guess in a step still in flight: its token is that guess's sample, which
+    # the engine process fills in (StepPlan.placeholders) and finish() then learns.
+    after: PredJob | None = None
 
     @property
     def remaining(self) -> int:
         return len(self.spec.tokens) - self.done
+
+    @property
+    def unplanned(self) -> int:
+        """Tokens no step planned yet."""
+        return len(self.spec.tokens) - self.planned
 
     @property
     def samples_last(self) -> bool:

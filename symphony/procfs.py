@@ -150,6 +150,9 @@ class ProcFS:
             ("decode_ahead", "on" if s.decode_ahead else "off"),
             ("ahead_guesses", st.ahead),
             ("ahead_used", st.ahead_used),
+            # Pipelined steps (scheduler.py): planned while the one before computed.
+            ("pipeline", "on" if s.pipeline else "off"),
+            ("steps_pipelined", st.pipelined),
         ]
         return lines(pairs)
 

@@ -30,6 +30,7 @@ class SchedStats:
     waits: int = 0  # admissions deferred for want of KV memory
     ahead: int = 0  # preds guessed (decoding ahead), one token each
     ahead_used: int = 0  # guesses a pred took
+    pipelined: int = 0  # steps sent while the one before was computing
     max_seqs: int = 0  # the most sequences one step has packed
     preds: int = 0  # preds answered
     recent: deque = field(default_factory=deque)  # StepRecords of the last STATS_WINDOW s

@@ -49,6 +49,9 @@ log = logging.getLogger("symphony.scheduler")
 PREFILL_PATIENCE = 0.05
 HOLD_MAX, HOLD_SHARE = 0.010, 1.0  # the longest wait for just-served processes, absolute
 # and as a share of the last step
+PIPELINE_LEAD = 0.2  # pipelined, the next step is planned this share of a step before the
+# one in flight should end: later, fewer of its answers' next preds are in it; earlier, a
+# step that ends early waits for the next to be planned
 SLEEP_GRACE = 0.1  # seconds between two preds that still count as running, not asleep
 
 
@@ -94,24 +97,27 @@ class Scheduler:
         token_budget: int,
         max_seqs: int,
         decode_ahead: bool,
+        pipeline: bool = False,
     ):
         self.engine, self.fs = engine, fs
         self.token_budget, self.max_seqs = token_budget, max_seqs
+        self.pipeline = pipeline
         self.context = engine.config.max_position_embeddings
         self.queue: list[PredJob] = []  # the run queue, in arrival order
         self._queued_on: dict[Inode, int] = {}  # jobs in the queue per file (no scan a pred)
-        self.running: StepPlan | None = None  # the step being computed, schedule to finish
+        # The steps in flight, oldest first (two at most, pipelined): schedule to finish.
+        self.running: list[StepPlan] = []
         self.min_vruntime = 0.0
         self.stats = SchedStats()
         self._seqs = itertools.count()
         self.ahead = DecodeAhead(fs, self.stats, enabled=decode_ahead,
                                  eos=set(engine.eos_ids()), context=self.context,
-                                 device=engine.device, seq=self._seqs.__next__)
+                                 device=engine.device, seq=self._seqs.__next__,
+                                 pipelined=pipeline)
         self.relief = Relief(fs, procs, self.stats)
         self._masked: list[PredJob] = []  # guesses taken by masked preds, to sample (_take)
         self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._step_end = asyncio.Event()  # set, and replaced, each time a step ends
 
     @property
     def decode_ahead(self) -> bool:
@@ -162,8 +168,7 @@ class Scheduler:
     def _maskable(self, guess: PredJob) -> bool:
         """Whether a masked pred can take the guess: its logits are kept, or it is not
         computed yet (then it is computed with the mask)."""
-        running = self.running is not None and self.running.computes(guess)
-        return guess.keep_logits or not (guess.done or running)
+        return guess.keep_logits or not guess.planned
 
     @staticmethod
     def _resample(taken: list[tuple[PredJob, torch.Tensor]]) -> None:
@@ -222,15 +227,15 @@ class Scheduler:
                     and j.future.cancelled() and j.state is not JobState.CANCELLED]:
             self._cancel(job, taken_back())
         dropped = self.ahead.drop(inode, self.running) is not None
-        if dropped or any(j.state is JobState.CANCELLED and j.handle.inode is inode
-                          for j in self.queue):
+        if dropped or self.ahead.dropping(inode) or any(
+                j.state is JobState.CANCELLED and j.handle.inode is inode for j in self.queue):
             await self.quiesce()
 
     async def give_way(self) -> bool:
         """A call is short of pages: every guess gives its pages back (after the step
         that may be writing one). Whether there were any."""
         dropped = self.ahead.drop_all(self.running)
-        if dropped and self.running is not None:
+        if dropped and self.running:
             await self.quiesce()
         return dropped
 
@@ -249,10 +254,14 @@ class Scheduler:
         self.ahead.drop_process(proc, self.running)
 
     def _cancel(self, job: PredJob, err: FSError) -> None:
-        if self.running is not None and self.running.computes(job):
+        if self._computing(job):
             job.state, job.error = JobState.CANCELLED, err  # finish rolls it back
         else:
             self._fail(job, err)
+
+    def _computing(self, job: PredJob) -> bool:
+        """Whether a step in flight computes the job."""
+        return any(plan.computes(job) for plan in self.running)
 
     def _enqueue(self, job: PredJob) -> None:
         self.queue.append(job)
@@ -274,8 +283,12 @@ class Scheduler:
 
     def _fail(self, job: PredJob, err: Exception) -> None:
         if job.state is not JobState.QUEUED:
-            self.fs.rollback(job.res)
-            job.res = None
+            # A pred that took a guess a step in flight computes may have guesses stacked
+            # on its reservation (pipelined): they go first, and it with them.
+            self.ahead.drop(job.handle.inode, self.running)
+            if not self.ahead.roll_back_with(job):
+                self.fs.rollback(job.res)
+                job.res = None
         job.state = JobState.FAILED
         self._leave(job)
         if not job.future.done():
@@ -285,8 +298,16 @@ class Scheduler:
         return any(j.handle is handle for j in self.queue)
 
     async def quiesce(self) -> None:
-        """Wait until no forward pass is running (before freeing what one may touch)."""
-        await self._idle.wait()
+        """Wait until the steps in flight now have ended (before freeing what they may
+        touch); steps planned meanwhile do not hold it up."""
+        steps = list(self.running)
+        while any(s is p for s in steps for p in self.running):
+            await self._step_end.wait()
+
+    def _ended(self, plan: StepPlan) -> None:
+        self.running = [p for p in self.running if p is not plan]
+        self._step_end.set()
+        self._step_end = asyncio.Event()
 
     def poke(self) -> None:
         """Something that may make room happened (a close, an exit): try again."""
@@ -297,27 +318,56 @@ class Scheduler:
     async def run(self) -> None:
         served: list[Process] = []
         last_step = 0.0
+        answers: list[asyncio.Future] = []  # of the steps in flight, as self.running
+        started = 0.0  # when the oldest step in flight began computing
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            await self._hold_for(served, last_step)
-            plan = self.schedule()
-            if plan is None:
-                continue
-            self._wake.set()  # more may be runnable after this step
-            start = time.monotonic()
+            if not self.running:
+                await self._wake.wait()
+                self._wake.clear()
+                await self._hold_for(served, last_step)
+                if not self._launch(answers):
+                    continue
+                started = time.monotonic()
+            plan, answer = self.running[0], answers[0]
+            if self.pipeline and len(self.running) == 1 and last_step:
+                # The next step is planned a little before this one should end and sent
+                # behind it, so that the engine starts it the moment this one is done; its
+                # decodes on guesses this one computes take their tokens in the engine.
+                due = started + last_step * (1 - PIPELINE_LEAD) - time.monotonic()
+                if due > 0:
+                    await asyncio.wait([answer], timeout=due)
+                if not answer.done():
+                    self._launch(answers)
             try:
-                result = await self.engine.step(plan.work)
+                result = await answer
             except EngineDied as e:  # no step can run any more: the kernel stops
-                self.fail_step(plan, e)
+                self._fail_in_flight(answers, e)
                 raise
             except Exception as e:  # the step failed as a whole: so does every pred in it
                 log.exception("forward pass failed")
+                answers.pop(0)
                 self.fail_step(plan, FSError(errno.EIO, f"pred: the forward pass failed: {e}"))
             else:
-                last_step = time.monotonic() - start
+                answers.pop(0)
+                now = time.monotonic()
+                last_step, started = now - started, now
                 self.finish(plan, replace(result, seconds=last_step))
             served = [c.job.proc for c in plan.chunks if c.job.future.done()]
+
+    def _launch(self, answers: list[asyncio.Future]) -> bool:
+        """Plan a step and send it to the engine process; whether there was work."""
+        plan = self.schedule()
+        if plan is None:
+            return False
+        self._wake.set()  # more may be runnable after this step
+        answers.append(self.engine.send(plan.work))
+        self.stats.pipelined += len(self.running) > 1
+        return True
+
+    def _fail_in_flight(self, answers: list[asyncio.Future], err: Exception) -> None:
+        for plan in list(self.running):
+            self.fail_step(plan, err)
+        answers.clear()
 
     async def _hold_for(self, served: list[Process], last_step: float) -> None:
         """Wait a little for the processes just served to send their next pred.
@@ -336,7 +386,7 @@ class Scheduler:
         while True:
             queued = self.queue
             full = (len({j.proc for j in queued}) >= self.max_seqs
-                    or sum(j.remaining for j in queued) >= self.token_budget)
+                    or sum(j.unplanned for j in queued) >= self.token_budget)
             first = min((j.proc.vruntime for j in queued), default=float("inf"))
             worth = 0.0  # the latest time a missing process is worth waiting until
             guessed = self.ahead.procs()
@@ -366,9 +416,15 @@ class Scheduler:
         chunks = self._pick()
         if not chunks:
             return None
-        self.running = StepPlan.build(chunks)
-        self._idle.clear()
-        return self.running
+        plan = StepPlan.build(chunks)
+        for c in chunks:
+            c.job.planned = c.end
+        self.running.append(plan)
+        if self.pipeline:  # guesses on the guesses just planned, for the step after
+            for c in chunks:
+                if c.job.state is JobState.AHEAD:
+                    self.ahead.planned(c.job)
+        return plan
 
     def _pick(self) -> list[Chunk]:
         """Chunks of queued work in virtual-runtime order (decodes first among equals, but
@@ -379,7 +435,7 @@ class Scheduler:
         starve a prefill whenever decodes fill the step."""
         chunks: list[Chunk] = []
         budget = self.token_budget
-        decodes = sum(j.remaining == 1 for j in self.queue)
+        decodes = sum(j.unplanned == 1 for j in self.queue)
         first: dict[int, int] = {}  # id(inode) -> seq of its earliest pred not yet admitted
         for j in self.queue:
             if j.state is JobState.QUEUED:
@@ -387,26 +443,27 @@ class Scheduler:
                 first[key] = min(first.get(key, j.seq), j.seq)
         patient = time.monotonic() - PREFILL_PATIENCE
         for job in sorted(self.queue, key=lambda j: (j.proc.vruntime,
-                                                     j.remaining > 1 and j.enqueued > patient,
+                                                     j.unplanned > 1 and j.enqueued > patient,
                                                      j.seq)):
-            if job.remaining == 0:
-                continue  # a masked pred's computed guess, sampled when the loop turns
+            if job.unplanned == 0 or job.state is JobState.CANCELLED:
+                continue  # in flight, or a masked pred's computed guess sampled soon
             if budget == 0 or len(chunks) == self.max_seqs:
                 break
-            if job.remaining == 1:
+            if job.unplanned == 1:
                 decodes -= 1
             if job.state is JobState.QUEUED:
                 inode = job.handle.inode
                 if inode.busy or first[id(inode)] != job.seq:
                     continue  # preds on one file are served in the order they came
-                if not self._admit(job, others=bool(chunks) or self._admitted()):
+                if not self._admit(job, others=bool(chunks or self.running) or self._admitted()):
                     continue
             room = self.max_seqs - len(chunks) - 1  # sequences left for the queued decodes
-            size = min(job.remaining, max(1, budget - min(decodes, room)))
-            chunks.append(Chunk(job, job.done, size))
+            size = min(job.unplanned, max(1, budget - min(decodes, room)))
+            chunks.append(Chunk(job, job.planned, size))
             budget -= size
         # Work ahead only fills room no pred wants: a guess never delays a pred.
-        for guess in self.ahead.to_compute(min(budget, self.max_seqs - len(chunks))):
+        for guess in self.ahead.to_compute(min(budget, self.max_seqs - len(chunks)),
+                                           self.running):
             chunks.append(Chunk(guess, 0, 1))
         return chunks
 
@@ -452,7 +509,10 @@ class Scheduler:
         """The step is done: its samples go to their preds, a pred whose last chunk it was
         commits and is answered, work given up meanwhile is rolled back, and each process
         is charged its tokens and its share of the step's time."""
-        self.running = None
+        self._ended(plan)
+        if self.ahead.waiting_tokens():
+            for i, (job, _) in enumerate(plan.samples):
+                self.ahead.sampled_token(job, result.tokens[i])
         taken = []  # guesses masked preds took during the step, with their kept logits
         for i, (job, row) in enumerate(plan.samples):
             kept = result.kept.get(i)
@@ -480,7 +540,8 @@ class Scheduler:
             if job.future.cancelled():  # taken back, before its canceller ran cancel()
                 job.state, job.error = JobState.CANCELLED, taken_back()
             if job.state is JobState.CANCELLED:
-                self._fail(job, job.error)
+                if not self._computing(job):  # else when the last step computing it ends
+                    self._fail(job, job.error)
                 continue
             job.done = c.end
             if job.remaining == 0:
@@ -493,18 +554,19 @@ class Scheduler:
         runnable = ([j.proc.vruntime for j in self.queue]
                     + [c.job.proc.vruntime for c in plan.chunks])
         self.min_vruntime = max(self.min_vruntime, min(runnable))
-        self._idle.set()
 
     def fail_step(self, plan: StepPlan, err: Exception) -> None:
         """The forward pass failed: every pred in the step fails with err, and its guesses
-        are dropped."""
-        self.running = None
+        are dropped (a pred or guess that a later step in flight computes too is rolled
+        back when that one ends)."""
+        self._ended(plan)
         for c in plan.chunks:
             if c.job.state in (JobState.AHEAD, JobState.DROPPED):
-                self.ahead.lost(c.job)
+                self.ahead.lost(c.job, self.running)
+            elif self._computing(c.job):
+                c.job.state, c.job.error = JobState.CANCELLED, err
             else:
                 self._fail(c.job, err)
-        self._idle.set()
 
     def _charge(self, job: PredJob, tokens: int, seconds: float) -> None:
         proc = job.proc

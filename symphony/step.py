@@ -35,15 +35,21 @@ class StepPlan:
     # Logit rows of guesses a masked pred may take: their logits are kept, to be sampled
     # again with the pred's controls (decode_ahead.py).
     kept: list[int] = field(default_factory=list)
+    # (index in the batch's tokens, logit row of the step before): tokens the step before
+    # samples, planned while it ran (scheduler.py, pipelined steps).
+    placeholders: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def build(cls, chunks: list[Chunk]) -> StepPlan:
         ids, pos, q_lens, kv_lens, tables, rows, excluded = [], [], [], [], [], [], []
-        samples, kept = [], []
+        samples, kept, placeholders = [], [], []
         for c in chunks:
             job, start, end = c.job, c.start, c.start + c.size
             base = len(ids)
             ids += job.spec.tokens[start:end]
+            if job.after is not None:  # a guess on a guess the step before samples
+                placeholders.append((base, job.after.logit_row))
+                ids[base] = 0
             pos += job.positions[start:end]
             q_lens.append(c.size)
             kv_lens.append(job.res.start + end)
@@ -54,6 +60,7 @@ class StepPlan:
                     rows.append(base + r - start)
                     if job.keep_logits and job.state is JobState.AHEAD:
                         kept.append(len(samples))
+                    job.logit_row = len(samples)
                     samples.append((job, r))
         # Only a step with a tree or a control pays for them.
         trees = controls = None
@@ -66,13 +73,14 @@ class StepPlan:
                         for c, s in zip(chunks, specs, strict=True)
                         for i, r in enumerate(s.rows) if c.start <= r < c.end]
         return cls(chunks, Batch(ids, pos, q_lens, kv_lens, tables, rows, excluded, trees=trees),
-                   samples, controls, kept)
+                   samples, controls, kept, placeholders)
 
     @property
     def work(self) -> StepWork:
         """What the engine process computes: the batch and its rows' sampling, no jobs."""
         return StepWork(self.batch, [job.spec.params for job, _ in self.samples],
-                        [job.generator for job, _ in self.samples], self.controls, self.kept)
+                        [job.generator for job, _ in self.samples], self.controls, self.kept,
+                        self.placeholders)
 
     @property
     def tokens(self) -> int:
@@ -92,6 +100,19 @@ class StepWork:
     generators: list[torch.Generator | None]
     controls: list[RowControl | None] | None
     kept: list[int]
+    placeholders: list[tuple[int, int]] = field(default_factory=list)  # as StepPlan's
+
+
+def fill_placeholders(work: StepWork, sampled: list[int] | None) -> None:
+    """In the engine process, before the step: its placeholders take the tokens the step
+    before sampled (`sampled`; None: that step failed, and so does this one)."""
+    if not work.placeholders:
+        return
+    if sampled is None:
+        raise ValueError("a step planned on the samples of the step before, which failed")
+    ids = work.batch.token_ids
+    for at, row in work.placeholders:
+        ids[at] = sampled[row]
 
 
 @dataclass

@@ -23,12 +23,13 @@ from kvfs.fs import Handle
 from kvfs.pages import DEVICE, HOST
 from kvfs.perm import Cred
 from symphony import scheduler
+from symphony.engine.engine import Batch
 from symphony.engine.sampler import GREEDY, SamplingParams
 from symphony.engine.tree import ancestor_bits
 from symphony.pred_job import JobState, Output, PredSpec
 from symphony.process import Process
 from symphony.scheduler import PREFILL_PATIENCE, SLEEP_GRACE, Scheduler
-from symphony.step import Chunk, StepPlan, StepResult
+from symphony.step import Chunk, StepPlan, StepResult, StepWork, fill_placeholders
 from symphony.syscall_table import submit_pred
 from syscalls import symphony_pb2 as pb
 
@@ -71,11 +72,11 @@ def result(plan: StepPlan, tokens: list[int] | None = None, seconds: float = 0.0
 
 class World:
     def __init__(self, *, budget: int = 8, max_seqs: int = 8, ahead: bool = False,
-                 pages: int = 64, host: int = 16):
+                 pages: int = 64, host: int = 16, pipeline: bool = False):
         self.fs = make_fs(pages=pages, host=host)
         self.procs: list[Process] = []
         self.sched = Scheduler(ENGINE, self.fs, lambda: self.procs, budget, max_seqs,
-                               ahead)
+                               ahead, pipeline=pipeline)
 
     def process(self, nice: int = 0) -> tuple[Process, Handle]:
         """A new process with one anonymous file open."""
@@ -1074,3 +1075,171 @@ async def test_a_bad_control_only_a_raw_request_can_send_is_einval_and_queues_no
         w.submit(p, f, [1, 2], **fields)
     assert e.value.errno == errno.EINVAL and words in str(e.value)
     assert w.sched.queue == [] and p.pending == 0 and w.sched.schedule() is None
+
+
+# -- pipelined steps: the next planned while one is in flight -----------------------------
+
+
+async def two_in_flight(w: World, p: Process, f: Handle) -> tuple[StepPlan, StepPlan]:
+    """p decodes (decoding()); the step computing its guess is in flight, and the next one,
+    planned meanwhile, computes the guess on that guess, whose token it does not know yet."""
+    first = await decoding(w, p, f)
+    computing = w.sched.schedule()
+    assert computing.chunks == [Chunk(first, 0, 1)]
+    second = w.sched.ahead.guesses[f.inode].following  # made as soon as first was planned
+    assert second.spec.tokens == [-1] and second.after is first and second.positions == [5]
+    behind = w.sched.schedule()
+    assert behind.chunks == [Chunk(second, 0, 1)] and w.sched.running == [computing, behind]
+    # its token is the sample of logit row 0 of the step in flight, filled in by the engine
+    assert behind.placeholders == [(0, 0)] and behind.batch.token_ids == [0]
+    assert behind.batch.positions == [5] and behind.batch.kv_lens == [6]
+    return computing, behind
+
+
+@in_loop
+async def test_a_pipelined_step_computes_the_guess_on_a_guess_in_flight():
+    w = World(ahead=True, pipeline=True)
+    p, f = w.process()
+    computing, behind = await two_in_flight(w, p, f)
+    first, second = computing.chunks[0].job, behind.chunks[0].job
+    w.sched.finish(computing, result(computing, [11]))
+    assert second.spec.tokens == [11] and second.after is None  # learned from the step
+    assert w.sched.schedule() is None  # nothing left to plan: the chain is DEPTH long
+    w.sched.finish(behind, result(behind, [12]))
+    assert w.sched.running == [] and p.tokens == 4  # guesses are charged when taken
+    assert w.pred(p, f, [9]).result()[0].token == 11
+    assert w.pred(p, f, [11]).result()[0].token == 12
+    assert f.inode.tokens == [1, 2, 3, SAMPLE, 9, 11] and f.inode.positions == list(range(6))
+    assert first.state is second.state is JobState.ANSWERED and p.tokens == 6
+    assert w.sched.stats.ahead_used == 2
+
+
+@in_loop
+async def test_a_pred_takes_a_guess_whose_token_a_step_in_flight_learns():
+    """The first guess taken while computed: the second, planned on its sample, follows."""
+    w = World(ahead=True, pipeline=True)
+    p, f = w.process()
+    computing, behind = await two_in_flight(w, p, f)
+    answer = w.pred(p, f, [9])  # takes the first, in flight
+    assert not answer.done()
+    w.sched.finish(computing, result(computing, [11]))
+    assert answer.result()[0].token == 11
+    nxt = w.pred(p, f, [11])  # takes the second, in flight behind
+    w.sched.finish(behind, result(behind, [12]))
+    assert nxt.result()[0].token == 12 and f.inode.tokens == [1, 2, 3, SAMPLE, 9, 11]
+
+
+@in_loop
+async def test_another_pred_drops_a_chain_in_two_steps_when_the_last_ends():
+    w = World(ahead=True, pipeline=True)
+    p, f = w.process()
+    free = w.free
+    computing, behind = await two_in_flight(w, p, f)
+    other = w.pred(p, f, [5])
+    assert not w.sched.ahead.guesses and f.inode.busy
+    w.sched.finish(computing, result(computing, [11]))
+    assert f.inode.busy  # the step behind still writes the chain's last guess
+    assert w.sched.schedule() is None
+    w.sched.finish(behind, result(behind, [12]))
+    assert not f.inode.busy and w.free == free - 1
+    plan = w.step([13])
+    assert plan.batch.token_ids == [5] and plan.batch.positions == [4]
+    assert other.result()[0].token == 13 and f.inode.tokens == [1, 2, 3, SAMPLE, 5]
+    assert p.tokens == 5
+
+
+@in_loop
+async def test_settle_waits_for_both_steps_in_flight():
+    w = World(ahead=True, pipeline=True)
+    p, f = w.process()
+    computing, behind = await two_in_flight(w, p, f)
+    settling = asyncio.create_task(w.sched.settle(f.inode))
+    await asyncio.sleep(0)
+    w.sched.finish(computing, result(computing, [11]))
+    await asyncio.sleep(0)
+    assert not settling.done() and f.inode.busy
+    w.sched.finish(behind, result(behind, [12]))
+    await settling
+    assert not f.inode.busy and f.inode.length == 4
+
+
+@in_loop
+async def test_a_failed_step_fails_the_chain_once_the_step_behind_it_ends():
+    """The step behind takes its token from the failed one: the engine fails it too."""
+    w = World(ahead=True, pipeline=True)
+    p, f = w.process()
+    free = w.free
+    computing, behind = await two_in_flight(w, p, f)
+    w.sched.fail_step(computing, OSError(errno.EIO, "the forward pass failed"))
+    assert f.inode.busy and not w.sched.ahead.guesses
+    w.sched.fail_step(behind, OSError(errno.EIO, "the forward pass failed"))
+    assert not f.inode.busy and w.free == free - 1 and f.inode.length == 4
+    assert w.sched.running == []
+
+
+@in_loop
+async def test_a_prefill_in_two_steps_in_flight_is_rolled_back_after_the_second():
+    w = World(budget=4, pipeline=True)
+    p, f = w.process()
+    free = w.free
+    answer = w.pred(p, f, list(range(1, 11)))
+    first, second = w.sched.schedule(), w.sched.schedule()
+    assert [c.start for c in first.chunks + second.chunks] == [0, 4]
+    cancelling = asyncio.create_task(w.sched.cancel(answer))
+    await asyncio.sleep(0)
+    w.sched.finish(first, result(first))
+    await asyncio.sleep(0)
+    assert not cancelling.done() and f.inode.busy  # the second step still writes it
+    third = w.sched.schedule()
+    assert third is None  # a cancelled pred is planned no further
+    w.sched.finish(second, result(second))
+    await cancelling
+    assert answer.exception().errno == errno.ECANCELED
+    assert not f.inode.busy and f.inode.length == 0 and w.free == free
+
+
+@in_loop
+async def test_a_prefill_planned_in_two_steps_in_flight_commits_after_the_second():
+    w = World(budget=4, pipeline=True)
+    p, f = w.process()
+    answer = w.pred(p, f, list(range(1, 9)))
+    first, second = w.sched.schedule(), w.sched.schedule()
+    assert second.batch.kv_lens == [8] and second.batch.logit_rows == [3]
+    w.sched.finish(first, result(first))
+    assert not answer.done() and f.inode.length == 0
+    w.sched.finish(second, result(second, [42]))
+    assert answer.result()[0].token == 42 and f.inode.tokens == list(range(1, 9))
+
+
+def test_placeholders_take_the_samples_of_the_step_before():
+    work = StepWork(Batch([5, 0, 7, 0], [0, 1, 2, 3], [1, 1, 1, 1], [1, 2, 3, 4],
+                          [[0]] * 4, [0, 1, 2, 3]), [], [], None, [],
+                    [(1, 2), (3, 0)])
+    fill_placeholders(work, [30, 31, 32])
+    assert work.batch.token_ids == [5, 32, 7, 30]
+    with pytest.raises(ValueError, match="failed"):
+        fill_placeholders(work, None)
+
+
+@in_loop
+async def test_a_pred_that_took_a_guess_in_flight_and_is_cancelled_goes_after_its_chain():
+    """The guess behind is stacked on the taken guess's reservation: both are rolled back,
+    that one first, when the step behind ends; a truncate waits for that."""
+    w = World(ahead=True, pipeline=True)
+    p, f = w.process()
+    free = w.free
+    computing, behind = await two_in_flight(w, p, f)
+    answer = w.pred(p, f, [9])  # takes the first guess, in flight
+    cancelling = asyncio.create_task(w.sched.cancel(answer))
+    await asyncio.sleep(0)
+    w.sched.finish(computing, result(computing, [11]))
+    await asyncio.sleep(0)
+    assert answer.exception().errno == errno.ECANCELED and f.inode.busy
+    settling = asyncio.create_task(w.sched.settle(f.inode))
+    await asyncio.sleep(0)
+    assert not settling.done()
+    w.sched.finish(behind, result(behind, [12]))
+    await cancelling
+    await settling
+    assert not f.inode.busy and f.inode.tokens == [1, 2, 3, SAMPLE] and w.free == free - 1
+    assert not w.sched.ahead.guesses and w.sched.schedule() is None
