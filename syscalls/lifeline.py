@@ -54,6 +54,21 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+# The main thread waits for a reply in slices of at most this many seconds. Python runs a
+# signal's handler at its next look at signals: a signal that lands after the last look
+# and before the wait's system call interrupts nothing, and without slices its handler (a
+# timeout, Ctrl-C) would run only once the reply came, too late to take the pred back.
+MAIN_WAIT_SLICE = 0.05
+
+
+def wait_slice(left: float | None) -> float | None:
+    """How long this thread waits before it looks at signals again: `left` (None: no end),
+    cut to MAIN_WAIT_SLICE in the main thread, the only one that runs handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return left
+    return MAIN_WAIT_SLICE if left is None else min(left, MAIN_WAIT_SLICE)
+
+
 class Sending:
     """A pred's frame on its way: whether the kernel has it (went()), known whatever
     interrupts the sender. On the lifeline, `progress` counts the bytes of the data being
@@ -235,8 +250,9 @@ class Lifeline:
         """Read what has come (waiting until the deadline at most) and hand out the
         replies; then another waiter may read. The reader's (_wait made this thread it)."""
         why = None
+        wait = wait_slice(_left(deadline))
         try:
-            if deadline is None or select.select([self.sock], [], [], _left(deadline))[0]:
+            if wait is None or select.select([self.sock], [], [], wait)[0]:
                 self._recv()
         except OSError as e:
             why = _gone(self.where, e.strerror or str(e))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import select
 import signal
 import threading
 import weakref
@@ -38,6 +39,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
+
+from syscalls.lifeline import MAIN_WAIT_SLICE
 
 Start = Callable[[Any], Any]  # a request -> the rpc's future (stub.Pred.future)
 T = TypeVar("T")
@@ -174,8 +177,10 @@ class Rpcs:
 
     def _wait(self, done: Callable[[], bool]) -> None:
         while not done() and not self.ended:
-            os.eventfd_read(self.bell)  # interrupted, it has read nothing; a wake-up left
-            # by an earlier job's rpc only makes it look again
+            # In slices (lifeline.MAIN_WAIT_SLICE): a signal may land just before the wait.
+            if select.select([self.bell], [], [], MAIN_WAIT_SLICE)[0]:
+                os.eventfd_read(self.bell)  # interrupted, it has read nothing; a wake-up
+                # left by an earlier job's rpc only makes it look again
 
     def close(self) -> None:
         """The thread ends (once it has started the rpcs asked before: the session closes

@@ -22,7 +22,7 @@ import socket
 import time
 
 from syscalls import errors, ring, wire
-from syscalls.lifeline import AsyncLifeline, Lifeline, Sending, _gone, _left
+from syscalls.lifeline import AsyncLifeline, Lifeline, Sending, _gone, _left, wait_slice
 
 
 def _not_ours(where: str, opener: int) -> OSError:
@@ -143,7 +143,7 @@ class RingLine(Lifeline):
     def _sleep(self, deadline: float | None) -> tuple[int, str] | None:
         """Wait for the bell or the lifeline, reading what the lifeline has; why it ended,
         if it did."""
-        left = _left(deadline)
+        left = wait_slice(_left(deadline))
         try:
             for fd, _ in self._poll.poll(None if left is None else left * 1e3):
                 if fd == self.rings.process_bell:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import json
+import operator
 import os
 import select
 import signal
@@ -19,11 +21,12 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 from daemon import ROOT, meminfo, prompt, run_script, wait_for
 
-from syscalls import lifeline, ring, wire
+from syscalls import lifeline, pred_rpc, ring, wire
 from syscalls import symphony_pb2 as pb
 from syscalls.aio import AsyncKernel
 from syscalls.client import Kernel
@@ -569,6 +572,57 @@ def test_the_clients_threads_leave_the_signals_a_lip_handles_to_its_main_thread(
     assert threads.pop("main") == list(LEFT_TO_MAIN)  # the main thread blocks none
     assert threads, "gRPC started no thread"
     assert {name: open_to for name, open_to in threads.items() if open_to} == {}
+
+
+def signalled_first(wait):
+    """`wait` (a system call), made to signal this thread just before it starts, as a
+    signal can land after Python's last look at signals: in one C call chain, so that
+    Python does not run the handler before the wait (it runs it when the wait returns)."""
+    me = threading.main_thread().ident
+
+    def waits(*args):
+        return list(map(operator.call, (functools.partial(signal.pthread_kill, me,
+                                                          signal.SIGALRM),
+                                        functools.partial(wait, *args))))[1]
+    return waits
+
+
+@pytest.mark.parametrize("transport", ["ring", "lifeline", "grpc"])
+def test_a_signal_that_lands_just_before_the_wait_still_interrupts_it(daemon, transport,
+                                                                        monkeypatch):
+    """The main thread waits in slices (lifeline.MAIN_WAIT_SLICE): the handler runs within
+    one, and the pred (waiting behind the blocker, never answered) is taken back. Without
+    them the wait would end only when a second signal came, 10 s later."""
+    previous = {s: signal.signal(s, alarm if s == signal.SIGALRM else lambda *_: None)
+                for s in (signal.SIGALRM, signal.SIGUSR2)}
+    nudge = threading.Timer(10, signal.pthread_kill,
+                            (threading.main_thread().ident, signal.SIGUSR2))
+    try:
+        with blocking(daemon), Kernel.connect(daemon.socket, lifeline_pred=transport != "grpc",
+                                              rings=transport == "ring") as k, k.open() as f:
+            f.pred(prompt(8), no_outputs=True)
+            before = f.read()
+            if transport == "ring":
+                poll = k._line._poll
+                monkeypatch.setattr(k._line, "_poll", types.SimpleNamespace(
+                    poll=signalled_first(poll.poll)))
+            else:
+                module = lifeline if transport == "lifeline" else pred_rpc
+                monkeypatch.setattr(module, "select", types.SimpleNamespace(
+                    select=signalled_first(select.select)))
+            nudge.start()
+            start = time.monotonic()
+            with pytest.raises(Alarm):
+                f.pred(prompt(LONG), no_outputs=True)
+            assert time.monotonic() - start < 5, "the handler ran only after another signal"
+            monkeypatch.undo()
+            if transport != "grpc":
+                assert f.read() == before
+            wait_for(lambda: proc(k, k.pid).state == "sleeping", what="the pred taken back")
+    finally:
+        nudge.cancel()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def test_closing_the_session_ends_a_grpc_pred_the_main_thread_waits_for(daemon):
