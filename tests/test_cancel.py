@@ -63,19 +63,20 @@ def next_reply(line: Lifeline) -> bytes | None:
 
 
 class Interrupted:
-    """The lifeline's socket, its first recv interrupted by Ctrl-C."""
+    """The lifeline's socket, the client's first wait on it interrupted by Ctrl-C (the wait
+    is a select, which asks for the socket's fileno)."""
 
     def __init__(self, sock: socket.socket):
-        self.sock, self.recvs = sock, 0
+        self.sock, self.waits = sock, 0
 
     def __getattr__(self, name: str):
         return getattr(self.sock, name)
 
-    def recv(self, n: int) -> bytes:
-        self.recvs += 1
-        if self.recvs == 1:
+    def fileno(self) -> int:
+        self.waits += 1
+        if self.waits == 1:
             raise KeyboardInterrupt
-        return self.sock.recv(n)
+        return self.sock.fileno()
 
 
 def test_an_interrupted_call_takes_its_pred_back_before_the_interrupt_goes_on():

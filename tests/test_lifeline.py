@@ -307,24 +307,24 @@ def test_a_forked_child_closing_the_session_leaves_the_parent_attached(daemon):
             assert len(f.pred(PROMPT)) == 1
 
 
-def test_a_reader_interrupted_in_recv_hands_reading_to_another_waiter(monkeypatch):
+def test_a_reader_interrupted_in_its_wait_hands_reading_to_another_waiter(monkeypatch):
     monkeypatch.setattr(lifeline, "CANCEL_WAIT", 0.1)  # no kernel answers the CANCEL yet
     ours, peer = socket.socketpair()
     line = Lifeline(ours, "k.sock")
-    real_recv, calls = ours.recv, []
+    calls = []
 
     class Interrupted(BaseException):
         pass
 
-    class Sock:  # the first recv is interrupted, as by KeyboardInterrupt; the rest are real
-        def __getattr__(self, name):
+    class Sock:  # the first wait (a select: it asks for the fileno) is interrupted, as by
+        def __getattr__(self, name):  # KeyboardInterrupt; the rest are real
             return getattr(ours, name)
 
-        def recv(self, n):
-            calls.append(n)
+        def fileno(self):
+            calls.append(1)
             if len(calls) == 1:
                 raise Interrupted
-            return real_recv(n)
+            return ours.fileno()
 
     line.sock = Sock()
     with pytest.raises(Interrupted):
