@@ -432,9 +432,17 @@ class Scheduler:
         by nature, would starve its prompts), then guesses in the room left. A prefill chunk
         leaves one token of the budget for each decode still queued, so that decodes keep
         flowing past long prompts. Ordering all decodes before all prefills would instead
-        starve a prefill whenever decodes fill the step."""
+        starve a prefill whenever decodes fill the step.
+
+        Behind a step in flight (pipelined), a pred goes only if its process would go before
+        every process that step answers (they may be back with their next pred before the
+        step ends: the hold in run() waits for them otherwise, or nice would count for
+        nothing), and a seeded pred's next chunk waits for its generator to come back."""
         chunks: list[Chunk] = []
         budget = self.token_budget
+        answered = min((c.job.proc.vruntime for plan in self.running for c in plan.chunks
+                        if c.job.state is JobState.ADMITTED
+                        and c.end == len(c.job.spec.tokens)), default=float("inf"))
         decodes = sum(j.unplanned == 1 for j in self.queue)
         first: dict[int, int] = {}  # id(inode) -> seq of its earliest pred not yet admitted
         for j in self.queue:
@@ -447,6 +455,9 @@ class Scheduler:
                                                      j.seq)):
             if job.unplanned == 0 or job.state is JobState.CANCELLED:
                 continue  # in flight, or a masked pred's computed guess sampled soon
+            if self.running and (job.proc.vruntime > answered or (
+                    job.generator is not None and self._computing(job))):
+                continue
             if budget == 0 or len(chunks) == self.max_seqs:
                 break
             if job.unplanned == 1:

@@ -1243,3 +1243,35 @@ async def test_a_pred_that_took_a_guess_in_flight_and_is_cancelled_goes_after_it
     await settling
     assert not f.inode.busy and f.inode.tokens == [1, 2, 3, SAMPLE] and w.free == free - 1
     assert not w.sched.ahead.guesses and w.sched.schedule() is None
+
+
+@in_loop
+async def test_behind_a_step_a_pred_goes_only_before_the_processes_that_step_answers():
+    """a's pred is in flight; b (ahead of a in virtual runtime only when a has run more)
+    is planned behind it only then: otherwise a, back with its next pred, goes first."""
+    w = World(pipeline=True)
+    a, fa = w.process()
+    b, fb = w.process(nice=10)
+    w.pred(a, fa, [1, 2])
+    computing = w.sched.schedule()
+    w.pred(b, fb, [3, 4])
+    b.vruntime = a.vruntime + 1
+    assert w.sched.schedule() is None
+    b.vruntime = a.vruntime
+    behind = w.sched.schedule()
+    assert sizes(behind) == [(b, 2)]
+    w.sched.finish(computing, result(computing))
+    w.sched.finish(behind, result(behind))
+
+
+@in_loop
+async def test_behind_a_step_a_seeded_pred_waits_for_its_generator():
+    w = World(budget=4, pipeline=True)
+    p, f = w.process()
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    answer = w.sched.submit(p, f, PredSpec(list(range(1, 9)), None, [3, 7], seeded))
+    first = w.sched.schedule()
+    assert w.sched.schedule() is None  # its second chunk samples with the generator in flight
+    w.sched.finish(first, result(first))
+    w.step()
+    assert len(answer.result()) == 2
