@@ -272,10 +272,13 @@ def spawn(sock: Path, mode: str, n: int, **opts) -> list[Lip]:
 class KernelDaemon:
     """`symphony start` in a temporary directory; `symphony stop` on leaving."""
 
+    pipeline = "on"  # every kernel's --pipeline (the command line's)
+
     def __init__(self, tmp: Path, name: str, flags: list[str], env: dict[str, str] | None = None):
         self.dir = tmp / name
         self.socket = self.dir / "k.sock"
-        self.flags = ["--state-dir", str(self.dir / "state"), *flags]
+        self.flags = ["--state-dir", str(self.dir / "state"), "--pipeline", self.pipeline,
+                      *flags]
         self.env = {**os.environ, **(env or {})}
 
     @property
@@ -722,9 +725,8 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
                        f"{' each' if procs > 1 else ''}", procs * sessions, "adecode", procs))
     results = []
     flags = ["--model", str(model), "--kv-pages", str(args.kv_pages),
-             "--engine", args.path_engine, "--pipeline", args.path_pipeline]
+             "--engine", args.path_engine]
     sleep_ms = parse_engine(args.path_engine)
-    print(f"# the kernel's --pipeline: {args.path_pipeline}")
     if sleep_ms is not None:
         print(f"# the kernel's engine: {args.path_engine}, a simulated accelerator (its tokens "
               f"are not generate's)")
@@ -913,8 +915,8 @@ def main() -> int:
     ap.add_argument("--path-engine", default="model",
                     help="the pred path: the kernel's --engine (sleep:MS: a simulated "
                     "accelerator whose steps take MS)")
-    ap.add_argument("--path-pipeline", choices=["on", "off"], default="on",
-                    help="the path benchmark's kernel --pipeline (default on, the kernel's)")
+    ap.add_argument("--pipeline", choices=["on", "off"], default="on",
+                    help="every kernel's --pipeline (default on, the kernel's)")
     ap.add_argument("--prefill-shape", choices=sorted(PREFILL_SHAPES), default="mid",
                     help="the long prefill: the random model's shape (1b: 20 GB in all)")
     ap.add_argument("--prefill-len", type=int, default=512)
@@ -953,7 +955,9 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(args.engine_threads)
+    KernelDaemon.pipeline = args.pipeline
     print(machine_line())
+    print(f"# every kernel: --pipeline {args.pipeline}")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="symphony-bench-") as tmp:
         if "tax" in which or "batch" in which:
