@@ -11,7 +11,9 @@ A step is two public functions over plain data, as vLLM v1's schedule() and
 update_from_output(): `schedule()` picks and admits the work and returns a StepPlan;
 `finish(plan, result)` takes the StepResult: outputs to the preds, commit or roll back,
 accounting. `run()` drives them: wait for work, hold for the processes just served,
-schedule, run the forward pass in the engine process, finish.
+schedule, run the forward pass in the engine process, finish; pipelined, the next step is
+scheduled and sent while one computes, so two may be in flight (docs/architecture.md,
+"Pipelined steps").
 
 Everything here runs on the event loop's thread except the forward pass itself, which
 runs in the engine process (engine_process.py); the loop keeps answering other syscalls
@@ -346,6 +348,7 @@ class Scheduler:
             except Exception as e:  # the step failed as a whole: so does every pred in it
                 log.exception("forward pass failed")
                 answers.pop(0)
+                started = time.monotonic()  # the step behind, if any, computes from now
                 self.fail_step(plan, FSError(errno.EIO, f"pred: the forward pass failed: {e}"))
             else:
                 answers.pop(0)
