@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from syscalls import convert, errors, session
+from syscalls import convert, errors, rollbacks, session
 from syscalls import symphony_pb2 as pb
 from syscalls.client import CHANNEL_OPTIONS, OpenFile, Session
 from syscalls.convert import Fd, KvPath, LogitControl, PredOutput, Sampling, Target
@@ -90,11 +90,18 @@ class AsyncKernel(AsyncKernelCalls, Session):
         await self.close()
 
     async def _do(self, call: convert.Call[T]) -> T:
-        try:
-            reply = await self._send(call)
-        except grpc.RpcError as e:
-            raise self._failed(e) from e
-        return call.result(errors.check(reply))
+        while True:
+            try:
+                reply = await self._send(call)
+            except grpc.RpcError as e:
+                raise self._failed(e) from e
+            except asyncio.CancelledError:
+                if call.rpc == "Pred":
+                    self._rollbacks.cancelled([call.request])
+                raise
+            if not self._rollbacks.again(call, reply):
+                return call.result(errors.check(reply))
+            await asyncio.sleep(rollbacks.RETRY_PAUSE)
 
     def _file(self, fd: int) -> AsyncFile:
         return AsyncFile(self, fd)

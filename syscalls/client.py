@@ -20,12 +20,13 @@ import functools
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 import grpc
 
-from syscalls import convert, errors, pred_rpc, session
+from syscalls import convert, errors, pred_rpc, rollbacks, session
 from syscalls import symphony_pb2_grpc as pb_grpc
 from syscalls.convert import Fd, Identity, KvPath, LogitControl, PredOutput, Sampling, Target
 from syscalls.lifeline import Lifeline
@@ -62,6 +63,7 @@ class Session:
         self._stub = pb_grpc.KernelStub(channel)
         self._metadata = [(session.SESSION_KEY, token)]
         self._ended: list[tuple[int, str]] = []  # why calls fail now; views share it
+        self._rollbacks = rollbacks.Rollbacks()  # files of gRPC preds cancelled lately
         self.pid = self.uid = self.gid = -1
         self.user = self.home = ""
 
@@ -182,11 +184,14 @@ class Kernel(KernelCalls, Session):
         self.close()
 
     def _do(self, call: convert.Call[T]) -> T:
-        try:
-            reply = self._send(call)
-        except grpc.RpcError as e:
-            raise self._failed(e) from e
-        return call.result(errors.check(reply))
+        while True:
+            try:
+                reply = self._send(call)
+            except grpc.RpcError as e:
+                raise self._failed(e) from e
+            if not self._rollbacks.again(call, reply):
+                return call.result(errors.check(reply))
+            time.sleep(rollbacks.RETRY_PAUSE)
 
     def _file(self, fd: int) -> File:
         return File(self, fd)
@@ -243,11 +248,15 @@ class Kernel(KernelCalls, Session):
             raise errors.error(*self._ended[0])
         start = functools.partial(self._stub.Pred.future, metadata=self._metadata)
         requests = [m.request for m in made]
-        if threading.current_thread() is not threading.main_thread():
-            return pred_rpc.here(start, requests)
-        if self._rpcs is None or self._rpcs.pid != os.getpid():  # a child has its own
-            self._rpcs = pred_rpc.Rpcs()
-        return self._rpcs.call(start, requests)
+        try:
+            if threading.current_thread() is not threading.main_thread():
+                return pred_rpc.here(start, requests)
+            if self._rpcs is None or self._rpcs.pid != os.getpid():  # a child has its own
+                self._rpcs = pred_rpc.Rpcs()
+            return self._rpcs.call(start, requests)
+        except BaseException:
+            self._rollbacks.cancelled(requests)
+            raise
 
     def _reply(self, outcome: Any) -> Any:
         if isinstance(outcome, grpc.RpcError):

@@ -486,17 +486,6 @@ def test_a_cancelled_task_finds_its_file_as_before(daemon, transport, when):
         asyncio.run(main())
 
 
-def truncated(f, length: int) -> bool:
-    """Whether the truncate went through; False when the file was busy (EBUSY)."""
-    try:
-        f.truncate(length)
-    except OSError as e:
-        if e.errno != errno.EBUSY:
-            raise
-        return False
-    return True
-
-
 class Alarm(Exception):
     """What the SIGALRM handler raises: a timeout, as a LIP's own would."""
 
@@ -538,10 +527,9 @@ def test_an_interruption_at_any_moment_of_a_pred_takes_it_back(daemon, transport
                         late.append(time.monotonic() - start - seconds)
                         if transport != "grpc":  # the CANCEL's reply came: as before
                             assert f.read() == before, f"interrupted after {seconds} s"
-                            f.truncate(4)
-                        else:  # waits for the rollback once the kernel has read the
-                            # cancellation, which may come after the truncate: EBUSY then
-                            wait_for(lambda: truncated(f, 4), what="the rollback")
+                        # over gRPC the kernel may see the truncate before the cancellation:
+                        # the client makes it again until the rollback is done
+                        f.truncate(4)
                     assert f.read() == tuple(t[:4] for t in before), f"after {seconds} s"
             assert meminfo(k)["device_used"] == used
             assert proc(k, k.pid).state == "sleeping"
