@@ -23,9 +23,11 @@ RETRY_PAUSE = 0.005  # seconds between tries of a call that found the file busy
 
 
 def written_fd(request: Any) -> int | None:
-    """The fd of the file a request changes or closes (the destination of a splice)."""
+    """The fd of the file a request changes or closes (the destination of a splice); None
+    for a request without one (a streamed import's is an iterator of chunks)."""
+    fields = getattr(getattr(request, "DESCRIPTOR", None), "fields_by_name", {})
     for field in ("fd", "dst_fd"):
-        if field in type(request).DESCRIPTOR.fields_by_name:
+        if field in fields:
             return getattr(request, field)
     return None
 
