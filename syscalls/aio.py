@@ -98,9 +98,13 @@ class AsyncKernel(AsyncKernelCalls, Session):
             except asyncio.CancelledError:
                 if call.rpc == "Pred":
                     self._rollbacks.cancelled([call.request])
+                task = asyncio.current_task()
+                if self._ended and task is not None and not task.cancelling():
+                    # Nobody cancelled the task: closing the session's channel ended the rpc.
+                    raise errors.error(*self._ended[0]) from None
                 raise
             if not self._rollbacks.again(call, reply):
-                return call.result(errors.check(reply))
+                return call.result(self._checked(reply))
             await asyncio.sleep(rollbacks.RETRY_PAUSE)
 
     def _file(self, fd: int) -> AsyncFile:
@@ -110,8 +114,14 @@ class AsyncKernel(AsyncKernelCalls, Session):
         self._identify(await self._do(convert.attach(name, argv)))
 
     async def exit(self, code: int = 0) -> None:
+        call = convert.exit(code)
+        self._leaving()
         try:
-            await self._do(convert.exit(code))
+            try:
+                reply = await self._send(call, ending=True)
+            except grpc.RpcError as e:
+                raise convert.transport_error(e, self.socket) from e
+            call.result(errors.check(reply))
         finally:
             self._exited()
             await self.close()
@@ -137,7 +147,12 @@ class AsyncKernel(AsyncKernelCalls, Session):
             return await self._do(convert.pred(fd, tokens, positions, outputs, s, no_outputs,
                                                extras))
         request = convert.pred_request(fd, tokens, positions, outputs, s, no_outputs, extras)
-        return convert.pred_outputs(await self._line.call(request))
+        try:
+            return convert.pred_outputs(await self._line.call(request))
+        except OSError:
+            if self._ended:  # as Kernel._or_ended
+                raise errors.error(*self._ended[0]) from None
+            raise
 
     async def pred_many(self, calls: Iterable[Mapping[str, Any]], *,
                         return_exceptions: bool = False) -> list[list[PredOutput] | OSError]:

@@ -21,7 +21,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 import grpc
@@ -67,11 +67,28 @@ class Session:
         self.pid = self.uid = self.gid = -1
         self.user = self.home = ""
 
-    def _send(self, call: convert.Call) -> Any:
-        """The stub's answer: the reply itself, or on grpc.aio something to await."""
-        if self._ended:
+    def _send(self, call: convert.Call, *, ending: bool = False) -> Any:
+        """The stub's answer: the reply itself, or on grpc.aio something to await. Once the
+        session has ended only the call that ends it (`ending`: exit's) goes."""
+        if self._ended and not ending:
             raise errors.error(*self._ended[0])
         return getattr(self._stub, call.rpc)(call.request, metadata=self._metadata)
+
+    def _checked(self, reply: Any) -> Any:
+        """errors.check(reply); but once the session has ended, an error is its reason: the
+        call was still waiting when it ended (a pred the exit cancelled, EINTR)."""
+        if self._ended and reply.error.errno:
+            raise errors.error(*self._ended[0])
+        return errors.check(reply)
+
+    def _leaving(self) -> tuple[Any, ...]:
+        """exit is called: from now on every call raises EPERM, those still waiting
+        included; the exit call itself goes (_send's `ending`)."""
+        if self._ended:
+            raise errors.error(*self._ended[0])
+        self._ended.append((errno.EPERM, f"{self.socket}: no session: process {self.pid} has "
+                            "exited"))
+        return self._ended[0]
 
     def _failed(self, e: grpc.RpcError) -> OSError:
         """What a call whose transport failed raises: why the session ended, if it ended
@@ -89,6 +106,7 @@ class Session:
             self._line.end(*self._ended[0])
 
     def _exited(self) -> None:
+        """The exit went (or failed): the lifeline's waiting calls end with the reason."""
         self._end(errno.EPERM, f"no session: process {self.pid} has exited")
 
     def _identify(self, ident: Identity) -> None:
@@ -190,7 +208,7 @@ class Kernel(KernelCalls, Session):
             except grpc.RpcError as e:
                 raise self._failed(e) from e
             if not self._rollbacks.again(call, reply):
-                return call.result(errors.check(reply))
+                return call.result(self._checked(reply))
             time.sleep(rollbacks.RETRY_PAUSE)
 
     def _file(self, fd: int) -> File:
@@ -201,9 +219,16 @@ class Kernel(KernelCalls, Session):
         self._identify(self._do(convert.attach(name, argv)))
 
     def exit(self, code: int = 0) -> None:
-        """Leave with a status, freeing everything, and end the session."""
+        """Leave with a status, freeing everything, and end the session: calls still
+        waiting, and every later one, raise EPERM."""
+        call = convert.exit(code)
+        self._leaving()
         try:
-            self._do(convert.exit(code))
+            try:
+                reply = self._send(call, ending=True)
+            except grpc.RpcError as e:
+                raise convert.transport_error(e, self.socket) from e
+            call.result(errors.check(reply))
         finally:
             self._exited()
             self.close()
@@ -235,10 +260,21 @@ class Kernel(KernelCalls, Session):
         if self._line is not None:
             request = convert.pred_request(fd, tokens, positions, outputs, s, no_outputs,
                                            extras)
-            return convert.pred_outputs(self._line.call(request))
+            return self._or_ended(lambda: convert.pred_outputs(self._line.call(request)))
         call = convert.pred(fd, tokens, positions, outputs, s, no_outputs, extras)
         (outcome,) = self._pred_rpcs([call])
-        return call.result(errors.check(self._reply(outcome)))
+        return call.result(self._checked(self._reply(outcome)))
+
+    def _or_ended(self, fn: Callable[[], T]) -> T:
+        """fn(), a call on the lifeline or the rings; its failure once the session has
+        ended raises the session's reason (the lifeline may close, or the pred be
+        cancelled with EINTR, before exit's reply comes)."""
+        try:
+            return fn()
+        except OSError:
+            if self._ended:
+                raise errors.error(*self._ended[0]) from None
+            raise
 
     def _pred_rpcs(self, made: list[convert.Call]) -> list[Any]:
         """The Pred rpcs of `made`, all in flight at once: each one's reply, or the RpcError
@@ -278,11 +314,13 @@ class Kernel(KernelCalls, Session):
         if self._line is None:  # gRPC: every call in flight at once
             made = [convert.pred(*a) for a in arguments]
             outcomes = self._pred_rpcs(made)
-            results = [_settled(lambda m=m, o=o: m.result(errors.check(self._reply(o))))
+            results = [_settled(lambda m=m, o=o: m.result(self._checked(self._reply(o))))
                        for m, o in zip(made, outcomes, strict=True)]
         else:
-            replies = self._line.call_many([convert.pred_request(*a) for a in arguments])
-            results = [_settled(lambda r=r: convert.pred_outputs(r)) for r in replies]
+            requests = [convert.pred_request(*a) for a in arguments]
+            replies = self._or_ended(lambda: self._line.call_many(requests))
+            results = [_settled(lambda r=r: self._or_ended(lambda: convert.pred_outputs(r)))
+                       for r in replies]
         if not return_exceptions:
             for r in results:
                 if isinstance(r, OSError):

@@ -120,7 +120,7 @@ class Lifeline:
             self._send(wire.frame(wire.PRED, call, payload), sending)
             return self._wait(call, None)
         except BaseException:  # interrupted, or failed: take back what the kernel has
-            self._take_back(call)
+            self._take_back([call])
             raise
 
     def call_many(self, payloads: list[bytes]) -> list[bytes]:
@@ -139,8 +139,7 @@ class Lifeline:
             for call in calls:
                 replies.append(self._wait(call, None))
         except BaseException:
-            for call in calls[len(replies):]:
-                self._take_back(call)
+            self._take_back(calls[len(replies):])
             raise
         return replies
 
@@ -223,21 +222,28 @@ class Lifeline:
                         self._state.notify_all()
                 raise
 
-    def _take_back(self, call: int) -> None:
-        """Its caller stopped waiting for `call`: unless it was answered, or never reached
-        the kernel, or no reply can come, send CANCEL and wait for the reply (ECANCELED, or
-        the answer if the frames crossed), CANCEL_WAIT at most. The reply is dropped if it
-        comes later."""
+    def _take_back(self, calls: list[int]) -> None:
+        """Their caller stopped waiting for `calls`: for each not answered that reached the
+        kernel (while a reply can still come), send CANCEL, every one before waiting for
+        any, then wait for their replies (ECANCELED, or the answer if the frames crossed),
+        CANCEL_WAIT at most in all: one by one, a pred of the same step would be answered
+        while the one before it is rolled back. Replies that come later are dropped."""
         try:
-            with contextlib.suppress(OSError):  # the session ended: the kernel drops the pred
+            with contextlib.suppress(OSError):  # the session ended: the kernel drops them
                 with self._lock:
-                    self._hand_out()  # its answer may have been read, not handed out
-                sending = self._calls.get(call)
-                if type(sending) is Sending and sending.went() and not self._closed:
-                    self._send(wire.frame(wire.CANCEL, call))
-                    self._wait(call, time.monotonic() + CANCEL_WAIT)
+                    self._hand_out()  # their answers may have been read, not handed out
+                went = [c for c in calls
+                        if type(s := self._calls.get(c)) is Sending and s.went()]
+                if went and not self._closed:
+                    for call in went:
+                        self._send(wire.frame(wire.CANCEL, call))
+                    deadline = time.monotonic() + CANCEL_WAIT
+                    for call in went:
+                        if self._wait(call, deadline) is None:
+                            break
         finally:
-            self._calls.pop(call, None)
+            for call in calls:
+                self._calls.pop(call, None)
 
     def end(self, code: int, message: str) -> None:
         """The session ends: calls waiting and later ones raise OSError(code, message). The
