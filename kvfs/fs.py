@@ -167,9 +167,9 @@ class FileSystem:
             raise enoent(repr(path))
         if not d.is_dir:
             raise FSError(errno.ENOTDIR, repr(path))
+        self._not_skeleton(d, path)  # full or empty, as rmdir of a mount point is
         if d.entries:
             raise FSError(errno.ENOTEMPTY, repr(path))
-        self._not_skeleton(d, path)
         self._writable_dir(cred, parent, path)
         check_sticky(cred, parent, d, repr(path))
         del parent.entries[name]

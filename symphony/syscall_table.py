@@ -173,6 +173,9 @@ def _checked_sampler(temperature: float, top_k: int, top_p: float, min_p: float,
 
 def _sampling(req: pb.PredRequest, vocab: int) -> SamplingParams:
     s = req.sampler
+    if not 0 <= s.top_p <= 1:  # 0 is the field unset: no limit, as 1
+        raise einval(f"pred: sampler: top_p must be in [0, 1] (0 or 1: no limit), "
+                     f"got {s.top_p}")
     try:
         return _checked_sampler(s.temperature, s.top_k, 1.0 if s.top_p == 0 else s.top_p,
                                 s.min_p, s.seed if s.HasField("seed") else None,

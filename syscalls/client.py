@@ -382,6 +382,9 @@ class OpenFile:
     def __int__(self) -> int:
         return self.fd
 
+    def __index__(self) -> int:  # what an fd argument takes (convert.fd_number)
+        return self.fd
+
     def fileno(self) -> int:
         return self.fd
 

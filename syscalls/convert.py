@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import errno
 import functools
+import operator
 import os
 import stat as _stat
 import struct
 import sys
 from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Generic, SupportsInt, TypeVar
+from typing import Any, Generic, SupportsIndex, TypeVar
 
 import grpc
 
@@ -27,12 +28,21 @@ from syscalls import symphony_pb2 as pb
 
 T = TypeVar("T")
 
-# An fd: a plain int or anything holding one (File, AsyncFile).
-Fd = SupportsInt
+# An fd: a plain int or anything that is one (File, AsyncFile: __index__).
+Fd = SupportsIndex
 # A path in the kernel's namespace (absolute: there is no working directory).
 KvPath = str | os.PathLike
 # What stat and export take: a path, or an open file.
-Target = KvPath | SupportsInt
+Target = KvPath | SupportsIndex
+
+def fd_number(fd: Fd) -> int:
+    """An fd argument's number. An int, or an object that is one (a File); a float or a
+    string is refused, as a length is (int() would make fd 3 of 3.7)."""
+    try:
+        return operator.index(fd)
+    except TypeError:
+        raise TypeError(f"an fd is an int or a File, not {type(fd).__name__} {fd!r}") from None
+
 
 CHUNK_BYTES = 1 << 20  # per ImportChunk: well under gRPC's 4 MiB message limit
 READ_ALL = (1 << 63) - 1  # read's count when none is given: the kernel clips it to the end
@@ -441,8 +451,8 @@ def pred(
 def _pred_head(fd: Fd, tokens: Iterable[int], positions: Iterable[int] | None,
                outputs: Iterable[int] | None, no_outputs: bool) -> pb.PredRequest:
     """A PredRequest without its sampler."""
-    return pb.PredRequest(fd=int(fd), tokens=tokens, positions=positions, outputs=outputs,
-                          no_outputs=no_outputs)
+    return pb.PredRequest(fd=fd_number(fd), tokens=tokens, positions=positions,
+                          outputs=outputs, no_outputs=no_outputs)
 
 
 @_wire_checked
@@ -490,18 +500,18 @@ def open(path: KvPath = "", flags: int = os.O_RDONLY, mode: int = 0o600) -> Call
 
 @_wire_checked
 def close(fd: Fd) -> Call[None]:
-    return Call("Close", pb.FdRequest(fd=int(fd)), _none)
+    return Call("Close", pb.FdRequest(fd=fd_number(fd)), _none)
 
 
 @_wire_checked
 def fork(fd: Fd) -> Call[int]:
     """A copy-on-write clone of the file, anonymous."""
-    return Call("Fork", pb.FdRequest(fd=int(fd)), _fd)
+    return Call("Fork", pb.FdRequest(fd=fd_number(fd)), _fd)
 
 
 @_wire_checked
 def link(fd: Fd, path: KvPath) -> Call[None]:
-    return Call("Link", pb.LinkRequest(fd=int(fd), path=os.fspath(path)), _none)
+    return Call("Link", pb.LinkRequest(fd=fd_number(fd), path=os.fspath(path)), _none)
 
 
 @_wire_checked
@@ -509,45 +519,48 @@ def read(
     fd: Fd, start: int = 0, count: int | None = None
 ) -> Call[tuple[list[int], list[int]]]:
     """(token ids, positions) of entries [start, start + count), clipped to the end."""
-    request = pb.ReadRequest(fd=int(fd), start=start, count=READ_ALL if count is None else count)
+    request = pb.ReadRequest(fd=fd_number(fd), start=start,
+                             count=READ_ALL if count is None else count)
     return Call("Read", request, lambda r: (list(r.tokens), list(r.positions)))
 
 
 @_wire_checked
 def splice(src: Fd, start: int, end: int, dst: Fd) -> Call[None]:
     """Append entries [start, end) of src to dst, sharing pages, computing nothing."""
-    request = pb.SpliceRequest(src_fd=int(src), start=start, end=end, dst_fd=int(dst))
+    request = pb.SpliceRequest(src_fd=fd_number(src), start=start, end=end,
+                               dst_fd=fd_number(dst))
     return Call("Splice", request, _none)
 
 
 @_wire_checked
 def truncate(fd: Fd, length: int) -> Call[None]:
-    return Call("Truncate", pb.TruncateRequest(fd=int(fd), length=length), _none)
+    return Call("Truncate", pb.TruncateRequest(fd=fd_number(fd), length=length), _none)
 
 
 @_wire_checked
 def punch(fd: Fd, start: int, end: int) -> Call[None]:
     """Drop entries [start, end) from attention, freeing their whole pages."""
-    return Call("Punch", pb.PunchRequest(fd=int(fd), start=start, end=end), _none)
+    return Call("Punch", pb.PunchRequest(fd=fd_number(fd), start=start, end=end), _none)
 
 
 @_wire_checked
 def keep(fd: Fd, start: int, entries: Iterable[int]) -> Call[None]:
     """The file keeps entries [0, start) and then `entries` (increasing indices past
     start), their K/V moved, not recomputed: a tree pred's accepted branch."""
-    return Call("Keep", pb.KeepRequest(fd=int(fd), start=start, entries=entries), _none)
+    return Call("Keep", pb.KeepRequest(fd=fd_number(fd), start=start, entries=entries), _none)
 
 
 @_wire_checked
 def shift(fd: Fd, start: int, end: int, delta: int) -> Call[None]:
     """Move entries [start, end) by `delta` positions, their keys rotated to match."""
-    return Call("Shift", pb.ShiftRequest(fd=int(fd), start=start, end=end, delta=delta), _none)
+    request = pb.ShiftRequest(fd=fd_number(fd), start=start, end=end, delta=delta)
+    return Call("Shift", request, _none)
 
 
 def _target(target: Target) -> dict[str, Any]:
     if isinstance(target, str | os.PathLike):
         return {"path": os.fspath(target)}
-    return {"fd": int(target)}
+    return {"fd": fd_number(target)}
 
 
 @_wire_checked
@@ -604,7 +617,7 @@ def chown(path: KvPath, uid: int = -1, gid: int = -1) -> Call[None]:
 
 @_wire_checked
 def fsync(fd: Fd) -> Call[None]:
-    return Call("Fsync", pb.FdRequest(fd=int(fd)), _none)
+    return Call("Fsync", pb.FdRequest(fd=fd_number(fd)), _none)
 
 
 @_wire_checked

@@ -85,7 +85,8 @@ def test_a_pred_whose_reply_cannot_be_sent_is_refused_up_front(daemon, lifeline)
     ({"temperature": math.inf}, "temperature must be finite"),
     ({"temperature": 1e300}, "temperature must be finite"),  # inf as the proto's float
     ({"temperature": math.nan}, "temperature must be finite"),
-    ({"temperature": 1.0, "top_p": math.nan}, "top_p must be in"),
+    ({"temperature": 1.0, "top_p": math.nan}, r"top_p must be in \[0, 1\]"),
+    ({"temperature": 1.0, "top_p": -0.1}, r"top_p must be in \[0, 1\] \(0 or 1: no limit\)"),
     ({"top_k": 1 << 40}, "top_k must be a signed 32-bit integer"),
     ({"top_logprobs": 321}, r"top_logprobs must be in \[0, 320\]"),
     ({"temperature": 1.0, "seed": 1 << 64}, "seed must be a signed 64-bit integer"),
@@ -101,6 +102,18 @@ def test_requests_up_to_the_message_limit_pass_and_longer_get_emsgsize(daemon):
         assert len(k.tokenize("ab " * (2 << 20))) > 0  # 6 MiB: over gRPC's own 4 MiB
         raises(errno.EMSGSIZE, str(wire.MAX_PAYLOAD), k.tokenize, "a" * (65 << 20))
         assert k.getpid() == k.pid  # the session goes on
+
+
+def test_an_fd_is_an_int_or_a_file_not_a_float(k):
+    """int() would truncate 3.7 to fd 3, and close a file nobody named."""
+    f = k.open()
+    for call, *args in ((k.close, float(f.fd)), (k.read, f.fd + 0.5, 0, 1),
+                        (k.stat, float(f.fd)), (k.pred, float(f.fd), [5]),
+                        (k.splice, f, 0, 0, str(f.fd))):
+        with pytest.raises(TypeError, match="an fd is an int or a File"):
+            call(*args)
+    assert k.stat(f).tokens == 0 and k.stat(f.fd) == k.stat(f)  # still open
+    f.close()
 
 
 # -- the session's end --------------------------------------------------------------------

@@ -97,6 +97,7 @@ def test_mkdir_rmdir_readdir(fs):
     fs.unlink(ALICE, "/home/alice/d/f")
     fs.rmdir(ALICE, "/home/alice/d")
     raises(errno.EBUSY, fs.rmdir, ROOT, "/tmp")
+    raises(errno.EBUSY, fs.rmdir, ROOT, "/home")  # EBUSY, not ENOTEMPTY: a home is in it
     assert fs.lookup(ALICE, "/home/alice/../alice/.").ino == fs.lookup(ALICE, "/home/alice").ino
 
 
