@@ -345,8 +345,16 @@ class FileSystem:
         if path == "":
             inode = self._new_inode(stat.S_IFREG | (mode & 0o7777), cred)
             return self._handle(inode, cred, True, True)
+        if path.startswith("/") and not path.strip("/"):
+            raise FSError(errno.EISDIR, repr(path))
         parent, name = self._parent(cred, path)
         inode = parent.entries.get(name)
+        if path.endswith("/") and (inode is None or not inode.is_dir):
+            # As POSIX: a trailing slash names a directory.
+            if inode is not None:
+                raise FSError(errno.ENOTDIR, f"{path!r}: not a directory")
+            if flags & os.O_CREAT:
+                raise FSError(errno.EISDIR, f"{path!r}: a KV file's name cannot end in /")
         if inode is None:
             if not flags & os.O_CREAT:
                 raise enoent(repr(path))

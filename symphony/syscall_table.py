@@ -512,7 +512,9 @@ async def sys_export(k: Kernel, proc: Process, cred: Cred,
     """The canonical form, streamed; [offset, offset + length) when a range is asked.
 
     It streams from a copy-on-write fork taken first, so a file that changes meanwhile
-    still exports as one consistent snapshot, a chunk in memory at a time.
+    still exports as one consistent snapshot, a chunk in memory at a time. The fork shares
+    every full page and copies the last one if partial: that page is the caller's (ENOSPC,
+    EDQUOT when none can be had).
     """
     if req.offset < 0 or req.length < 0:
         raise einval(f"export: bad range offset {req.offset}, length {req.length}")
@@ -520,6 +522,10 @@ async def sys_export(k: Kernel, proc: Process, cred: Cred,
     src = proc.handle(req.fd) if by_fd else k.fs.open(cred, req.path, os.O_RDONLY)
     try:
         snap = await _room_made(k, lambda: k.fs.fork(src, cred))
+    except FSError as e:  # the fork's refusal, said as export's
+        what = f"fd {req.fd}" if by_fd else repr(req.path)
+        raise FSError(e.errno, f"export {what}: its snapshot: "
+                      f"{e.message.removeprefix('fork: ')}") from e
     finally:
         if not by_fd:
             k.fs.close(src)

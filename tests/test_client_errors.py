@@ -116,6 +116,13 @@ def test_an_fd_is_an_int_or_a_file_not_a_float(k):
     f.close()
 
 
+def test_an_export_the_snapshot_refuses_is_said_as_export(k):
+    with k.open("/tmp/export-write-only", os.O_CREAT | os.O_WRONLY) as f:
+        raises(errno.EBADF, rf"export fd {f.fd}: its snapshot: file not open for reading",
+               k.export, f)
+    k.unlink("/tmp/export-write-only")
+
+
 # -- the session's end --------------------------------------------------------------------
 
 

@@ -66,6 +66,9 @@ def test_open_flags(fs):
     append(fs, h, [1, 2, 3])
     raises(errno.EEXIST, fs.open, ALICE, "/home/alice/a", RW_CREAT | os.O_EXCL)
     raises(errno.EISDIR, fs.open, ALICE, "/home/alice")
+    raises(errno.EISDIR, fs.open, ALICE, "/")
+    raises(errno.ENOTDIR, fs.open, ALICE, "/home/alice/a/")  # as POSIX: a/ is a directory
+    raises(errno.EISDIR, fs.open, ALICE, "/home/alice/new/", RW_CREAT)
     raises(errno.ENOTDIR, fs.open, ALICE, "/home/alice/a/b", RW_CREAT)
     raises(errno.EINVAL, fs.open, ALICE, "home/alice/a")
     raises(errno.ENAMETOOLONG, fs.open, ALICE, "/home/alice/" + "x" * 256, RW_CREAT)
