@@ -314,6 +314,11 @@ class Hello(asyncio.Protocol):
         except wire.FrameError as e:
             self.drop(f"lifeline dropped: {e}")
             return
+        if frames and self.ring is not None:
+            # Any frame takes the ring's records first (docs/syscalls.md): a CANCEL frame
+            # may name a pred still in the ring. A PRED frame's own FRAMED record stops this
+            # drain until the frame is in `framed`, below.
+            self.drain()
         for kind, call, payload in frames:
             if kind == wire.CANCEL:
                 self.cancel(call)

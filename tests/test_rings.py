@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from daemon import meminfo, prompt, wait_for
@@ -295,6 +296,27 @@ def test_a_record_of_an_unknown_kind_gets_einval_and_the_ring_goes_on(daemon):
         lifeline.close()
         rings.close()
     assert got == {1: errno.EINVAL, 2: errno.EINVAL, 3: errno.EBADF}
+
+
+def test_any_frame_takes_the_rings_records_first(daemon):
+    """A record written without ringing the bell is taken when a frame of the process comes,
+    whatever its kind: a CANCEL frame may name a pred still in the ring."""
+    lifeline, _, rings = rung_session(daemon.socket)
+    try:
+        rings.sleeping(True)
+        rings.submit(ring.PRED, 2, pred_payload(5, [1]), bell=False)  # fd 5: not open
+        lifeline.sendall(wire.frame(9, 7))  # a kind that is no call: EINVAL
+        got = {}
+        deadline = time.monotonic() + 10
+        while 2 not in got and time.monotonic() < deadline:
+            for _, call, payload in rings.completions():
+                got[call] = pb.PredReply.FromString(payload).error.errno
+            if select.select([rings.process_bell], [], [], 0.1)[0]:
+                os.eventfd_read(rings.process_bell)
+    finally:
+        lifeline.close()
+        rings.close()
+    assert got.get(2) == errno.EBADF, got
 
 
 def test_a_framed_record_whose_frame_never_comes_stalls_only_its_own_ring(daemon):
