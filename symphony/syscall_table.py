@@ -550,11 +550,16 @@ async def sys_import(k: Kernel, proc: Process, cred: Cred,
         raise einval("import: no path in the first chunk")
     path, mode = first.path, first.mode if first.HasField("mode") else 0o600
     incoming = k.fs.receive(cred, path)
-    incoming.feed(first.data)
-    async for chunk in chunks:
-        incoming.feed(chunk.data)
-    await _settle_path(k, cred, path)
-    await _room_made(k, lambda: k.fs.import_file(cred, path, incoming.data(), mode))
+    try:
+        incoming.feed(first.data)
+        async for chunk in chunks:
+            incoming.feed(chunk.data)
+        await _settle_path(k, cred, path)
+        await _room_made(k, lambda: k.fs.import_file(cred, path, incoming.data(), mode))
+    except FSError as e:  # the format's checks name no file: say which
+        if repr(path) in e.message:
+            raise
+        raise FSError(e.errno, f"import {path!r}: {e.message}") from e
     return pb.Empty()
 
 

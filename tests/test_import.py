@@ -58,7 +58,8 @@ def src(daemon):
 def test_a_bad_header_is_refused_before_the_body_is_taken(daemon, src):
     with daemon.connect() as k:
         e = refused_early(daemon, k, "/tmp/bad", b"\xff" * 8)
-        assert e.errno == errno.EINVAL and "header length" in str(e)
+        assert e.errno == errno.EINVAL and "import '/tmp/bad': " in str(e)
+        assert "header length" in str(e)
 
 
 def test_more_bytes_than_the_header_declares_are_refused_at_once(daemon, src):
