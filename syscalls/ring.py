@@ -175,6 +175,11 @@ class ProcessRing:
         used = self.sq_tail + before - self.mem.get(SQ_HEAD)
         return used + record_bytes(payload) + RECORD.size <= self.mem.sq_bytes
 
+    def room_to_frame(self) -> bool:
+        """Whether a FRAMED record fits now: room() keeps room for one, not for one per pred
+        that found no room (a batch larger than the ring)."""
+        return self.sq_tail - self.mem.get(SQ_HEAD) + RECORD.size <= self.mem.sq_bytes
+
     def submit(self, kind: int, call: int, payload: bytes = b"", bell: bool = True) -> None:
         """Write a record (room() said it fits, or it is FRAMED), publish it, and ring the
         kernel if it asked to be rung (bell=False: the caller calls ring_kernel later, once

@@ -14,15 +14,19 @@ the event loop, and one ring of it hands out every completion of a step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import errno
 import os
 import select
 import socket
 import time
+from collections.abc import Callable
 
 from syscalls import errors, ring, wire
 from syscalls.lifeline import AsyncLifeline, Lifeline, Sending, _gone, _left, wait_slice
+
+RING_FULL_PAUSE = 0.001  # seconds between looks at a full submission ring
 
 
 def _not_ours(where: str, opener: int) -> OSError:
@@ -60,11 +64,15 @@ class RingLine(Lifeline):
                 self._submit([(kind, call, payload)], [sending])
                 return
             if kind == wire.CANCEL:  # tiny: the ring is full of preds; wait for the kernel
-                while not self.rings.room(0):
-                    time.sleep(0.001)
+                self._wait_for_room(lambda: self.rings.room(0))
                 self._submit([(kind, call, b"")], [None])
                 return
             self._frame(data, call, sending)
+
+    def _wait_for_room(self, fits: Callable[[], bool]) -> None:
+        """Until fits(): the ring is full of records the kernel, rung, takes at once."""
+        while not fits():
+            time.sleep(RING_FULL_PAUSE)
 
     def _send_many(self, frames: list[bytes], sendings: list[Sending]) -> None:
         """PRED frames: those that fit go into the ring together, with one bell; a pred too
@@ -110,6 +118,7 @@ class RingLine(Lifeline):
         """A PRED too large for the ring, or with no room there: a FRAMED record, then the
         frame on the lifeline. Once the record went, the frame goes too whatever interrupts
         this (the kernel's ring waits for it). Holds _sending."""
+        self._wait_for_room(self.rings.room_to_frame)
         start, progress = self.rings.sq_tail, []
         try:
             self.rings.submit(ring.FRAMED, call)
@@ -167,6 +176,7 @@ class AsyncRingLine(AsyncLifeline):
         self._opener = os.getpid()
         self._bell_loop: asyncio.AbstractEventLoop | None = None
         self._bell_due = False  # the kernel's bell is rung once per loop turn
+        self._held: collections.deque[tuple[int, int, bytes]] = collections.deque()
         rings.sleeping(True)
 
     async def call(self, payload: bytes) -> bytes:
@@ -180,15 +190,36 @@ class AsyncRingLine(AsyncLifeline):
 
     def _write(self, kind: int, call: int, payload: bytes) -> None:
         """Into the ring, the kernel's bell rung once per loop turn for every task's records;
-        too large or no room: a FRAMED record and the frame."""
+        too large or no room: a FRAMED record and the frame. With the ring too full even for
+        that (a batch larger than the ring), held, in order, until the kernel has taken
+        records (it takes them as soon as it is rung)."""
+        if self._held or not self._put(kind, call, payload):
+            self._held.append((kind, call, payload))
+            if len(self._held) == 1:
+                asyncio.get_running_loop().call_later(RING_FULL_PAUSE, self._write_held)
+
+    def _put(self, kind: int, call: int, payload: bytes) -> bool:
+        """Whether the record went (or its FRAMED record and frame)."""
         if len(payload) <= ring.MAX_RECORD and self.rings.room(len(payload)):
             self.rings.submit(kind, call, payload, bell=False)
             if not self._bell_due:
                 self._bell_due = True
                 asyncio.get_running_loop().call_soon(self._ring_kernel)
-            return
-        self.rings.submit(ring.FRAMED, call)  # room() keeps room for it
+            return True
+        # A CANCEL is never FRAMED: the kernel takes only a PRED frame in a record's place.
+        if kind == wire.CANCEL or not self.rings.room_to_frame():
+            return False
+        self.rings.submit(ring.FRAMED, call)
         self._transport.write(wire.frame(kind, call, payload))
+        return True
+
+    def _write_held(self) -> None:
+        while self._held and not self._closed and self._put(*self._held[0]):
+            self._held.popleft()
+        if self._closed:
+            self._held.clear()  # their callers have the session's end
+        elif self._held:
+            asyncio.get_running_loop().call_later(RING_FULL_PAUSE, self._write_held)
 
     def _ring_kernel(self) -> None:
         self._bell_due = False

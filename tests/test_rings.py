@@ -319,6 +319,29 @@ def test_any_frame_takes_the_rings_records_first(daemon):
     assert got.get(2) == errno.EBADF, got
 
 
+# 320 preds of 1000 tokens: about 640 KiB of records, more than twice the submission ring.
+OVERFULL = [{"fd": 999, "tokens": [5] * 1000} for _ in range(320)]
+
+
+def test_a_batch_larger_than_the_ring_waits_for_room_and_the_session_lives_on(daemon):
+    """Each pred that finds no room goes as a frame behind a FRAMED record, and with no room
+    even for that it waits: one FRAMED record per pred overran the ring (an OpenAI batch of
+    2048 prompts x n=128 had the kernel drop the serving process)."""
+    with Kernel.connect(daemon.socket) as k, k.open() as f:
+        results = k.pred_many(OVERFULL, return_exceptions=True)
+        assert {r.errno for r in results} == {errno.EBADF}, results[:3]
+        assert len(f.pred(prompt(4))) == 1
+
+    async def main() -> None:
+        async with await AsyncKernel.connect(daemon.socket) as k:
+            f = await k.open()
+            results = await k.pred_many(OVERFULL, return_exceptions=True)
+            assert {r.errno for r in results} == {errno.EBADF}, results[:3]
+            assert len(await f.pred(prompt(4))) == 1
+
+    asyncio.run(main())
+
+
 def test_a_framed_record_whose_frame_never_comes_stalls_only_its_own_ring(daemon):
     with Kernel.connect(daemon.socket, name="bystander") as k, k.open("", os.O_RDWR) as f:
         lifeline, _, rings = rung_session(daemon.socket)
