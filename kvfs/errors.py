@@ -12,5 +12,14 @@ class FSError(OSError):
         self.message = message
 
 
+class NoRoom(FSError):
+    """ENOSPC: `short` more free device pages would have let the call through (the kernel
+    may move that many down, symphony/relief.py, and try again)."""
+
+    def __init__(self, message: str, short: int):
+        super().__init__(errno.ENOSPC, message)
+        self.short = short
+
+
 def enoent(what: str) -> FSError:
     return FSError(errno.ENOENT, what)

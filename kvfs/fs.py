@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfs import reservation
-from kvfs.errors import FSError, enoent
+from kvfs.errors import FSError, NoRoom, enoent
 from kvfs.format import Imported, Incoming, Layout, export_bytes, parse, read_range
 from kvfs.inode import Inode, now_ns
 from kvfs.pages import Page, PageStore
@@ -563,8 +563,8 @@ class FileSystem:
         self.store.charge(inode.uid, new)
         free = self.store.pool.free_in("device")
         if extra_device > free:
-            raise FSError(errno.ENOSPC, f"kv pool: {extra_device} device pages needed, "
-                          f"{free} free")
+            raise NoRoom(f"kv pool: {extra_device} device pages needed, {free} free",
+                         extra_device - free)
 
     def _cut_entries(self, inode: Inode, length: int) -> None:
         """Drop the entries from `length` on (tokens, positions, excluded ranges)."""
@@ -712,7 +712,7 @@ class FileSystem:
         tail = inode.length % self.page_size != 0 and pages[-1] is not None
         self.store.charge(cred.uid, int(tail))
         if tail and self.store.pool.free_in("device") < 1:
-            raise FSError(errno.ENOSPC, "fork: no device page free for the last page")
+            raise NoRoom("fork: no device page free for the last page", 1)
         clone = self._new_inode(stat.S_IFREG | 0o600, cred)
         clone.tokens, clone.positions = list(inode.tokens), list(inode.positions)
         clone.excluded = list(inode.excluded)

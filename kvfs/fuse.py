@@ -12,9 +12,16 @@ so the kernel decides access. A KV file's bytes are its canonical serialized for
   the file is closed (flush); the kernel checks the whole file, and a refused one leaves
   nothing. Over an existing file the import rewrites it in place: its inode, owner, group,
   mode and links stay, as a write on a disk leaves them.
-- A new file exists only in the mount until then. The one check the mount makes itself is
+- A new file exists only in the mount until then. The checks the mount makes itself are
   for such a file: whoever reaches it (the kernel checks search permission on its directory)
-  sees it, but only its writer, or root, may change or use it.
+  sees it, but only its writer, or root, may change or use it; removing or replacing its name
+  (unlink, rename) follows the kernel's rules for a file it has, sticky directories included.
+- A file whose name is removed or replaced while it is being written is gone, as on a disk:
+  its writer's fd keeps working, and its close imports nothing.
+- The spool is checked as it fills, as the kernel's import stream is: the header as soon as
+  the spool holds it (a bad one fails that write and every later one, EINVAL), and nothing is
+  spooled past the largest file the kernel's device pool could hold (EFBIG), so no user can
+  fill root's disk through it.
 
 DIR/proc shows the kernel's /proc texts (`procfs`), read-only. Entry and attribute caches
 are off (timeout 0) and files are opened direct_io, bypassing the page cache, so changes
@@ -57,6 +64,9 @@ OWN_INODES = 1 << 62
 SLACK = 4 << 20  # how far a read may land behind or ahead of the last and reuse the stream
 BLKSIZE = 1 << 20  # st_blksize: tools size their buffers by it
 SPOOL_MEMORY = 8 << 20  # a file being written moves from memory to a temporary file past this
+# Bytes of a KV file's entry besides its K and V: token id, position, and at most one excluded
+# range (16 bytes) per entry (docs/kv-format.md).
+ENTRY_EXTRA = 32
 XATTR_PREFIX = b"user.symphony."
 XATTRS = tuple(XATTR_PREFIX + n for n in (b"tokens", b"pages", b"text", b"model"))
 XATTR_MAX = 1 << 16  # Linux's limit on an attribute value
@@ -100,6 +110,30 @@ def entry(
     a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns = times or (time.time_ns(),) * 3
     a.entry_timeout = a.attr_timeout = 0
     return a
+
+
+def kv_format() -> Any:
+    """kvfs.format, imported when first needed: it brings torch, which a mount that only
+    reads never needs."""
+    from kvfs import format as kv_format
+
+    return kv_format
+
+
+def refusal(path: str, e: OSError) -> int:
+    """Log why a write to `path` is refused (FUSE carries only the errno); its errno."""
+    log.info("write %s: %s", path, e)
+    return e.errno or errno.EIO
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the kernel could ever hold, which the mount checks a spool against."""
+
+    fingerprint: str  # the model's: a file of another model is refused
+    pages: int  # the device pool's: a file needing more is refused (EFBIG)
+    page_size: int  # entries per page
+    largest: int  # bytes of the largest file those pages could hold
 
 
 def stat_entry(st: Stat, ino: int) -> pyfuse3.EntryAttributes:
@@ -171,6 +205,11 @@ class Writer:
     unseeded: bool = False  # opened without O_TRUNC: the spool must start from its bytes
     dirty: bool = False
     length: int = 0  # of the spool (not asked of the spool: an import may be reading it)
+    front: int = 0  # the spool's bytes [0, front) are all written (no hole): the header is there
+    header_end: int | None = None  # where the checked header ends; None: not checked yet
+    declared: int | None = None  # the file's size as its checked header lays it out
+    refused: int = 0  # errno of a bad header: every later write and the close fail with it
+    detached: bool = False  # its name was removed or replaced: its close imports nothing
     owner: tuple[int, int] | None = None  # (uid, gid) root gave the new file, set once imported
     born_ns: int = field(default_factory=time.time_ns)
     spool: Any = field(default_factory=lambda: tempfile.SpooledTemporaryFile(SPOOL_MEMORY))
@@ -178,6 +217,10 @@ class Writer:
 
     def size(self) -> int:
         return self.base_size if self.unseeded else self.length
+
+    def uid_now(self) -> int:
+        """Its owner: its writer, unless root gave it another."""
+        return (self.owner or (self.uid, self.gid))[0]
 
     def attributes(self) -> pyfuse3.EntryAttributes:
         """What the mount shows of a new file the kernel has not seen yet."""
@@ -219,6 +262,7 @@ class KvFS(pyfuse3.Operations):
         self.handles: dict[int, Reader | Writer | ProcText | Listing] = {}
         self.fhs = itertools.count(1)
         self.writing: dict[str, Writer] = {}  # path -> the open file that will import there
+        self.bounds: Bounds | None = None  # asked of the kernel at the first write
 
     # -- plumbing -------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kvfs.errors import FSError
+from kvfs.errors import FSError, NoRoom
 from kvfs.pool import DEVICE, DISK, HOST, KVPool
 
 
@@ -107,9 +107,9 @@ class PageStore:
         if n == 0:
             return []
         self.charge(owner, n)
-        if n > self.pool.free_in(DEVICE):
-            raise FSError(errno.ENOSPC, f"kv pool: {n} device pages wanted, "
-                          f"{self.pool.free_in(DEVICE)} free")
+        free = self.pool.free_in(DEVICE)
+        if n > free:
+            raise NoRoom(f"kv pool: {n} device pages wanted, {free} free", n - free)
         pages = [Page(DEVICE, slot, owner) for slot in self.pool.allocate(n, DEVICE)]
         self.used[owner] = self.used.get(owner, 0) + n
         self.live.update(pages)
@@ -165,9 +165,10 @@ class PageStore:
     def bring_up(self, pages: Iterable[Page | None]) -> None:
         """Every page onto the device, all or none (ENOSPC)."""
         down = list({id(p): p for p in pages if p is not None and p.tier != DEVICE}.values())
-        if len(down) > self.pool.free_in(DEVICE):
-            raise FSError(errno.ENOSPC, f"kv pool: {len(down)} pages to bring back, "
-                          f"{self.pool.free_in(DEVICE)} device pages free")
+        free = self.pool.free_in(DEVICE)
+        if len(down) > free:
+            raise NoRoom(f"kv pool: {len(down)} pages to bring back, {free} device pages free",
+                         len(down) - free)
         for p in down:
             if p.tier == HOST:
                 p.slot = self.pool.move(p.slot, HOST, DEVICE)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import torch
 
-from kvfs.errors import FSError
+from kvfs.errors import FSError, NoRoom
 from kvfs.format import exported_size
 from kvfs.fs import Handle
 from kvfs.perm import Cred
@@ -44,14 +44,25 @@ def einval(message: str) -> FSError:
 
 
 async def _room_made(k: Kernel, op: Callable[[], T]) -> T:
-    """op, tried again if it was short of pages while guesses of the scheduler's held some
-    (decoding ahead must never cost a call its memory). kvfs checks before it changes
-    anything, so the failed try left everything as it was."""
+    """op, tried again if it was short of pages: once guesses of the scheduler's have given
+    theirs back (decoding ahead must never cost a call its memory), and once the pages it
+    was short of have moved down as for a pred (symphony/relief.py: files nobody has open,
+    then idle processes'). kvfs checks before it changes anything, so a failed try left
+    everything as it was."""
     try:
         return op()
     except FSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not await k.sched.give_way():
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
+        short = e
+    if await k.sched.give_way():
+        try:
+            return op()
+        except NoRoom as e:
+            short = e
+    if not isinstance(short, NoRoom):
+        raise short
+    k.sched.relief.relieve(short.short)
     return op()
 
 
@@ -362,7 +373,7 @@ async def sys_open(k: Kernel, proc: Process, cred: Cred, req: pb.OpenRequest) ->
     mode = req.mode if req.HasField("mode") else 0o600
     if req.flags & os.O_TRUNC and req.path:
         await _settle_path(k, cred, req.path)
-    handle = k.fs.open(cred, req.path, req.flags, mode)
+    handle = await _room_made(k, lambda: k.fs.open(cred, req.path, req.flags, mode))
     return pb.FdReply(fd=_install(k, proc, handle))
 
 

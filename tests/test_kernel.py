@@ -352,6 +352,24 @@ def test_idle_process_is_swapped_out_and_back_and_enospc_only_when_nothing_helps
         assert d.stop() == 0, d.log_text()
 
 
+def test_import_and_export_move_idle_files_down_for_room_as_a_pred_does(model):
+    """Pages of files nobody has open go to the host for an import, or for the page an
+    export's snapshot copies, as they do for a pred (both failed with ENOSPC)."""
+    d = start_daemon(model, None, "--kv-pages", "24", "--host-pages", "64")
+    try:
+        with d.connect() as k:
+            for path, n in (("/tmp/a", 256), ("/tmp/p", 17)):  # 16 pages, then 2
+                with k.open(path, os.O_CREAT | os.O_RDWR) as f:
+                    f.pred(prompt(n, salt=n), no_outputs=True)
+            a, p = k.export("/tmp/a"), k.export("/tmp/p")
+            k.import_file("/tmp/c", a)  # 16 pages, 6 free: a's and p's move down
+            assert int(meminfo(k)["device_free"]) == 0 and int(meminfo(k)["host_used"]) > 0
+            assert k.export("/tmp/p") == p  # its last page copied: one more moves down
+            assert k.export("/tmp/a") == a == k.export("/tmp/c")
+    finally:
+        assert d.stop() == 0, d.log_text()
+
+
 # -- the shell's side -------------------------------------------------------------------
 
 EXITS = """
