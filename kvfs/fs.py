@@ -54,14 +54,20 @@ class StatResult:
     ctime: int
 
 
+def _bytes(name: str) -> int:
+    """Its length as the OS counts NAME_MAX and PATH_MAX: UTF-8 bytes (a name the mount
+    passed with bytes that are not UTF-8 keeps them as surrogates)."""
+    return len(name.encode("utf-8", "surrogateescape"))
+
+
 def split(path: str) -> list[str]:
     if not path.startswith("/"):
         raise FSError(errno.EINVAL, f"{path!r}: paths are absolute")
-    if len(path) > PATH_MAX:
-        raise FSError(errno.ENAMETOOLONG, f"{path[:64]!r}...: over PATH_MAX ({PATH_MAX})")
+    if len(path) * 4 > PATH_MAX and _bytes(path) > PATH_MAX:  # UTF-8: 4 bytes a char at most
+        raise FSError(errno.ENAMETOOLONG, f"{path[:64]!r}...: over PATH_MAX ({PATH_MAX} bytes)")
     parts = [p for p in path.split("/") if p]
     for p in parts:
-        if len(p) > NAME_MAX:
+        if len(p) * 4 > NAME_MAX and _bytes(p) > NAME_MAX:
             raise FSError(errno.ENAMETOOLONG, f"{path!r}: a name is over {NAME_MAX} bytes")
         if "\0" in p:
             raise FSError(errno.EINVAL, f"{path!r}: NUL in a name")

@@ -50,9 +50,10 @@ from typing import Any
 import pyfuse3
 import trio
 
+from kvfs.errors import FSError
 from syscalls import wire
 from syscalls.client import Kernel
-from syscalls.convert import CHUNK_BYTES, Stat
+from syscalls.convert import CHUNK_BYTES, Stat, proc_fields
 
 log = logging.getLogger("symphony.mount")
 
@@ -140,6 +141,34 @@ def stat_entry(st: Stat, ino: int) -> pyfuse3.EntryAttributes:
     return entry(
         ino, st.mode, st.size, st.nlink, st.uid, st.gid, (st.atime_ns, st.mtime_ns, st.ctime_ns)
     )
+
+
+def read_header(spool: Any, front: int, bounds: Bounds) -> tuple[int, int] | None:
+    """Check the header in a spool whose first `front` bytes are written, as the kernel's
+    import does (kvfs.format's parser, the model's fingerprint, room in the device pool):
+    where the header ends and the file's size as it lays it out, or None if it is not all
+    there yet. Raises the kernel's refusal (FSError)."""
+    fmt = kv_format()
+    spool.seek(0)
+    first = spool.read(8)
+    n = fmt.header_length(first, None)
+    if front < 8 + n:
+        return None
+    header = fmt.parse_header(first + spool.read(n), None)
+    if header.layout.fingerprint != bounds.fingerprint:
+        raise FSError(
+            errno.EINVAL,
+            f"kv file: belongs to another model: its fingerprint is "
+            f"{header.layout.fingerprint!r}, this model's is {bounds.fingerprint!r}",
+        )
+    pages = -(-header.length // bounds.page_size)
+    if pages > bounds.pages:
+        raise FSError(
+            errno.EFBIG,
+            f"kv file: {header.length} entries take up to {pages} "
+            f"pages, more than the KV pool's {bounds.pages}",
+        )
+    return 8 + n, header.size
 
 
 class Reader:
@@ -458,14 +487,20 @@ class KvFS(pyfuse3.Operations):
             if (await self.attrs(path, ctx)).st_size != size:
                 raise pyfuse3.FUSEError(errno.EINVAL)
             return
+        if w.refused:
+            raise pyfuse3.FUSEError(w.refused)
+        await self.within(w, 0, size)
         if size:
             await self.seed(w)
         async with w.lock:  # a cut to nothing needs none of the old bytes
             w.unseeded = False
             w.spool.truncate(size)
             w.length = size
+            w.front = min(w.front, size)
+            if w.header_end is not None and size < w.header_end:
+                w.header_end = w.declared = None  # checked again once written again
         w.dirty = True
-        self.writing[w.path] = w
+        self.track(w)
 
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
@@ -480,7 +515,37 @@ class KvFS(pyfuse3.Operations):
         path = child(self.path_of(parent_inode), name)
         if in_proc(path):
             raise pyfuse3.FUSEError(errno.EROFS)
-        await self.run(self.who(ctx.uid, ctx.gid).unlink, path)
+        w = self.pending(path)
+        if w is not None:
+            await self.may_remove(w, path, ctx)
+        else:
+            await self.run(self.who(ctx.uid, ctx.gid).unlink, path)
+        self.detach(path)
+
+    async def may_remove(self, w: Writer, path: str, ctx: pyfuse3.RequestContext) -> None:
+        """The kernel's rules for taking a name out of its directory (unlink, or a rename
+        from or over it), for a file it has not seen yet: write and search permission on the
+        directory, and in a sticky one (/tmp) to own the file or the directory, or be root."""
+        k, parent = self.who(ctx.uid, ctx.gid), parent_of(path)
+        await self.run(k.access, parent, os.W_OK | os.X_OK)
+        d = await self.run(k.stat, parent)
+        if d.mode & stat.S_ISVTX and ctx.uid not in (0, w.uid_now(), d.uid):
+            log.info(
+                "%s: uid %d may not remove another user's file from a sticky directory",
+                path,
+                ctx.uid,
+            )
+            raise pyfuse3.FUSEError(errno.EPERM)
+
+    def detach(self, path: str) -> None:
+        """Files being written at or under `path` lost their name (unlinked, or another file
+        renamed over it): as on a disk, their writers' fds keep working and their bytes go
+        nowhere. Their closes import nothing: neither a new file under a removed name nor
+        over the file that now has it."""
+        for h in self.handles.values():
+            if isinstance(h, Writer) and (h.path == path or h.path.startswith(path + "/")):
+                h.detached = True
+        self.writing = {p: w for p, w in self.writing.items() if not w.detached}
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         path = child(self.path_of(parent_inode), name)
@@ -504,15 +569,23 @@ class KvFS(pyfuse3.Operations):
         if flags & pyfuse3.RENAME_EXCHANGE:
             raise pyfuse3.FUSEError(errno.EINVAL)
         k = self.who(ctx.uid, ctx.gid)
+        src, dst = self.pending(old), self.pending(new)
         if flags & pyfuse3.RENAME_NOREPLACE:
-            try:
-                await self.run(k.stat, new)
-            except pyfuse3.FUSEError as e:
-                if e.errno != errno.ENOENT:
-                    raise
-            else:
+            if dst is not None or await self.kernel_has(k, new):
                 raise pyfuse3.FUSEError(errno.EEXIST)
-        await self.run(k.rename, old, new)
+        if old == new:
+            if src is None:
+                await self.run(k.rename, old, new)
+            return
+        if dst is not None:  # replacing a file being written: as if it were the kernel's
+            if src is None and (await self.run(k.stat, old)).is_dir:
+                raise pyfuse3.FUSEError(errno.ENOTDIR)
+            await self.may_remove(dst, new, ctx)
+        if src is not None:
+            await self.move_pending(src, new, ctx)
+        else:
+            await self.run(k.rename, old, new)
+        self.detach(new)  # what was written at `new` has lost its name
         for inode, path in list(self.paths.items()):
             self.paths[inode] = moved(path, old, new)
         # Files being written follow their names, so that they import where they now are.
@@ -520,6 +593,29 @@ class KvFS(pyfuse3.Operations):
             if isinstance(h, Writer):
                 h.path = moved(h.path, old, new)
         self.writing = {w.path: w for w in self.writing.values()}
+
+    async def kernel_has(self, k: Kernel, path: str) -> Stat | None:
+        """The kernel's file at `path`, if it has one."""
+        try:
+            return await self.run(k.stat, path)
+        except pyfuse3.FUSEError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            return None
+
+    async def move_pending(self, w: Writer, new: str, ctx: pyfuse3.RequestContext) -> None:
+        """rename of a file the kernel has not seen yet: only its name in the mount moves,
+        checked as the kernel checks a rename (the old name removable, the new directory
+        writable and searchable); a file the kernel has at `new` is unlinked by the caller
+        (the kernel's checks), as the rename replaces it."""
+        k = self.who(ctx.uid, ctx.gid)
+        await self.may_remove(w, w.path, ctx)
+        await self.run(k.access, parent_of(new), os.W_OK | os.X_OK)
+        there = await self.kernel_has(k, new)
+        if there is not None:
+            if there.is_dir:
+                raise pyfuse3.FUSEError(errno.EISDIR)
+            await self.run(k.unlink, new)
 
     async def link(
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
@@ -691,14 +787,87 @@ class KvFS(pyfuse3.Operations):
         if self.dead:
             raise pyfuse3.FUSEError(errno.EIO)
         assert isinstance(w, Writer)
+        if w.refused:
+            raise pyfuse3.FUSEError(w.refused)
+        await self.within(w, off, off + len(buf))
         await self.seed(w)
         async with w.lock:  # not while an import reads the spool
             w.spool.seek(off)
             w.spool.write(buf)
             w.length = max(w.length, off + len(buf))
+            if off <= w.front:
+                w.front = max(w.front, off + len(buf))
         w.dirty = True
-        self.writing[w.path] = w
+        self.track(w)
+        if w.header_end is None or off < w.header_end:
+            await self.check_header(w)
         return len(buf)
+
+    def track(self, w: Writer) -> None:
+        """`w` is the open file that imports at its path, unless that name was taken from it."""
+        if not w.detached:
+            self.writing[w.path] = w
+
+    async def limits(self) -> Bounds:
+        """The kernel's bounds on a file, asked once (its model and pool stay while it runs):
+        the largest file is one of as many entries as the device pool has rows, each with an
+        excluded range, and the largest header the format allows."""
+        if self.bounds is None:
+
+            def ask() -> Bounds:
+                mem = proc_fields(self.kernel.procfs("meminfo"))
+                pages, size = int(mem["device_total"]), int(mem["page_size_tokens"])
+                per_entry = int(mem["page_bytes"]) // size + ENTRY_EXTRA
+                largest = 8 + kv_format().MAX_HEADER + pages * size * per_entry
+                return Bounds(self.kernel.model_info().fingerprint, pages, size, largest)
+
+            self.bounds = await self.run(ask)
+        return self.bounds
+
+    async def within(self, w: Writer, off: int, end: int) -> None:
+        """Refuse to spool bytes the kernel's import would refuse for their place alone:
+        past the largest file it could hold (EFBIG), or past the end of the file a checked
+        header lays out (EINVAL), unless the write changes that header."""
+        bounds = await self.limits()
+        if end > bounds.largest:
+            raise pyfuse3.FUSEError(
+                refusal(
+                    w.path,
+                    FSError(
+                        errno.EFBIG,
+                        f"{end} bytes, more than the largest file the KV pool's "
+                        f"{bounds.pages} pages could hold ({bounds.largest} bytes)",
+                    ),
+                )
+            )
+        if w.declared is not None and w.header_end is not None and off >= w.header_end:
+            if end > w.declared:
+                raise pyfuse3.FUSEError(
+                    refusal(
+                        w.path,
+                        FSError(
+                            errno.EINVAL,
+                            f"kv file: {end} bytes, more than the {w.declared} its header declares",
+                        ),
+                    )
+                )
+
+    async def check_header(self, w: Writer) -> None:
+        """Check the header as soon as the spool holds it whole (written, no hole), with the
+        kernel's own parser, as its import checks a stream as it arrives: a bad one fails
+        this write and every later one, and the close (EINVAL); one declaring more entries
+        than the device pool holds, EFBIG."""
+        bounds = await self.limits()
+        async with w.lock:
+            if w.front < 8:
+                return
+            try:
+                got = await trio.to_thread.run_sync(read_header, w.spool, w.front, bounds)
+            except OSError as e:
+                w.refused = refusal(w.path, e)
+                raise pyfuse3.FUSEError(w.refused) from None
+        if got is not None:
+            w.header_end, w.declared = got
 
     async def seed(self, w: Writer) -> None:
         """Start the spool from the file's current bytes (an open without O_TRUNC). The
@@ -711,22 +880,29 @@ class KvFS(pyfuse3.Operations):
                 for chunk in self.kernel.export_iter(w.path):
                     w.spool.write(chunk)
                     w.length += len(chunk)
+                w.front = w.length
 
             try:
                 await self.run(copy)
             except pyfuse3.FUSEError:
                 w.spool.seek(0)  # start over next time
                 w.spool.truncate()
-                w.length = 0
+                w.length = w.front = 0
                 raise
             w.unseeded = False
 
     async def publish(self, w: Writer) -> None:
-        """Import what was written, as the writer; the kernel checks it whole."""
+        """Import what was written, as the writer; the kernel checks it whole. Nothing for a
+        file whose name was taken from it, or whose header was refused as it was written."""
+        if w.detached:
+            w.dirty = False
+            return
         await self.seed(w)
         w.dirty = False
         if self.writing.get(w.path) is w:
             del self.writing[w.path]  # imported or refused: from now on the kernel answers
+        if w.refused:
+            raise pyfuse3.FUSEError(w.refused)
         k = self.who(w.uid, w.gid)
         async with w.lock:
             await self.run(k.import_file, w.path, w.chunks(), w.mode)
@@ -738,7 +914,7 @@ class KvFS(pyfuse3.Operations):
         # KV file; the file stays open, as when a shell closes the fd it dup'ed to stdout.
         w = self.handles[fh]
         if isinstance(w, Writer) and w.dirty:
-            if not w.size():
+            if not w.size() and not w.detached:
                 raise pyfuse3.FUSEError(errno.EINVAL)
             await self.publish(w)
 

@@ -8,6 +8,7 @@ writes page contents, and only into pages with a single reference.
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,7 +35,11 @@ class SwapFile:
         self.path, self.slots, self.shape, self.dtype = path, slots, page_shape, dtype
         self.page_bytes = 2 * dtype.itemsize * int(torch.Size(page_shape).numel())
         self._free = list(range(slots - 1, -1, -1))
-        self._file = open(path, "w+b") if slots else None  # noqa: SIM115 - lives with the store
+        # 0600 whatever the umask: its pages are users' KV entries (docs/syscalls.md).
+        self._file = (os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600),
+                                "w+b") if slots else None)
+        if self._file is not None:
+            os.fchmod(self._file.fileno(), 0o600)
 
     def free_count(self) -> int:
         return len(self._free)

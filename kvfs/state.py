@@ -41,7 +41,10 @@ CHUNK = 8 << 20
 
 def atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    # 0600 whatever the umask: a state directory others can enter must not hand them the
+    # entries of a user's 0600 file, nor the namespace.
+    tmp.unlink(missing_ok=True)  # one a crash left may have another mode
+    with open(tmp, "wb", opener=lambda name, flags: os.open(name, flags, 0o600)) as f:
         for data in chunks:
             f.write(data)
         f.flush()
@@ -59,6 +62,7 @@ class StateDir:
         self.path, self.fs = Path(path), fs
         self.files = self.path / "files"
         self.files.mkdir(parents=True, exist_ok=True)
+        self.files.chmod(0o700)
         # Every inode named outside /tmp, as of the last namespace change: one lookup tells
         # whether a file is saved at all.
         self.named: dict[int, Inode] = {}

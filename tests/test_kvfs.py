@@ -72,6 +72,9 @@ def test_open_flags(fs):
     raises(errno.ENOTDIR, fs.open, ALICE, "/home/alice/a/b", RW_CREAT)
     raises(errno.EINVAL, fs.open, ALICE, "home/alice/a")
     raises(errno.ENAMETOOLONG, fs.open, ALICE, "/home/alice/" + "x" * 256, RW_CREAT)
+    raises(errno.ENAMETOOLONG, fs.open, ALICE, "/home/alice/" + "é" * 128, RW_CREAT)  # 256 B
+    fs.close(fs.open(ALICE, "/home/alice/" + "é" * 127 + "x", RW_CREAT))  # 255 bytes
+    raises(errno.ENAMETOOLONG, fs.open, ALICE, "/home/alice/" + "/".join(["é" * 127] * 17))
     again = fs.open(ALICE, "/home/alice/a", os.O_RDWR | os.O_TRUNC)
     assert again.inode.length == 0 and fs.store.pool.free_in("device") == 64
     ro = fs.open(ALICE, "/home/alice/a", os.O_RDONLY)

@@ -72,6 +72,20 @@ def test_restart_brings_back_names_metadata_and_contents(tmp_path):
         st.ino for st in before.values())
 
 
+def test_the_state_is_the_kernels_alone_whatever_the_umask(tmp_path):
+    """A state directory others can enter hands them no entries: the data files and the
+    namespace are 0600 and files/ is 0700, though the umask would make them 0644 and 0755."""
+    old = os.umask(0o022)
+    try:
+        populate(boot(tmp_path))
+    finally:
+        os.umask(old)
+    state = tmp_path
+    assert (state / "files").stat().st_mode & 0o777 == 0o700
+    written = [state / "namespace.json", *(state / "files").iterdir()]
+    assert len(written) > 2 and {p.stat().st_mode & 0o777 for p in written} == {0o600}
+
+
 def test_changes_after_restart_are_saved_again(tmp_path):
     fs = boot(tmp_path)
     populate(fs)
