@@ -184,14 +184,15 @@ class Service:
                 if self.stopping and any(c.finish_reason is None for c in reply.choices):
                     raise shutting_down()
                 return JSONResponse(body)
-            # The first Delta comes before the headers, so that a request the kernel
-            # refuses (out of KV memory) gets its status, not a 200 and an error event.
+            # Every choice's first Delta (of every prompt of a batch) comes before the
+            # headers, so that a request the kernel refuses (out of KV memory), in any of
+            # its prompts or choices, gets its status, not a 200 and an error event.
             deltas = aiter(gen)
-            first = await self._watch(request, anext(deltas, None))
-            if first is None:
+            firsts = await self._watch(request, first_deltas(deltas, len(reply.choices)))
+            if not firsts:
                 raise shutting_down()
             streaming = True
-            return EventStream(events(reply, gen, deltas, first), lambda: self.close(gen))
+            return EventStream(events(reply, gen, deltas, firsts), lambda: self.close(gen))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
         finally:
@@ -250,19 +251,36 @@ async def collect(gen: Batch, reply: Reply) -> dict[str, Any]:
     return reply.response(gen.usage)
 
 
-async def events(reply: Reply, gen: Batch, deltas: AsyncIterator[Delta], first: Delta
+async def first_deltas(deltas: AsyncIterator[Delta], choices: int) -> list[Delta]:
+    """The Deltas up to the first of each of the `choices` (indices 0..choices-1), so that
+    every choice has started, or fewer when the Deltas end first (closed: SIGTERM). A
+    choice's or prompt's failure raises from here."""
+    firsts: list[Delta] = []
+    waiting = set(range(choices))
+    while waiting:
+        delta = await anext(deltas, None)
+        if delta is None:
+            break
+        firsts.append(delta)
+        waiting.discard(delta.index)
+    return firsts
+
+
+async def events(reply: Reply, gen: Batch, deltas: AsyncIterator[Delta], firsts: list[Delta]
                  ) -> AsyncIterator[bytes]:
     """A stream's server-sent events: the opening chunks, a chunk per Delta with something
-    to say, the usage chunk when asked, and [DONE], also after an error (an error event
-    first) or a SIGTERM (the generation closed: its Deltas end)."""
+    to say (`firsts`, the Deltas awaited before the headers, then the rest), the usage
+    chunk when asked, and [DONE], also after an error (an error event first) or a SIGTERM
+    (the generation closed: its Deltas end)."""
     try:
         for chunk in reply.started(gen):
             yield chunk
-        delta: Delta | None = first
-        while delta is not None:
+        for delta in firsts:
             if (chunk := reply.delta_chunk(delta)) is not None:
                 yield chunk
-            delta = await anext(deltas, None)
+        while (delta := await anext(deltas, None)) is not None:
+            if (chunk := reply.delta_chunk(delta)) is not None:
+                yield chunk
         if reply.include_usage:
             yield reply.usage_chunk(gen.usage)
     except ApiError as e:

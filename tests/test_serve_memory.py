@@ -32,3 +32,25 @@ def test_a_request_past_the_kernel_s_memory_is_a_503_and_the_server_goes_on(serv
         fits = server.client.completions.create(model=info.name, prompt=[7] * 8,
                                                 max_tokens=4, temperature=0)
         assert fits.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("big_first", [False, True])
+def test_a_streamed_batch_with_one_prompt_past_memory_is_a_503(server, daemon, big_first):
+    """Every prompt's first token is awaited before the headers, not only whichever
+    prompt answers first: a batch whose small prompt starts at once and whose big one the
+    kernel cannot take is a 503 however they are ordered, never a 200 and an error
+    event."""
+    with daemon.connect() as k:
+        info = k.model_info()
+        used = meminfo(k)["device_used"]
+        small, big = [7] * 4, [7] * (9 * info.page_size)
+        prompts = [big, small] if big_first else [small, big]
+        for _ in range(3):  # the small prompt's token may come before the refusal or not
+            with pytest.raises(openai.APIStatusError) as e:
+                stream = server.client.completions.create(
+                    model=info.name, prompt=prompts, max_tokens=4, temperature=0,
+                    stream=True)
+                list(stream)  # a 200's events; an error event raises openai.APIError
+            assert e.value.status_code == 503, e.value
+            assert e.value.body["type"] == "overloaded_error"
+        assert meminfo(k)["device_used"] == used  # nothing held
