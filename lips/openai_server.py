@@ -4,6 +4,7 @@
     symphony run lips/openai_server.py --port 8000      (the same program)
 
     curl localhost:8000/v1/chat/completions -H 'Authorization: Bearer KEY' \\
+        -H 'Content-Type: application/json' \\
         -d '{"model": "MODEL", "messages": [{"role": "user", "content": "Hi"}]}'
 
 Clients of OpenAI's API (the `openai` package, LangChain, curl) point their base URL at
@@ -317,18 +318,33 @@ def error_param(loc: tuple[Any, ...]) -> str | None:
     return param or None
 
 
+def is_json(content_type: str) -> bool:
+    """Whether FastAPI parses a body of this Content-Type as JSON: application/json or
+    application/*+json, parameters (charset) aside."""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/")
+                                          and kind.endswith("+json"))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
-    async def bad_request(_request: Request, e: RequestValidationError) -> JSONResponse:
+    async def bad_request(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0]
         param = error_param(tuple(first.get("loc", ())))
         message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        content_type = request.headers.get("content-type")
         if first.get("type") == "json_invalid":
             error = ApiError(400, f"the body is not valid JSON: {message}")
+        elif (param is None and first.get("type") != "missing"
+              and not is_json(content_type or "")):
+            # FastAPI reads such a body as bytes, not JSON (curl -d sends a form's type)
+            got = (f"Content-Type {content_type!r}" if content_type else "no Content-Type")
+            error = ApiError(400, "the body must be JSON sent with 'Content-Type: "
+                             f"application/json' (the request has {got})")
         elif param is None:
             error = ApiError(400, f"invalid request body: {message}")
         else:

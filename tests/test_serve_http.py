@@ -99,7 +99,8 @@ BAD_CHAT = [
     ({"temperature": 5}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"n": 0}, "n"),
-    ({"top_p": 0}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),  # 0 is allowed: OpenAI's range is [0, 1]
+    ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": [1]}, "stop"),
@@ -116,6 +117,10 @@ BAD_CHAT = [
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+     "messages[0].content[0].text"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema",
@@ -191,6 +196,47 @@ def test_a_body_that_is_not_json_is_400(http, model_name):
     r = http.post("/v1/chat/completions", content=b"{not json",
                   headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("content,says", [
+    ([], "a message needs content"),  # as "content": null; OpenAI's refuses [] too
+    ([{"type": "text"}], 'no "text"'),
+])
+def test_empty_content_and_a_text_part_without_text_are_named(http, model_name, content,
+                                                               says):
+    r = post_json(http, "/v1/chat/completions",
+                  {"model": model_name, "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", None])
+def test_a_body_not_sent_as_json_is_400_naming_the_content_type(http, model_name,
+                                                                content_type):
+    """curl -d sends a form's Content-Type: FastAPI does not read that body as JSON."""
+    body = json.dumps({"model": model_name, "messages": MESSAGES}).encode()
+    headers = {"Content-Type": content_type} if content_type else {}
+    r = http.post("/v1/chat/completions", content=body, headers=headers)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "Content-Type: application/json" in error["message"], error
+    assert (content_type or "no Content-Type") in error["message"], error
+
+
+def test_top_p_0_is_the_most_likely_token_alone(server, model_name):
+    """OpenAI's top_p is in [0, 1]; 0 keeps a nucleus of mass 0, the most likely token
+    (the kernel's own top_p 0 would mean no limit: a hot sample)."""
+    def text(**fields) -> list[str]:
+        r = server.client.completions.create(model=model_name, prompt="Once upon a",
+                                             max_tokens=12, n=3, seed=5,
+                                             extra_body={"ignore_eos": True}, **fields)
+        return [c.text for c in r.choices]
+
+    greedy = text(temperature=0)
+    assert len(set(greedy)) == 1
+    assert text(temperature=2, top_p=0) == greedy
+    assert text(temperature=2, top_p=1) != greedy  # hot sampling does differ
 
 
 def test_a_prompt_past_the_context_is_400_with_the_lengths(server, model_name, k):
@@ -304,6 +350,8 @@ def test_serve_help_is_the_programs():
                          cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "--api-key" in out.stdout and "/v1/chat/completions" in out.stdout
+    # its curl example must run as written: without the header the body is not JSON
+    assert "-H 'Content-Type: application/json'" in out.stdout
 
 
 def test_a_port_out_of_range_or_taken_is_refused_by_name(daemon):

@@ -73,7 +73,7 @@ class SamplingRequest(Body):
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, ge=0, le=1)  # 0: the most likely token only (OpenAI's)
     top_k: int = Field(0, ge=-1, le=2**31 - 1)  # vLLM extra; -1 or 0: no limit
     min_p: float = Field(0.0, ge=0, le=1)  # vLLM extra
     n: int = Field(1, ge=1, le=128)
@@ -119,12 +119,14 @@ class SamplingRequest(Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling(self) -> dict[str, Any]:
-        """GenParams' sampling fields."""
+        """GenParams' sampling fields. top_p 0 is OpenAI's nucleus of mass 0, the most
+        likely token alone: top_k 1 on the kernel's sampler (whose top_p 0 means no limit)."""
+        nucleus = self.top_p == 0
         return {
             "n": self.n,
             "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": max(self.top_k, 0),
+            "top_p": 1.0 if nucleus else self.top_p,
+            "top_k": 1 if nucleus else max(self.top_k, 0),
             "min_p": self.min_p,
             "seed": self.seed,
             "stop": self.stop,
@@ -212,12 +214,20 @@ class Message(Body):
             return self.content
         if not isinstance(self.content, list):
             raise bad_field(f"{where}.content", "a string or a list of content parts")
+        if not self.content:  # OpenAI's refuses an empty array too
+            raise bad_field(f"{where}.content", "a message needs content (an empty array of "
+                            "content parts)")
         texts = []
         for i, part in enumerate(self.content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str):
+            if kind != "text":
                 raise bad_field(f"{where}.content[{i}]", f"only text parts are supported, "
                                 f"not {kind!r}")
+            if "text" not in part:
+                raise bad_field(f"{where}.content[{i}]", "a text part needs its text (the "
+                                "part has no \"text\")")
+            if not isinstance(part["text"], str):
+                raise bad_field(f"{where}.content[{i}].text", "must be a string")
             texts.append(part["text"])
         return "".join(texts)
 
