@@ -5,9 +5,11 @@ under it."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import stat
+import struct
 import subprocess
 
 import pytest
@@ -148,9 +150,70 @@ def test_writing_into_a_file_changes_those_bytes(k, mnt):
         os.close(fd)
     assert k.export("/tmp/patch.kv") == blob
     fd = os.open(mnt / "tmp/patch.kv", os.O_WRONLY)
-    os.pwrite(fd, b"X", 8)  # into the header: no KV file any more
+    # Into the header: no KV file any more, refused at once, and the close imports nothing.
+    assert errno_of(os.pwrite, fd, b"X", 8) == errno.EINVAL
+    assert errno_of(os.pwrite, fd, b"{", 8) == errno.EINVAL  # from then on
     assert errno_of(os.close, fd) == errno.EINVAL
     assert k.export("/tmp/patch.kv") == blob
+
+
+ITEM_BYTES = {"I64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def declaring(blob: bytes, n: int) -> bytes:
+    """The header of the KV file `blob` changed to declare n entries (no body after it)."""
+    (length,) = struct.unpack("<Q", blob[:8])
+    head = json.loads(blob[8 : 8 + length])
+    off = 0
+    for name in ("token_ids", "positions", "excluded", "k", "v"):  # the exporter's order
+        t = head[name]
+        if name in ("token_ids", "positions"):
+            t["shape"] = [n]
+        elif name != "excluded":
+            t["shape"][1] = n
+        size = ITEM_BYTES[t["dtype"]]
+        for d in t["shape"]:
+            size *= d
+        t["data_offsets"] = [off, off + size]
+        off += size
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def test_a_bad_header_is_refused_as_it_is_written(k, mnt):
+    # A header of length 0 is refused at its 8th byte: dd's first block is already refused,
+    # nothing more is spooled, and nothing is left.
+    dd = subprocess.run(["dd", "if=/dev/zero", f"of={mnt / 'tmp/zeros.kv'}", "bs=1M",
+                         "count=64"], capture_output=True, text=True)
+    assert dd.returncode != 0 and "Invalid argument" in dd.stderr, dd.stderr
+    assert "error writing" in dd.stderr, dd.stderr  # not only at close
+    assert not (mnt / "tmp/zeros.kv").exists()
+
+
+def test_the_spool_takes_no_more_than_the_kernel_could_hold(k, mnt):
+    make(k, "/tmp/small.kv", 3)
+    blob = k.export("/tmp/small.kv")
+    mem = proc_fields(k.procfs("meminfo"))
+    rows, page_size = int(mem["device_total"]) * int(mem["page_size_tokens"]), int(
+        mem["page_size_tokens"])
+    # A header declaring more entries than the device pool holds: EFBIG at once, and at close.
+    fd = os.open(mnt / "tmp/too-long.kv", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    assert errno_of(os.write, fd, declaring(blob, rows + 1)) == errno.EFBIG
+    assert errno_of(os.close, fd) == errno.EFBIG
+    assert errno_of(k.stat, "/tmp/too-long.kv") == errno.ENOENT
+    # Past the largest file the pool could hold (every row an entry with an excluded range,
+    # and the largest header): EFBIG, with nothing spooled; the file stays as it was.
+    largest = 8 + (1 << 20) + rows * (int(mem["page_bytes"]) // page_size + 32)
+    fd = os.open(mnt / "tmp/small.kv", os.O_WRONLY | os.O_TRUNC)
+    try:
+        assert os.write(fd, blob) == len(blob)
+        assert errno_of(os.pwrite, fd, b"x", largest) == errno.EFBIG
+        # Past the end of the file its header lays out: the import would refuse it.
+        assert errno_of(os.write, fd, b"trailing") == errno.EINVAL
+    finally:
+        os.close(fd)  # neither refused write was kept: the file imports
+    assert k.export("/tmp/small.kv") == blob
 
 
 def current_umask() -> int:

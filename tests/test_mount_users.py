@@ -181,3 +181,59 @@ def test_a_file_being_written_follows_a_rename(k, mnt):
     assert k.export("/tmp/e/new.kv") == data_new
     assert k.export("/tmp/e/moved.kv") == data_old and k.stat("/tmp/e/moved.kv").ino == ino
     assert errno_of(k.stat, "/tmp/d") == errno.ENOENT
+
+
+def test_in_sticky_tmp_another_user_may_not_replace_remove_or_move_a_file_being_written(k, mnt):
+    src_a, data_a = source(k, 9, salt=1)
+    src_b, _ = source(k, 7, salt=2)
+    tmp = mnt / "tmp"
+    p, n, q = str(tmp / "p1.kv"), str(tmp / "n1.kv"), str(tmp / "q1.kv")
+    with held_open(A, (p, src_a)):
+        assert as_user(B, "cp", str(src_b), n).returncode == 0
+        assert b"Operation not permitted" in refused(B, "mv", "-f", n, p)
+        assert b"Operation not permitted" in refused(B, "rm", "-f", p)
+        assert b"Operation not permitted" in refused(B, "mv", "-f", p, q)
+        assert sorted(os.listdir(tmp)).count("p1.kv") == 1
+    assert k.export("/tmp/p1.kv") == data_a and k.stat("/tmp/p1.kv").uid == A
+    assert errno_of(k.stat, "/tmp/q1.kv") == errno.ENOENT
+
+
+def test_a_file_renamed_over_a_file_being_written_replaces_it(k, mnt):
+    src_a, data_a = source(k, 9, salt=1)
+    src_b, data_b = source(k, 7, salt=2)
+    tmp = mnt / "tmp"
+    p, n, mine, q = (str(tmp / f) for f in ("p2.kv", "n2.kv", "mine2.kv", "q2.kv"))
+    assert as_user(B, "cp", str(src_b), n).returncode == 0
+    # By root, or by its writer: the file renamed over it has the name; the writer's fd
+    # still works, and its close imports nothing.
+    for mover, moved in ((0, n), (A, mine)):
+        with held_open(A, (p, src_a)):
+            if mover == A:
+                assert as_user(A, "cp", str(src_b), mine).returncode == 0
+            assert as_user(mover, "mv", "-f", moved, p).returncode == 0
+            assert sorted(os.listdir(tmp)).count("p2.kv") == 1
+            assert os.stat(p).st_uid == (B if mover == 0 else A)
+        assert k.export("/tmp/p2.kv") == data_b, mover
+        k.unlink("/tmp/p2.kv")
+    # Moved by its writer: it imports under its new name, over the file that had it.
+    make(k.acting_as(A, A), "/tmp/q2.kv", 5)
+    with held_open(A, (p, src_a)):
+        assert as_user(A, "mv", "-f", p, q).returncode == 0
+        assert sorted(os.listdir(tmp)).count("q2.kv") == 1 and "p2.kv" not in os.listdir(tmp)
+    assert k.export("/tmp/q2.kv") == data_a and errno_of(k.stat, "/tmp/p2.kv") == errno.ENOENT
+
+
+def test_a_file_being_written_that_is_removed_is_gone_after_its_close(k, mnt):
+    src_a, _ = source(k, 9, salt=1)
+    p = str(mnt / "tmp/p3.kv")
+    for remover in (A, 0):  # its writer, root
+        with held_open(A, (p, src_a)):
+            assert as_user(remover, "rm", "-f", p).returncode == 0
+            assert "p3.kv" not in os.listdir(mnt / "tmp")
+            assert errno_of(os.stat, p) == errno.ENOENT
+        assert errno_of(k.stat, "/tmp/p3.kv") == errno.ENOENT, remover
+    # A file the kernel has, being rewritten, then removed: its close does not bring it back.
+    make(k.acting_as(A, A), "/tmp/p3.kv", 5)
+    with held_open(A, (p, src_a)):
+        os.unlink(p)
+    assert errno_of(k.stat, "/tmp/p3.kv") == errno.ENOENT
