@@ -871,8 +871,11 @@ class KvFS(pyfuse3.Operations):
 
     async def seed(self, w: Writer) -> None:
         """Start the spool from the file's current bytes (an open without O_TRUNC). The
-        mount's own session reads them: the opener may write but not read the file."""
+        mount's own session reads them: the opener may write but not read the file. Not
+        once its name is gone: the path may hold another file by then."""
         async with w.lock:
+            if w.detached:
+                w.unseeded = False
             if not w.unseeded:
                 return
 

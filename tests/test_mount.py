@@ -359,3 +359,18 @@ def test_a_killed_kernel_leaves_eio_and_umount_works(model):
             wait_for(lambda: not alive(pid), what="the mount process to exit")
     finally:
         d.stop()
+
+
+def test_a_file_renamed_over_one_being_rewritten_is_left_alone(k, mnt):
+    make(k, "/tmp/r1.kv", 4)
+    make(k, "/tmp/r2.kv", 6, salt=1)
+    moved = k.export("/tmp/r2.kv")
+    fd = os.open(mnt / "tmp/r1.kv", os.O_RDWR)  # no O_TRUNC: would start from r1's bytes
+    try:
+        os.rename(mnt / "tmp/r2.kv", mnt / "tmp/r1.kv")
+        # The old file lost its name: its fd never reads, nor writes into, the one there now.
+        assert os.read(fd, 1 << 20) != moved
+        assert os.write(fd, b"x") == 1
+    finally:
+        os.close(fd)  # imports nothing
+    assert k.export("/tmp/r1.kv") == moved
