@@ -830,27 +830,14 @@ class KvFS(pyfuse3.Operations):
         header lays out (EINVAL), unless the write changes that header."""
         bounds = await self.limits()
         if end > bounds.largest:
-            raise pyfuse3.FUSEError(
-                refusal(
-                    w.path,
-                    FSError(
-                        errno.EFBIG,
-                        f"{end} bytes, more than the largest file the KV pool's "
-                        f"{bounds.pages} pages could hold ({bounds.largest} bytes)",
-                    ),
-                )
-            )
-        if w.declared is not None and w.header_end is not None and off >= w.header_end:
-            if end > w.declared:
-                raise pyfuse3.FUSEError(
-                    refusal(
-                        w.path,
-                        FSError(
-                            errno.EINVAL,
-                            f"kv file: {end} bytes, more than the {w.declared} its header declares",
-                        ),
-                    )
-                )
+            raise pyfuse3.FUSEError(refusal(w.path, FSError(
+                errno.EFBIG, f"{end} bytes, more than the largest file the KV pool's "
+                f"{bounds.pages} pages could hold ({bounds.largest} bytes)")))
+        if (w.declared is not None and w.header_end is not None and off >= w.header_end
+                and end > w.declared):
+            raise pyfuse3.FUSEError(refusal(w.path, FSError(
+                errno.EINVAL, f"kv file: {end} bytes, more than the {w.declared} its header "
+                "declares")))
 
     async def check_header(self, w: Writer) -> None:
         """Check the header as soon as the spool holds it whole (written, no hole), with the
