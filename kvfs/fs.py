@@ -444,15 +444,17 @@ class FileSystem:
         """Bytes [offset, offset + size) of the export, reading only the pages they cover."""
         return read_range(self._readable(handle, "read"), self.store, self.layout, offset, size)
 
-    def fill(self, inode: Inode, imported: Imported) -> None:
+    def fill(self, inode: Inode, imported: Imported, quota: bool = True) -> None:
         """Give a file the entries and K/V of an import in place of what it held, all or
-        nothing: its old pages are freed only once the new ones are written."""
+        nothing: its old pages are freed only once the new ones are written. quota=False:
+        the owner's quota is not asked (a restored file's pages were its owner's before the
+        restart, whatever the quota says now: root may chown a file to a user past it)."""
         n, size = len(imported.tokens), self.page_size
         excluded = merge_ranges(list(imported.excluded))
         holes = self._holes(n, excluded)
         need = holes.count(False)
-        self._room(inode, need, need)
-        fresh = iter(self.store.new(need, inode.uid))
+        self._room(inode, need, need if quota else 0)
+        fresh = iter(self.store.new(need, inode.uid, quota))
         pages = [None if hole else next(fresh) for hole in holes]
         pool, full = self.store.pool, n // size
         # Whole pages in one scatter, straight from views of the import; the tail by rows.

@@ -107,11 +107,12 @@ class PageStore:
 
     # -- life cycle ---------------------------------------------------------------------
 
-    def new(self, n: int, owner: int) -> list[Page]:
-        """n fresh private device pages, all or none (ENOSPC, EDQUOT)."""
+    def new(self, n: int, owner: int, quota: bool = True) -> list[Page]:
+        """n fresh private device pages, all or none (ENOSPC; EDQUOT unless quota=False)."""
         if n == 0:
             return []
-        self.charge(owner, n)
+        if quota:
+            self.charge(owner, n)
         free = self.pool.free_in(DEVICE)
         if n > free:
             raise NoRoom(f"kv pool: {n} device pages wanted, {free} free", n - free)

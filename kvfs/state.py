@@ -270,4 +270,5 @@ class StateDir:
     def load_pages(self, inode: Inode) -> None:
         """The K/V of a restored file, read and checked in full on its first open."""
         data = self._data(inode.ino)
-        self.fs.fill(inode, parse(data.read_bytes(), self.fs.layout, self.fs.vocab_size))
+        self.fs.fill(inode, parse(data.read_bytes(), self.fs.layout, self.fs.vocab_size),
+                     quota=False)

@@ -86,6 +86,27 @@ def test_the_state_is_the_kernels_alone_whatever_the_umask(tmp_path):
     assert len(written) > 2 and {p.stat().st_mode & 0o777 for p in written} == {0o600}
 
 
+def test_a_file_chowned_past_its_owners_quota_loads_after_a_restart(tmp_path):
+    """Before the restart its pages stay charged to whoever made them; after it, loading
+    charges them to the owner, past the quota: the entries were there already."""
+    fs = boot(tmp_path, default_quota=2)
+    fs.home(ALICE, "alice")
+    h = fs.open(ROOT, "/home/alice/big", RW_CREAT)
+    append(fs, h, list(range(40)))  # 5 pages of root's
+    data = fs.export(h)
+    fs.close(h)
+    fs.chown(ROOT, "/home/alice/big", ALICE.uid, ALICE.gid)
+    fs2 = boot(tmp_path, default_quota=2)
+    for who in (ROOT, ALICE):
+        h = fs2.open(who, "/home/alice/big")
+        assert fs2.export(h) == data
+        fs2.close(h)
+    h = fs2.open(ALICE, "/home/alice/big", os.O_RDWR)
+    with pytest.raises(FSError) as e:  # more is still past her quota
+        append(fs2, h, [1] * 8)
+    assert e.value.errno == errno.EDQUOT
+
+
 def test_changes_after_restart_are_saved_again(tmp_path):
     fs = boot(tmp_path)
     populate(fs)
