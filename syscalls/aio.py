@@ -97,7 +97,7 @@ class AsyncKernel(AsyncKernelCalls, Session):
                 raise self._failed(e) from e
             except asyncio.CancelledError:
                 if call.rpc == "Pred":
-                    self._rollbacks.cancelled([call.request])
+                    self._rollbacks.cancelled([call.request.fd])
                 task = asyncio.current_task()
                 if self._ended and task is not None and not task.cancelling():
                     # Nobody cancelled the task: closing the session's channel ended the rpc.
@@ -149,6 +149,10 @@ class AsyncKernel(AsyncKernelCalls, Session):
         request = convert.pred_request(fd, tokens, positions, outputs, s, no_outputs, extras)
         try:
             return convert.pred_outputs(await self._line.call(request))
+        except asyncio.CancelledError:
+            # Its CANCEL's reply may not have been waited for (cancelled again meanwhile).
+            self._rollbacks.cancelled([convert.fd_number(fd)])
+            raise
         except OSError:
             if self._ended:  # as Kernel._or_ended
                 raise errors.error(*self._ended[0]) from None

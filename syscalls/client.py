@@ -260,10 +260,25 @@ class Kernel(KernelCalls, Session):
         if self._line is not None:
             request = convert.pred_request(fd, tokens, positions, outputs, s, no_outputs,
                                            extras)
-            return self._or_ended(lambda: convert.pred_outputs(self._line.call(request)))
+            return self._or_ended(lambda: convert.pred_outputs(
+                self._interruptible(fd, self._line.call, request)))
         call = convert.pred(fd, tokens, positions, outputs, s, no_outputs, extras)
         (outcome,) = self._pred_rpcs([call])
         return call.result(self._checked(self._reply(outcome)))
+
+    def _interruptible(self, fds: Fd | Iterable[Fd], send: Callable[[Any], T],
+                       requests: Any) -> T:
+        """send(requests) on the lifeline or the rings. Interrupted, it has taken back its
+        preds, unless interrupted again meanwhile: then their rollback may still be under
+        way, and a call on their files made again while it finds them busy (rollbacks.py)."""
+        try:
+            return send(requests)
+        except OSError:  # an answer, or the session's end: nothing is left under way
+            raise
+        except BaseException:
+            many = isinstance(fds, list)
+            self._rollbacks.cancelled(map(convert.fd_number, fds if many else [fds]))
+            raise
 
     def _or_ended(self, fn: Callable[[], T]) -> T:
         """fn(), a call on the lifeline or the rings; its failure once the session has
@@ -291,7 +306,7 @@ class Kernel(KernelCalls, Session):
                 self._rpcs = pred_rpc.Rpcs()
             return self._rpcs.call(start, requests)
         except BaseException:
-            self._rollbacks.cancelled(requests)
+            self._rollbacks.cancelled(r.fd for r in requests)
             raise
 
     def _reply(self, outcome: Any) -> Any:
@@ -318,7 +333,8 @@ class Kernel(KernelCalls, Session):
                        for m, o in zip(made, outcomes, strict=True)]
         else:
             requests = [convert.pred_request(*a) for a in arguments]
-            replies = self._or_ended(lambda: self._line.call_many(requests))
+            replies = self._or_ended(lambda: self._interruptible(
+                [a[0] for a in arguments], self._line.call_many, requests))
             results = [_settled(lambda r=r: self._or_ended(lambda: convert.pred_outputs(r)))
                        for r in replies]
         if not return_exceptions:

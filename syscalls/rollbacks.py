@@ -6,7 +6,9 @@ same channel (grpc's completion queue hands the kernel each as it comes), so the
 truncate an `except` clause makes right after an interrupted pred can come first and find
 the pred still in progress: EBUSY. Such a call is made again until the rollback is done,
 CANCEL_WAIT at most, so that an interrupted pred over gRPC leaves its file as the rings and
-the lifeline do: free for the call that follows.
+the lifeline do: free for the call that follows. Those wait for their CANCEL's reply, but
+an interruption of that wait (a second Ctrl-C; a task cancelled again, as a server closing
+a request's generations does) leaves the same race, and the same remedy.
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ class Rollbacks:
     def __init__(self) -> None:
         self.until: dict[int, float] = {}
 
-    def cancelled(self, requests: Iterable[Any]) -> None:
-        """The Pred rpcs of these requests were cancelled (their answers may have come
-        first: a call on their file then finds it free at once)."""
+    def cancelled(self, fds: Iterable[int]) -> None:
+        """Preds on these fds were cancelled (their answers may have come first: a call on
+        their file then finds it free at once): a gRPC rpc's cancellation, or a CANCEL
+        whose reply was not waited for (the wait interrupted again)."""
         deadline = time.monotonic() + CANCEL_WAIT
-        for request in requests:
-            self.until[request.fd] = deadline
+        for fd in fds:
+            self.until[fd] = deadline
 
     def again(self, call: Call, reply: Any) -> bool:
         """Whether to make the call again: it found busy a file whose cancelled pred may
