@@ -21,7 +21,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 import grpc
@@ -63,7 +63,7 @@ class Session:
         self._stub = pb_grpc.KernelStub(channel)
         self._metadata = [(session.SESSION_KEY, token)]
         self._ended: list[tuple[int, str]] = []  # why calls fail now; views share it
-        self._rollbacks = rollbacks.Rollbacks()  # files of gRPC preds cancelled lately
+        self._rollbacks = rollbacks.Rollbacks()  # files of preds lately taken back unawaited
         self.pid = self.uid = self.gid = -1
         self.user = self.home = ""
 
@@ -81,14 +81,13 @@ class Session:
             raise errors.error(*self._ended[0])
         return errors.check(reply)
 
-    def _leaving(self) -> tuple[Any, ...]:
+    def _leaving(self) -> None:
         """exit is called: from now on every call raises EPERM, those still waiting
         included; the exit call itself goes (_send's `ending`)."""
         if self._ended:
             raise errors.error(*self._ended[0])
         self._ended.append((errno.EPERM, f"{self.socket}: no session: process {self.pid} has "
                             "exited"))
-        return self._ended[0]
 
     def _failed(self, e: grpc.RpcError) -> OSError:
         """What a call whose transport failed raises: why the session ended, if it ended
@@ -260,36 +259,25 @@ class Kernel(KernelCalls, Session):
         if self._line is not None:
             request = convert.pred_request(fd, tokens, positions, outputs, s, no_outputs,
                                            extras)
-            return self._or_ended(lambda: convert.pred_outputs(
-                self._interruptible(fd, self._line.call, request)))
+            try:
+                return convert.pred_outputs(self._line.call(request))
+            except BaseException as e:
+                raise self._line_failure(e, [fd]) from None
         call = convert.pred(fd, tokens, positions, outputs, s, no_outputs, extras)
         (outcome,) = self._pred_rpcs([call])
         return call.result(self._checked(self._reply(outcome)))
 
-    def _interruptible(self, fds: Fd | Iterable[Fd], send: Callable[[Any], T],
-                       requests: Any) -> T:
-        """send(requests) on the lifeline or the rings. Interrupted, it has taken back its
-        preds, unless interrupted again meanwhile: then their rollback may still be under
-        way, and a call on their files made again while it finds them busy (rollbacks.py)."""
-        try:
-            return send(requests)
-        except OSError:  # an answer, or the session's end: nothing is left under way
-            raise
-        except BaseException:
-            many = isinstance(fds, list)
-            self._rollbacks.cancelled(map(convert.fd_number, fds if many else [fds]))
-            raise
-
-    def _or_ended(self, fn: Callable[[], T]) -> T:
-        """fn(), a call on the lifeline or the rings; its failure once the session has
-        ended raises the session's reason (the lifeline may close, or the pred be
-        cancelled with EINTR, before exit's reply comes)."""
-        try:
-            return fn()
-        except OSError:
-            if self._ended:
-                raise errors.error(*self._ended[0]) from None
-            raise
+    def _line_failure(self, e: BaseException, fds: Iterable[Fd]) -> BaseException:
+        """What a pred on the lifeline or the rings that failed with `e` raises. An error
+        once the session has ended is its reason (the lifeline may close, or the pred be
+        cancelled with EINTR, before exit's reply comes). An interruption has taken back
+        the preds, unless interrupted again meanwhile: their rollback may then still be
+        under way, so a call on their files that finds them busy is made again
+        (rollbacks.py)."""
+        if isinstance(e, OSError):
+            return errors.error(*self._ended[0]) if self._ended else e
+        self._rollbacks.cancelled(map(convert.fd_number, fds))
+        return e
 
     def _pred_rpcs(self, made: list[convert.Call]) -> list[Any]:
         """The Pred rpcs of `made`, all in flight at once: each one's reply, or the RpcError
@@ -332,11 +320,13 @@ class Kernel(KernelCalls, Session):
             results = [_settled(lambda m=m, o=o: m.result(self._checked(self._reply(o))))
                        for m, o in zip(made, outcomes, strict=True)]
         else:
-            requests = [convert.pred_request(*a) for a in arguments]
-            replies = self._or_ended(lambda: self._interruptible(
-                [a[0] for a in arguments], self._line.call_many, requests))
-            results = [_settled(lambda r=r: self._or_ended(lambda: convert.pred_outputs(r)))
-                       for r in replies]
+            try:
+                replies = self._line.call_many([convert.pred_request(*a) for a in arguments])
+            except BaseException as e:
+                raise self._line_failure(e, [a[0] for a in arguments]) from None
+            results = [_settled(lambda r=r: convert.pred_outputs(r)) for r in replies]
+            results = [self._line_failure(r, ()) if isinstance(r, OSError) else r
+                       for r in results]
         if not return_exceptions:
             for r in results:
                 if isinstance(r, OSError):
