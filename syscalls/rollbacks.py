@@ -1,5 +1,5 @@
-"""The files whose gRPC pred this session cancelled lately, which the kernel may not have
-taken back yet.
+"""The files whose pred this session cancelled lately (a gRPC rpc's cancellation, or a
+CANCEL whose reply was not awaited), which the kernel may not have taken back yet.
 
 A cancelled rpc reaches the kernel's handler apart from the calls that follow it on the
 same channel (grpc's completion queue hands the kernel each as it comes), so the close or
