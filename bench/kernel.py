@@ -763,6 +763,7 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
     header("LIPs", "generate")
     for name, _, ours, peer, *_ in results:
         row(name, "preds/s", ours, peer, False, "none set")
+    print(f"  the floor: {pingpong_floor(tmp)}")
     for name, n, ours, _, cpu, peer_cpu, same, loop, engine_busy, secs in results:
         kc, lc = (statistics.median(c) for c in zip(*cpu, strict=True))
         print(f"  {name}: CPU per pred, median: kernel {kc:.0f} (its loop thread {loop:.0f}, "
@@ -772,6 +773,27 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
             per_step = statistics.median(ours) * sleep_ms / 1e3
             print(f"    {args.path_engine}: {per_step:.1f} preds per {sleep_ms:g} ms step time, "
                   f"{per_step / n:.2f} of the ideal {n}; engine_busy {engine_busy:.2f}")
+
+
+def pingpong_floor(tmp: Path) -> str:
+    """The floor under a pred's round trip when both sides sleep (bench/pingpong.c): two
+    processes woken in turn by a futex, and by an eventfd as the rings' bells are, on the
+    machine's CPUs as the scheduler places them and pinned to one CPU."""
+    binary = tmp / "pingpong"
+    built = subprocess.run([os.environ.get("CC", "cc"), "-O2", "-o", str(binary),
+                            str(Path(__file__).with_name("pingpong.c"))],
+                           capture_output=True, text=True)
+    if built.returncode:
+        return f"no floor: bench/pingpong.c did not build: {built.stderr.strip()[:200]}"
+    parts = []
+    for how in ("futex", "eventfd"):
+        for cpus, where in ((None, "any CPUs"), ({0}, "one CPU")):
+            out = subprocess.run([str(binary), how, "20000"], capture_output=True, text=True,
+                                 check=True, preexec_fn=cpus and (lambda c=cpus:
+                                                                  os.sched_setaffinity(0, c)))
+            wall, cpu = (float(x) / 1e3 for x in out.stdout.split())
+            parts.append(f"{how} on {where} {wall:.1f} us ({cpu:.1f} us of CPU)")
+    return "a bare ping-pong between two processes, a round trip: " + ", ".join(parts)
 
 
 def bench_masked(args: argparse.Namespace, tmp: Path) -> None:
