@@ -1684,9 +1684,10 @@ class Fuzz:
                            "worker exited: " + ", ".join(f"{p.pid} {p.name} {p.state}"
                                                          for p in others[:5]),
                            "k.ps() after the run")
-            files, self.persisted = self.walk(k)  # no one changes them any more
             deadline = time.monotonic() + 15
             while True:  # a guess of the scheduler may hold a page a moment longer
+                # Walked again each time: a file's stat counts such a page while it is held.
+                files, self.persisted = self.walk(k)  # no worker changes them any more
                 pages = self.pages(k, files)
                 ok = pages["used"] == pages["named"] == pages["charged"]
                 if ok or time.monotonic() > deadline:
