@@ -38,6 +38,11 @@ class StepPlan:
     # (index in the batch's tokens, logit row of the step before): tokens the step before
     # samples, planned while it ran (scheduler.py, pipelined steps).
     placeholders: list[tuple[int, int]] = field(default_factory=list)
+    # computes() is asked of every guess as each step is planned: a set, not a scan.
+    jobs: frozenset[PredJob] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.jobs = frozenset(c.job for c in self.chunks)
 
     @classmethod
     def build(cls, chunks: list[Chunk]) -> StepPlan:
@@ -87,7 +92,7 @@ class StepPlan:
         return sum(c.size for c in self.chunks)
 
     def computes(self, job: PredJob) -> bool:
-        return any(c.job is job for c in self.chunks)
+        return job in self.jobs
 
 
 @dataclass

@@ -129,9 +129,8 @@ def _tokenizer(k: Kernel, what: str):
     return k.engine.tokenizer
 
 
-def _check_ids(k: Kernel, ids, what: str) -> list[int]:
+def _check_ids(ids, vocab: int, what: str) -> list[int]:
     ids = ids[:]  # a list: list() of a protobuf repeated field takes twice as long
-    vocab = k.engine.config.vocab_size
     if ids and (min(ids) < 0 or max(ids) >= vocab):
         bad = next(t for t in ids if not 0 <= t < vocab)
         raise einval(f"{what}: token {bad} is outside the vocabulary [0, {vocab})")
@@ -154,7 +153,7 @@ def sys_tokenize(k: Kernel, proc: Process, cred: Cred,
 def sys_detokenize(k: Kernel, proc: Process, cred: Cred,
                    req: pb.DetokenizeRequest) -> pb.DetokenizeReply:
     tok = _tokenizer(k, "detokenize")
-    ids = _check_ids(k, req.ids, "detokenize")
+    ids = _check_ids(req.ids, k.engine.config.vocab_size, "detokenize")
     return pb.DetokenizeReply(text=tok.decode(ids, skip_special=not req.keep_special))
 
 
@@ -268,11 +267,13 @@ def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> as
     handle = proc.handle(req.fd)
     if not handle.writable:
         raise FSError(errno.EBADF, f"pred: fd {req.fd} is not open for writing")
-    tokens = _check_ids(k, req.tokens, "pred")
+    config = k.engine.config
+    vocab = config.vocab_size
+    tokens = _check_ids(req.tokens, vocab, "pred")
     if not tokens:
         raise einval("pred: no tokens")
     positions = req.positions[:] or None
-    context = k.engine.config.max_position_embeddings
+    context = config.max_position_embeddings
     if positions is not None:
         if len(positions) != len(tokens):
             raise einval(f"pred: {len(positions)} positions for {len(tokens)} tokens")
@@ -298,7 +299,6 @@ def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> as
                          "tokens")
     else:
         rows = [len(tokens) - 1]
-    vocab = k.engine.config.vocab_size
     params = _sampling(req, vocab)
     controls = _controls(req, rows, tokens, vocab) if req.controls or req.score_next else None
     size = pred_reply_bytes(len(rows), params.top_logprobs, controls, req.score_next)
