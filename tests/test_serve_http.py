@@ -150,6 +150,7 @@ BAD_COMPLETION = [
     ({"logprobs": 21}, "logprobs"),
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 2}, "best_of"),
+    ({"prompt": ["Hi"] * 17, "n": 128}, "n"),  # 2176 choices, past 2048
     ({"top_k": -2}, "top_k"),
     ({"top_k": 2**70}, "top_k"),
     ({"min_p": 2}, "min_p"),

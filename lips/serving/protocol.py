@@ -23,6 +23,9 @@ from lips.serving.generation import Batch, Delta, GenParams, TokenLogprob, Usage
 MAX_STOP = 4  # stop strings, as OpenAI
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 2048  # prompts in one completions request, as OpenAI's
+# Choices of one request, prompts times n: all are started at once, each a generation with a
+# file of its own; OpenAI's bounds alone (2048 prompts, n 128) allow 262144.
+MAX_CHOICES = 2048
 
 
 def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
@@ -181,6 +184,10 @@ class CompletionRequest(SamplingRequest):
             raise bad_field("suffix", "not supported by this server")
         if self.best_of not in (None, 1):
             raise bad_field("best_of", "not supported by this server (only 1)")
+        if len(self.prompt) * self.n > MAX_CHOICES:
+            raise bad_field("n", f"{len(self.prompt)} prompts with n {self.n} ask for "
+                            f"{len(self.prompt) * self.n} choices; at most {MAX_CHOICES} in one "
+                            "request")
         for i, p in enumerate(self.prompt):
             if isinstance(p, list):
                 check_token_ids(p, vocab_size, self.where(i))
