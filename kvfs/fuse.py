@@ -20,8 +20,9 @@ so the kernel decides access. A KV file's bytes are its canonical serialized for
   its writer's fd keeps working, and its close imports nothing.
 - The spool is checked as it fills, as the kernel's import stream is: the header as soon as
   the spool holds it (a bad one fails that write and every later one, EINVAL), and nothing is
-  spooled past the largest file the kernel's device pool could hold (EFBIG), so no user can
-  fill root's disk through it.
+  spooled past the largest file the kernel's device pool could hold (EFBIG); nor, for a user
+  other than root, more than that in all the files the user has open for writing (EDQUOT),
+  so no user can fill root's disk through it.
 
 DIR/proc shows the kernel's /proc texts (`procfs`), read-only. Entry and attribute caches
 are off (timeout 0) and files are opened direct_io, bypassing the page cache, so changes
@@ -238,6 +239,7 @@ class Writer:
     header_end: int | None = None  # where the checked header ends; None: not checked yet
     declared: int | None = None  # the file's size as its checked header lays it out
     refused: int = 0  # errno of a bad header: every later write and the close fail with it
+    spooled: int = 0  # bytes its spool may reach, counted against its writer's spool limit
     detached: bool = False  # its name was removed or replaced: its close imports nothing
     owner: tuple[int, int] | None = None  # (uid, gid) root gave the new file, set once imported
     born_ns: int = field(default_factory=time.time_ns)
@@ -292,6 +294,7 @@ class KvFS(pyfuse3.Operations):
         self.fhs = itertools.count(1)
         self.writing: dict[str, Writer] = {}  # path -> the open file that will import there
         self.bounds: Bounds | None = None  # asked of the kernel at the first write
+        self.spooled: Counter[int] = Counter()  # per uid: its open writers' spooled bytes
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -496,6 +499,7 @@ class KvFS(pyfuse3.Operations):
             w.unseeded = False
             w.spool.truncate(size)
             w.length = size
+            self.spool_less(w, size)
             w.front = min(w.front, size)
             if w.header_end is not None and size < w.header_end:
                 w.header_end = w.declared = None  # checked again once written again
@@ -838,6 +842,31 @@ class KvFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(refusal(w.path, FSError(
                 errno.EINVAL, f"kv file: {end} bytes, more than the {w.declared} its header "
                 "declares")))
+        self.spool_more(w, max(end, w.size()), bounds)
+
+    def spool_more(self, w: Writer, reach: int, bounds: Bounds) -> None:
+        """Count the bytes w's spool may reach (the seeded file's, or a write's end) against
+        its writer's limit before they are spooled: a user other than root may have at most
+        the largest file in all its open writers' spools together (EDQUOT)."""
+        more = reach - w.spooled
+        if more <= 0:
+            return
+        if w.uid and self.spooled[w.uid] + more > bounds.largest:
+            raise pyfuse3.FUSEError(refusal(w.path, FSError(
+                errno.EDQUOT, f"{reach} bytes: the files uid {w.uid} is writing through the "
+                f"mount would hold {self.spooled[w.uid] + more} bytes in all, more than the "
+                f"largest file the KV pool could hold ({bounds.largest} bytes)")))
+        self.spooled[w.uid] += more
+        w.spooled = reach
+
+    def spool_less(self, w: Writer, reach: int) -> None:
+        """w's spool was cut to `reach` bytes, or is gone (0): its writer's limit gets back
+        what it no longer holds."""
+        if reach < w.spooled:
+            self.spooled[w.uid] -= w.spooled - reach
+            w.spooled = reach
+            if not self.spooled[w.uid]:
+                del self.spooled[w.uid]
 
     async def check_header(self, w: Writer) -> None:
         """Check the header as soon as the spool holds it whole (written, no hole), with the
@@ -924,6 +953,7 @@ class KvFS(pyfuse3.Operations):
                 if self.writing.get(h.path) is h:
                     del self.writing[h.path]
                 h.spool.close()
+                self.spool_less(h, 0)
 
     # -- extended attributes --------------------------------------------------------------
 

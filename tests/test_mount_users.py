@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from daemon import NEEDS_MOUNT, as_user, errno_of, make, world_dir
 
+from syscalls.convert import proc_fields
+
 A, B = 60001, 60002
 
 pytestmark = [pytest.mark.slow, NEEDS_MOUNT]
@@ -237,3 +239,50 @@ def test_a_file_being_written_that_is_removed_is_gone_after_its_close(k, mnt):
     with held_open(A, (p, src_a)):
         os.unlink(p)
     assert errno_of(k.stat, "/tmp/p3.kv") == errno.ENOENT
+
+
+# Two files spooled as far as `at` (one byte there, sparse), then closed, then a third.
+SPOOL = """
+at = int(sys.argv[2])
+def spool(path):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.pwrite(fd, b"x", at)
+        return fd, 0
+    except OSError as e:
+        return fd, e.errno
+def close(fd):
+    try:
+        os.close(fd)
+    except OSError as e:
+        return e.errno
+first, second = spool(sys.argv[3]), spool(sys.argv[4])
+print(first[1], second[1], close(first[0]), close(second[0]))
+third = spool(sys.argv[5])
+print(third[1], close(third[0]))
+"""
+
+
+def test_a_user_spools_no_more_than_the_largest_file_in_all(k, mnt):
+    """Each spool stays under the largest file the pool could hold, but two of one user's
+    together do not: the second write is EDQUOT, and once the first is closed the user may
+    spool again. Root has no such limit."""
+    mem = proc_fields(k.procfs("meminfo"))
+    size = int(mem["page_size_tokens"])
+    largest = 8 + (1 << 20) + int(mem["device_total"]) * size * (int(mem["page_bytes"]) // size
+                                                                   + 32)
+    at = largest // 2 + 1
+    paths = [mnt / f"tmp/spool{i}.kv" for i in range(3)]
+    out, err = python_as(A, SPOOL, str(at), *paths).communicate(timeout=120)
+    assert not err, err
+    # Neither file is a KV file: each close refuses its import (EINVAL).
+    assert out.decode().split("\n")[:2] == [
+        f"0 {errno.EDQUOT} {errno.EINVAL} {errno.EINVAL}", f"0 {errno.EINVAL}"]
+    assert not any(p.exists() for p in paths)
+    fds = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) for p in paths[:2]]
+    try:
+        for fd in fds:
+            assert os.pwrite(fd, b"x", at) == 1
+    finally:
+        for fd in fds:
+            assert errno_of(os.close, fd) == errno.EINVAL
