@@ -276,6 +276,29 @@ def test_a_cancelled_consumer_frees_its_pages(daemon):
     assert during > before and after == before
 
 
+def test_aclose_as_the_generation_closes_its_files_frees_everything(daemon):
+    """aclose() right after the last Delta, while the runner closes the request's files (a
+    batch ended by another prompt's error does this): the closing is not cut short, and no
+    file is left open in the kernel. Each round yields to the loop a different number of
+    times first, to land at each of the closing's steps."""
+
+    async def body(g: Generator, k: AsyncKernel) -> tuple[int, list[int]]:
+        before, after = await pages_of(k), []
+        for yields in range(12):
+            gen = g.start(GenParams(prompt(20, salt=yields), 3, ignore_eos=True))
+            async for delta in gen:
+                if delta.finish_reason is not None:
+                    break
+            for _ in range(yields):
+                await asyncio.sleep(0)
+            await gen.aclose()
+            after.append(await pages_of(k))
+        return before, after
+
+    before, after = served(daemon, body)
+    assert after == [before] * len(after)
+
+
 def test_aclose_before_iterating_frees_everything(daemon):
     async def body(g: Generator, k: AsyncKernel) -> tuple[int, int]:
         before = await pages_of(k)

@@ -34,6 +34,7 @@ kernel), waits for the cache's copy of its file, and closes its files.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
@@ -282,7 +283,14 @@ class Generation:
             log.exception("generation failed")
             error = ApiError(500, f"internal error: {e}", type="internal_error")
         finally:
-            await self._release()
+            # The files are closed whatever comes meanwhile: aclose() cancelling the runner
+            # while they close (the request ended by another prompt's error as this one
+            # finished) would leave a file open in the kernel, its pages held.
+            release = asyncio.ensure_future(self._release())
+            while not release.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(release)
+            release.result()
             self._end(_END if error is None else error)
 
     async def _generate(self) -> None:
