@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
@@ -174,8 +173,10 @@ class DecodeAhead:
         """A step sampled `token` for job: the guess made on it while it was in flight, if
         any, learns its token."""
         guess = self._unknown.pop(job, None)
-        if guess is not None:
-            guess.spec, guess.after = replace(guess.spec, tokens=[token]), None
+        if guess is not None:  # a guess's spec has these four fields alone (_guess)
+            spec = guess.spec
+            guess.spec = PredSpec([token], spec.positions, spec.rows, spec.params)
+            guess.after = None
 
     @staticmethod
     def _chain(first: PredJob) -> list[PredJob]:
