@@ -34,8 +34,9 @@ http://HOST:PORT/v1. The endpoints:
 Streams are server-sent events ending with `data: [DONE]`. Errors are OpenAI's error
 objects: a bad or unsupported field is a 400 naming it, a prompt past the model's context a
 400 with the lengths, an unknown model 404, a missing or wrong key 401 (--api-key or
-$SYMPHONY_API_KEY guards /v1/*, /tokenize and /detokenize; /health and /metrics are open),
-the kernel out of KV memory 503.
+$SYMPHONY_API_KEY guards /v1/*, /tokenize and /detokenize; /health and /metrics are open;
+checked before the body is read), a body over --max-body-bytes 413, the kernel out of KV
+memory 503.
 
 The engine's usual features are this program's logic over the syscalls: each request is a
 process's KV files (lips/serving/generation.py), stop strings and n are decided here, and
@@ -68,7 +69,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 import uvloop
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -80,6 +81,7 @@ from lips.serving.metrics import Metrics
 from lips.serving.prefix_cache import PrefixCache
 from lips.serving.protocol import (
     DONE,
+    MAX_PROMPTS,
     ChatReply,
     ChatRequest,
     CompletionReply,
@@ -92,6 +94,7 @@ from lips.serving.protocol import (
     context_check,
     sse,
 )
+from lips.serving.request_gate import RequestGate
 from lips.serving.text import text_bytes, token_pieces
 from syscalls.aio import AsyncKernel
 from syscalls.convert import ModelInfo, Vocabulary, proc_fields
@@ -131,15 +134,18 @@ class Service:
 
     # -- checks -----------------------------------------------------------------------
 
-    async def authorize(self, request: Request) -> None:
+    def key_error(self, authorization: str) -> ApiError | None:
+        """The 401 of a request with this Authorization header, or None (request_gate.py
+        asks before the body is read)."""
         if self.api_key is None:
-            return
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+            return None
+        scheme, _, key = authorization.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise ApiError(401, "You didn't provide an API key: send it as the header "
-                           "'Authorization: Bearer KEY'.", code="invalid_api_key")
+            return ApiError(401, "You didn't provide an API key: send it as the header "
+                            "'Authorization: Bearer KEY'.", code="invalid_api_key")
         if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+            return ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model:
@@ -366,10 +372,17 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error.body(), status_code=error.status)
 
 
-def build_app(s: Service) -> FastAPI:
+def max_body_bytes(context: int) -> int:
+    """The default body limit: 2048 prompts of a whole context as token ids (a comma and up
+    to seven digits each), and a MiB for the other fields."""
+    return MAX_PROMPTS * context * 8 + (1 << 20)
+
+
+def build_app(s: Service, max_body: int) -> FastAPI:
     app = FastAPI(title="Symphony", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    guarded = APIRouter(dependencies=[Depends(s.authorize)])
+    app.add_middleware(RequestGate, key_error=s.key_error, max_body=max_body)
+    guarded = APIRouter()  # the API key's paths (request_gate.GUARDED)
     info, k = s.info, s.kernel
 
     def model_card() -> dict[str, Any]:
@@ -518,7 +531,9 @@ async def serve(args: argparse.Namespace) -> int:
             metrics = Metrics(model)
             service = Service(k, info, vocab, Generator(k, info, vocab, cache, metrics), cache,
                               metrics, model, args.api_key or None, await special_prefix(k))
-            config = uvicorn.Config(build_app(service), lifespan="off", log_level="warning",
+            max_body = args.max_body_bytes or max_body_bytes(info.context_length)
+            config = uvicorn.Config(build_app(service, max_body), lifespan="off",
+                                    log_level="warning",
                                     access_log=False,
                                     timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
             server = HttpServer(config, url)
@@ -556,6 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "kernel's device pages; 0: no prefix cache)")
     p.add_argument("--model-name", metavar="NAME",
                    help="the model's name in the API (default: the kernel's model name)")
+    p.add_argument("--max-body-bytes", type=int, metavar="N",
+                   help="the largest request body taken, larger is 413 (default: 2048 "
+                   "prompts of the model's whole context as token ids, and 1 MiB)")
     return p
 
 
@@ -564,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prefix_cache_pages is not None and args.prefix_cache_pages < 0:
         parser.error("--prefix-cache-pages must be >= 0")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        parser.error(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")

@@ -7,6 +7,7 @@ concurrency) is tests/test_serve_generation.py's.
 from __future__ import annotations
 
 import json
+import select
 import signal
 import socket
 import subprocess
@@ -79,6 +80,60 @@ def test_a_missing_or_wrong_key_is_401(server, headers, request_):
     assert r.status_code == 401, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
+
+
+def raw_request(server, head: str, body_chunks: int = 0) -> bytes:
+    """A request written on a socket by hand: its head, then up to `body_chunks` chunks of a
+    chunked body (1 MiB of spaces each) while the server has not answered; the response's
+    first bytes."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode() + b"\r\n")
+        body = (b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))) * body_chunks
+        sock.setblocking(False)
+        while True:
+            readable, writable, _ = select.select([sock], [sock] if body else [], [], 30)
+            if readable or not writable:
+                sock.settimeout(30)
+                return http_response(sock)
+            body = body[sock.send(body):]
+
+
+def http_response(sock: socket.socket) -> bytes:
+    """A response's head and body (by its Content-Length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return head + b"\r\n\r\n" + body
+
+
+def test_the_key_is_checked_before_the_body_is_read(server):
+    """A client without the key is refused on its headers: the server does not wait for
+    (or hold) the 10 GB it announces."""
+    head = ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: 10000000000\r\n")
+    assert raw_request(server, head).startswith(b"HTTP/1.1 401 ")
+
+
+def test_a_body_past_the_limit_is_413(server, daemon, model_name):
+    """With the key: a Content-Length past the limit is refused on the headers, and a
+    chunked body (no length given) once it passes the limit (2048 prompts of the whole
+    context as token ids, and a MiB)."""
+    with daemon.connect() as k:
+        limit = 2048 * k.model_info().context_length * 8 + (1 << 20)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\n")
+    assert raw_request(server, head + f"Content-Length: {limit + 1}\r\n").startswith(
+        b"HTTP/1.1 413 ")
+    answer = raw_request(server, head + "Transfer-Encoding: chunked\r\n",
+                         body_chunks=(limit >> 20) + 2)
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"--max-body-bytes" in answer
+    assert_alive(server, model_name)
 
 
 def test_the_openai_client_with_a_wrong_key_gets_401(server):
