@@ -20,7 +20,7 @@ from kvfs.errors import FSError, NoRoom, enoent
 from kvfs.format import Imported, Incoming, Layout, export_bytes, parse, read_range
 from kvfs.inode import Inode, now_ns
 from kvfs.pages import Page, PageStore
-from kvfs.perm import ROOT, Cred, R, W, X, allowed, check, check_sticky
+from kvfs.perm import ROOT, Cred, R, W, X, allowed, check, check_ids, check_sticky
 from kvfs.ranges import covered, merge_ranges
 from kvfs.reservation import Reservation  # what reserve returns: importable from here too
 
@@ -250,6 +250,7 @@ class FileSystem:
         inode = self.lookup(cred, path)
         if not cred.root:
             raise FSError(errno.EPERM, f"{path!r}: only root may chown")
+        check_ids(uid, gid, f"chown {path!r}", leave=True)
         inode.uid = inode.uid if uid == -1 else uid
         inode.gid = inode.gid if gid == -1 else gid
         inode.touch(modified=False)

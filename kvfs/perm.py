@@ -10,6 +10,17 @@ from kvfs.errors import FSError
 from kvfs.inode import Inode
 
 R, W, X = 4, 2, 1
+# The largest uid or gid the kernel keeps: its protocol carries ids as int32 (uid_t goes
+# to 2**32 - 2, past which an id could be neither stored in nor sent from a file's stat).
+ID_MAX = (1 << 31) - 1
+
+
+def check_ids(uid: int, gid: int, what: str, leave: bool = False) -> None:
+    """EINVAL unless uid and gid are in [0, ID_MAX] (or -1, "leave it", with `leave`)."""
+    for name, n in (("uid", uid), ("gid", gid)):
+        if not (0 <= n <= ID_MAX or (leave and n == -1)):
+            raise FSError(errno.EINVAL, f"{what}: {name} {n} is not in [0, {ID_MAX}]"
+                          + (" (or -1: leave it)" if leave else ""))
 
 
 @dataclass(frozen=True)

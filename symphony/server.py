@@ -26,7 +26,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvfs.errors import FSError
-from kvfs.perm import Cred
+from kvfs.perm import Cred, check_ids
 from symphony.process import Process
 from symphony.scheduler import taken_back
 from symphony.syscall_table import TABLE, pred_reply, submit_pred
@@ -67,7 +67,6 @@ def error_reply(reply_type, e: BaseException):
     return reply_type(error=pb.Error(errno=errno.EIO, message=f"kernel error: {e!r}"))
 
 
-ID_MAX = (1 << 32) - 2  # uid_t and gid_t; (uid_t) -1 means "no id" to the OS
 AS_FORM = re.compile(r"(-?[0-9]{1,20}):(-?[0-9]{1,20})")  # longer is no id either
 
 # gRPC's server defaults do not fit a kernel. It takes requests of at most 4 MiB (we take
@@ -87,10 +86,7 @@ def as_cred(value: str) -> Cred:
     if form is None:
         raise FSError(errno.EINVAL, f"{AS_KEY}: {value!r} is not uid:gid")
     uid, gid = int(form[1]), int(form[2])
-    for what, n in (("uid", uid), ("gid", gid)):
-        if not 0 <= n <= ID_MAX:
-            raise FSError(errno.EINVAL, f"{AS_KEY}: {value!r}: {what} {n} is not in "
-                          f"[0, {ID_MAX}]")
+    check_ids(uid, gid, f"{AS_KEY}: {value!r}")
     try:
         groups = frozenset(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
     except KeyError:
@@ -225,7 +221,7 @@ class Front:
         return grpc.method_handlers_generic_handler(SERVICE, methods)
 
 
-PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+PEERCRED = struct.Struct("iII")  # struct ucred: pid_t pid, uid_t uid, gid_t gid
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5, asm-generic (x86, arm)
 pred_request = parser(pb.PredRequest)
 # Descriptors kept for root's sessions and for what running sessions open (fsync writes a
@@ -298,6 +294,12 @@ class Hello(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         pid, uid, gid = PEERCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+        try:
+            check_ids(uid, gid, "hello")
+        except FSError as e:
+            transport.write(refusal(errno.EINVAL, e.message))
+            transport.close()
+            return
         why = refused(self.kernel, uid, sock.fileno())
         if why is not None:
             transport.write(refusal(errno.EAGAIN, why))

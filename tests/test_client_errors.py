@@ -40,6 +40,7 @@ def raises(errno_: int, match: str, call, *args, **kwargs) -> OSError:
     ("0:99999999999", "gid 99999999999 is not in"),
     ("-1:-1", "uid -1 is not in"),
     ("4294967295:0", "uid 4294967295 is not in"),  # (uid_t) -1
+    ("2147483648:0", "uid 2147483648 is not in"),  # past the protocol's int32
     ("1:2:3", "'1:2:3' is not uid:gid"),
     ("9" * 5000 + ":0", "is not uid:gid"),  # past int()'s digit limit
 ])
@@ -54,7 +55,33 @@ def test_a_root_session_acting_as_no_id_gets_einval(daemon):
         for uid, gid in ((0, 99999999999), (-1, -1)):
             raises(errno.EINVAL, f"symphony-as: '{uid}:{gid}'", k.acting_as(uid, gid).stat,
                    "/tmp")
-        assert k.acting_as(4294967294, 4294967294).stat("/tmp").is_dir
+        raises(errno.EINVAL, "gid 4294967294 is not in", k.acting_as(0, 4294967294).stat,
+               "/tmp")
+        assert k.acting_as(2147483647, 2147483647).stat("/tmp").is_dir
+
+
+HELLO = """
+import errno, sys
+from syscalls.client import Kernel
+try:
+    Kernel.connect(sys.argv[1])
+except OSError as e:
+    print(e.errno, e)
+"""
+
+
+def test_a_process_whose_uid_the_protocol_cannot_carry_is_refused_at_hello(daemon):
+    """A uid past 2**31 - 1 (uid_t allows it) would be a negative int32 in every reply: the
+    hello is refused, EINVAL naming it, and the kernel goes on."""
+    if os.geteuid() != 0:
+        pytest.skip("only root can run a process as uid 3000000000")
+    run = subprocess.run([sys.executable, "-c", HELLO, str(daemon.socket)], cwd=ROOT,
+                         user=3000000000, group=3000000000, extra_groups=[],
+                         capture_output=True, text=True, timeout=60)
+    assert run.stdout.startswith(f"{errno.EINVAL} ") and "uid 3000000000 is not in" in run.stdout, \
+        (run.stdout, run.stderr)
+    with daemon.connect() as k:
+        assert k.stat("/tmp").is_dir
 
 
 # -- pred ---------------------------------------------------------------------------------

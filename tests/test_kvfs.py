@@ -243,6 +243,13 @@ def test_chmod_chown(fs):
     assert (st.uid, st.gid) == (1001, 1000)
     fs.chmod(BOB, "/home/alice/f", 0o604)
     assert fs.stat(ROOT, "/home/alice/f").mode & 0o7777 == 0o604
+    # Ids the protocol's int32 cannot carry, or negative ones but -1, are refused, changing
+    # nothing; the largest one it can is taken.
+    for uid, gid in ((-2, -1), (-1, -5), (1 << 31, -1), (-1, (1 << 32) - 2)):
+        raises(errno.EINVAL, fs.chown, ROOT, "/home/alice/f", uid, gid)
+    assert (fs.stat(ROOT, "/home/alice/f").uid, fs.stat(ROOT, "/home/alice/f").gid) == (1001, 1000)
+    fs.chown(ROOT, "/home/alice/f", (1 << 31) - 1, -1)
+    assert fs.stat(ROOT, "/home/alice/f").uid == (1 << 31) - 1
 
 
 # -- copy-on-write ----------------------------------------------------------------------
