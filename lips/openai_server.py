@@ -522,7 +522,7 @@ async def default_cache_pages(k: AsyncKernel) -> int:
 async def serve(args: argparse.Namespace) -> int:
     sock, url = bind(args.host, args.port)
     with sock:
-        async with await AsyncKernel.connect(name="openai_server") as k:
+        async with await AsyncKernel.connect(args.socket, name="openai_server") as k:
             info, vocab = await k.model_info(), await k.vocab()
             pages = args.prefix_cache_pages
             cache = PrefixCache(k, info.page_size,
@@ -559,6 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                                 epilog=__doc__.split("\n", 2)[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--socket", metavar="SOCK", help="the kernel's socket (default: "
+                   "$SYMPHONY_SOCKET, which symphony serve and run set, else "
+                   "/tmp/symphony/kernel.sock)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
                    "%(default)s: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s; "
