@@ -448,17 +448,22 @@ def build_app(s: Service, max_body: int) -> FastAPI:
         check_token_ids(req.tokens, info.vocab_size, "tokens")
         return {"prompt": await k.detokenize(req.tokens)}
 
-    @app.get("/health")
-    async def health() -> Response:
+    async def of_kernel(call: Awaitable[T]) -> T:
+        """/health's and /metrics' kernel call: 503 when the kernel does not answer."""
         try:
-            await k.getpid()
+            return await call
         except OSError as e:
             raise ApiError(503, f"the kernel does not answer: {e}", type="overloaded_error") from e
+
+    @app.get("/health")
+    async def health() -> Response:
+        await of_kernel(k.getpid())
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(await s.metrics.exposition(k, s.cache), media_type=CONTENT_TYPE_LATEST)
+        text = await of_kernel(s.metrics.exposition(k, s.cache))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(guarded)
     return app

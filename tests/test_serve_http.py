@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx2 as httpx
 import openai
 import pytest
-from daemon import ROOT, SYMPHONY, start_server, wait_for
+from daemon import ROOT, SYMPHONY, start_daemon, start_server, wait_for
 
 KEY = "test-key"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -449,3 +449,22 @@ def test_sigterm_ends_streams_with_done_answers_the_rest_503_and_exits_0(daemon,
         assert s.proc.wait(60) == 0, s.log_text()
     finally:
         s.stop()
+
+
+def test_health_and_metrics_are_503_once_the_kernel_is_gone(model, tmp_path):
+    """The server outlives a killed kernel: /health and /metrics both say 503, not a 500
+    with a traceback in the log."""
+    d = start_daemon(model, tmp_path)
+    s = start_server(d)
+    try:
+        assert httpx.get(s.url + "/metrics").status_code == 200
+        d.process.kill()
+        d.process.wait()
+        for path in ("/health", "/metrics"):
+            r = httpx.get(s.url + path, timeout=60)
+            assert r.status_code == 503, (path, r.text)
+            assert r.json()["error"]["type"] == "overloaded_error"
+        assert "Traceback" not in s.log_text()
+    finally:
+        s.stop()
+        d.stop()
