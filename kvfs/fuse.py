@@ -492,12 +492,16 @@ class KvFS(pyfuse3.Operations):
             return
         if w.refused:
             raise pyfuse3.FUSEError(w.refused)
-        await self.within(w, 0, size)
+        # Growing is writing zeros at the end: held to the same bounds as a write there.
+        await self.within(w, min(size, w.size()), size)
         if size:
             await self.seed(w)
         async with w.lock:  # a cut to nothing needs none of the old bytes
             w.unseeded = False
             w.spool.truncate(size)
+            if size > w.length:  # a spool still in memory does not grow by truncate
+                w.spool.seek(size - 1)
+                w.spool.write(b"\0")
             w.length = size
             self.spool_less(w, size)
             w.front = min(w.front, size)

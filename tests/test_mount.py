@@ -209,11 +209,23 @@ def test_the_spool_takes_no_more_than_the_kernel_could_hold(k, mnt):
     try:
         assert os.write(fd, blob) == len(blob)
         assert errno_of(os.pwrite, fd, b"x", largest) == errno.EFBIG
-        # Past the end of the file its header lays out: the import would refuse it.
+        # Past the end of the file its header lays out: the import would refuse it. Growing
+        # the file there with ftruncate is the same (zeros written at its end).
         assert errno_of(os.write, fd, b"trailing") == errno.EINVAL
+        assert errno_of(os.ftruncate, fd, len(blob) + 10) == errno.EINVAL
+        assert os.fstat(fd).st_size == len(blob)
     finally:
         os.close(fd)  # neither refused write was kept: the file imports
     assert k.export("/tmp/small.kv") == blob
+    # A cut and a growth back: the bytes grown are zeros, as on a disk, and they import.
+    fd = os.open(mnt / "tmp/small.kv", os.O_WRONLY | os.O_TRUNC)
+    try:
+        assert os.write(fd, blob) == len(blob)
+        os.ftruncate(fd, len(blob) - 4)
+        os.ftruncate(fd, len(blob))
+    finally:
+        os.close(fd)
+    assert k.export("/tmp/small.kv") == blob[:-4] + bytes(4)
 
 
 def current_umask() -> int:
