@@ -216,6 +216,7 @@ class EngineProcess(HasSettings):
         # Steps sent (or held), oldest first, with their answers; steps held back.
         self._steps: list[tuple[asyncio.Future, StepWork]] = []
         self._held: list[bytes] = []
+        self._out = bytearray()  # bytes written that the socket has not taken yet
         try:
             # Node 0's ranks: rank 0 here, the others in symphony.ranks; each with its socket.
             for r in rdv.local_ranks():
@@ -315,10 +316,28 @@ class EngineProcess(HasSettings):
         return answer
 
     def _write(self, data: bytes) -> None:
+        """Send data behind what the socket has not taken yet. A step larger than the
+        socket's buffer (many seeded generators' states) goes out as the engine process
+        reads it, from the loop's writer callback: the loop never waits for it, and the
+        stream stays whole."""
+        self._out += data
+        if len(self._out) == len(data):  # nothing was waiting to go: try now
+            self._flush()
+
+    def _flush(self) -> None:
         try:
-            self._sock.sendall(data)
+            while self._out:
+                del self._out[:self._sock.send(self._out, socket.MSG_DONTWAIT)]
+        except BlockingIOError:
+            pass
         except OSError:
             self._fail_all(self._died())
+            return
+        loop = asyncio.get_running_loop()
+        if self._out:
+            loop.add_writer(self._sock, self._flush)
+        else:
+            loop.remove_writer(self._sock)
 
     def _sock_reading(self, on: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -329,6 +348,9 @@ class EngineProcess(HasSettings):
 
     def _fail_all(self, e: Exception) -> None:
         steps, self._steps, self._held = self._steps, [], []
+        self._out.clear()
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_writer(self._sock)
         for answer, _ in steps:
             if not answer.done():
                 answer.set_exception(e)

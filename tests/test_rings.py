@@ -428,6 +428,25 @@ def test_submit_many_publishes_together_and_rings_once(ends):
     assert kernel.take() == records
 
 
+def test_a_step_larger_than_the_engine_socket_s_buffer_goes_whole(daemon):
+    """200 seeded preds in one step: each carries its generator's state (about 5 KB), 1 MB
+    in all, several times the socket's buffer to the engine process. It went out with a
+    sendall on a non-blocking socket, which failed part way, and the kernel took that for
+    the engine's death and shut down. Each pred equals the same pred made alone."""
+    with Kernel.connect(daemon.socket) as k:
+        files = [k.open("", os.O_RDWR) for _ in range(201)]
+        try:
+            calls = [{"fd": f, "tokens": prompt(4, salt=7), "seed": s, "temperature": 1.0}
+                     for s, f in enumerate(files[:200])]
+            many = k.pred_many(calls)
+            for s in (0, 123, 199):
+                files[200].truncate(0)
+                assert files[200].pred(prompt(4, salt=7), seed=s, temperature=1.0) == many[s]
+        finally:
+            for f in files:
+                f.close()
+
+
 @pytest.mark.parametrize("transport", ["ring", "lifeline", "grpc"])
 def test_pred_many_answers_in_order_like_single_preds(daemon, transport):
     kwargs = {"ring": {}, "lifeline": {"rings": False}, "grpc": {"lifeline_pred": False}}
