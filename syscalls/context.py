@@ -93,16 +93,17 @@ class Context:
             self.pending.clear()
 
     def step(self, **sampling: Any) -> PredOutput:
-        """Send the pending tokens, sample after them; the sample becomes pending."""
-        if not self.pending:
-            # Nothing to send: take the file's last token back to recompute it.
+        """Send the pending tokens, sample after them; the sample becomes pending. With
+        nothing pending, the file's last entry is computed again, at its own position (one
+        pred that cuts it and writes it back), to sample after it."""
+        if self.pending:
+            (out,) = self.file.pred(self.pending, **sampling)
+        else:
             n = self.file.stat().tokens
             if n == 0:
                 raise ValueError("context: nothing to predict from")
-            last = self.file.read(n - 1, 1)[0]
-            self.file.truncate(n - 1)
-            self.pending = last
-        (out,) = self.file.pred(self.pending, **sampling)
+            tokens, positions = self.file.read(n - 1, 1)
+            (out,) = self.file.pred(tokens, positions=positions, truncate=n - 1, **sampling)
         self.pending = [out.token]
         return out
 
@@ -165,10 +166,11 @@ class AsyncContext:
         cls,
         kernel: AsyncKernel,
         file: AsyncFile | None = None,
+        pending: Iterable[int] = (),
         stop: Iterable[int] | None = None,
     ) -> AsyncContext:
         """A context over `file`, or over a new anonymous file."""
-        return cls(kernel, await kernel.open() if file is None else file, stop=stop)
+        return cls(kernel, await kernel.open() if file is None else file, pending, stop)
 
     async def close(self) -> None:
         await self.file.close()
@@ -203,14 +205,15 @@ class AsyncContext:
             self.pending.clear()
 
     async def step(self, **sampling: Any) -> PredOutput:
-        if not self.pending:
+        if self.pending:
+            (out,) = await self.file.pred(self.pending, **sampling)
+        else:
             n = (await self.file.stat()).tokens
             if n == 0:
                 raise ValueError("context: nothing to predict from")
-            last = (await self.file.read(n - 1, 1))[0]
-            await self.file.truncate(n - 1)
-            self.pending = last
-        (out,) = await self.file.pred(self.pending, **sampling)
+            tokens, positions = await self.file.read(n - 1, 1)
+            (out,) = await self.file.pred(tokens, positions=positions, truncate=n - 1,
+                                          **sampling)
         self.pending = [out.token]
         return out
 

@@ -72,3 +72,40 @@ def test_concurrent_async_forks_write_the_prompt_once(daemon):
     written, tokens = asyncio.run(run())
     assert written == len(ids) - 1
     assert tokens == [expected] * 4
+
+
+def test_a_step_with_nothing_pending_recomputes_the_last_entry_where_it_is(daemon):
+    """A context over a file whose last entry is not at the position after the one before
+    it (a Prompt Cache layout, a shifted file): the entry is computed again at its own
+    position, in one pred, and the file's positions stay as they were; the async context
+    too, made by create with the pending tokens it takes."""
+    ids, positions = [10, 11, 12, 13], [0, 1, 2, 50]
+    with daemon.connect("ctx") as k:
+        with k.open("", os.O_RDWR) as ref:
+            ref.pred(ids[:3], positions=positions[:3], no_outputs=True)
+            (expected,) = ref.pred(ids[3:], positions=positions[3:])
+        with k.open("", os.O_RDWR) as f:
+            f.pred(ids, positions=positions, no_outputs=True)
+            before = preds_made(k)
+            out = Context(k, f).step()
+            assert preds_made(k) - before == 1
+            assert f.read() == (ids, positions)
+            assert (out.token, out.logprob) == (expected.token, expected.logprob)
+
+    async def run() -> tuple:
+        k = await AsyncKernel.connect(daemon.socket, name="actx")
+        f = await k.open()
+        await f.pred(ids, positions=positions, no_outputs=True)
+        stepped = await (await AsyncContext.create(k, f)).step()
+        read = await f.read()
+        async with await AsyncContext.create(k, pending=ids[:3]) as fresh:
+            first = await fresh.step()
+        await f.close()
+        await k.close()
+        return stepped, read, first
+
+    stepped, read, first = asyncio.run(run())
+    assert read == (ids, positions)
+    assert (stepped.token, stepped.logprob) == (expected.token, expected.logprob)
+    with daemon.connect("ctx") as k:
+        assert first.token == greedy_after(k, ids[:3])
