@@ -137,6 +137,9 @@ def _mask_bytes(allowed: Any) -> bytes:
         return bytes(allowed)
     if hasattr(allowed, "numpy"):  # a torch tensor (on the CPU)
         allowed = allowed.numpy()
+    if not hasattr(allowed, "astype"):
+        raise TypeError(f"LogitControl.allowed: bytes, a numpy array or a tensor of 32-bit "
+                        f"words, not {type(allowed).__name__}")
     return allowed.astype("<i4", copy=False).tobytes()
 
 

@@ -237,6 +237,8 @@ def test_a_mask_is_xgrammars_packed_layout_from_bytes_arrays_or_tensors():
     assert {t for t in range(100) if words[t // 32] >> (t % 32) & 1} == ids
     assert convert.LogitControl(allowed=words).proto().allowed == mask
     assert convert.LogitControl(allowed=torch.from_numpy(words.copy())).proto().allowed == mask
+    with pytest.raises(TypeError, match="not list"):  # a list of ids is not a mask
+        convert.LogitControl(allowed=[0, 5]).proto()
     control = convert.LogitControl(bias={7: -1.5, 2: 3.0}, score=[4, 1]).proto()
     assert dict(zip(control.bias_ids, control.bias_values, strict=True)) == {7: -1.5, 2: 3.0}
     assert list(control.score_ids) == [4, 1] and control.allowed == b""
