@@ -217,6 +217,7 @@ class EngineProcess(HasSettings):
         self._steps: list[tuple[asyncio.Future, StepWork]] = []
         self._held: list[bytes] = []
         self._out = bytearray()  # bytes written that the socket has not taken yet
+        self._writing = False  # the loop calls _flush when the socket can take more
         try:
             # Node 0's ranks: rank 0 here, the others in symphony.ranks; each with its socket.
             for r in rdv.local_ranks():
@@ -333,11 +334,13 @@ class EngineProcess(HasSettings):
         except OSError:
             self._fail_all(self._died())
             return
-        loop = asyncio.get_running_loop()
-        if self._out:
-            loop.add_writer(self._sock, self._flush)
-        else:
-            loop.remove_writer(self._sock)
+        if bool(self._out) != self._writing:  # the writer callback wanted, or no longer
+            self._writing = bool(self._out)
+            loop = asyncio.get_running_loop()
+            if self._writing:
+                loop.add_writer(self._sock, self._flush)
+            else:
+                loop.remove_writer(self._sock)
 
     def _sock_reading(self, on: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -349,8 +352,10 @@ class EngineProcess(HasSettings):
     def _fail_all(self, e: Exception) -> None:
         steps, self._steps, self._held = self._steps, [], []
         self._out.clear()
-        with contextlib.suppress(Exception):
-            asyncio.get_running_loop().remove_writer(self._sock)
+        if self._writing:
+            self._writing = False
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_writer(self._sock)
         for answer, _ in steps:
             if not answer.done():
                 answer.set_exception(e)
