@@ -12,8 +12,9 @@ import contextlib
 import errno
 import functools
 import os
+import threading
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -137,24 +138,41 @@ def _check_ids(ids, vocab: int, what: str) -> list[int]:
     return ids
 
 
-def sys_tokenize(k: Kernel, proc: Process, cred: Cred,
-                 req: pb.TokenizeRequest) -> pb.TokenizeReply:
+# Tokenizing runs in worker threads (the tokenizer releases the GIL), this many at a time:
+# a text of megabytes takes seconds and a hundred times its size in memory, which on the
+# loop's thread stalled every process's calls.
+TOKENIZERS = 2
+_tokenizing = threading.BoundedSemaphore(TOKENIZERS)
+
+
+async def _off_the_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    def run() -> Any:
+        with _tokenizing:
+            return fn(*args)
+
+    return await asyncio.to_thread(run)
+
+
+async def sys_tokenize(k: Kernel, proc: Process, cred: Cred,
+                       req: pb.TokenizeRequest) -> pb.TokenizeReply:
     tok = _tokenizer(k, "tokenize")
     if req.messages:
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
-            text = tok.apply_chat_template(messages, req.add_generation_prompt)
+            text = await _off_the_loop(tok.apply_chat_template, messages,
+                                       req.add_generation_prompt)
         except Exception as e:  # a template is user code: any error is EINVAL
             raise einval(f"tokenize: the chat template failed: {e}") from e
-        return pb.TokenizeReply(ids=tok.encode(text, add_bos=False))
-    return pb.TokenizeReply(ids=tok.encode(req.text, add_bos=None if req.add_special else False))
+        return pb.TokenizeReply(ids=await _off_the_loop(tok.encode, text, False))
+    return pb.TokenizeReply(ids=await _off_the_loop(
+        tok.encode, req.text, None if req.add_special else False))
 
 
-def sys_detokenize(k: Kernel, proc: Process, cred: Cred,
-                   req: pb.DetokenizeRequest) -> pb.DetokenizeReply:
+async def sys_detokenize(k: Kernel, proc: Process, cred: Cred,
+                         req: pb.DetokenizeRequest) -> pb.DetokenizeReply:
     tok = _tokenizer(k, "detokenize")
     ids = _check_ids(req.ids, k.engine.config.vocab_size, "detokenize")
-    return pb.DetokenizeReply(text=tok.decode(ids, skip_special=not req.keep_special))
+    return pb.DetokenizeReply(text=await _off_the_loop(tok.decode, ids, not req.keep_special))
 
 
 @functools.lru_cache(maxsize=1)

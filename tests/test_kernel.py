@@ -580,3 +580,24 @@ def test_a_cpu_engine_keeps_the_kernels_nice(daemon, k):
     if kernel == DRIVER_NICE:
         pytest.skip(f"the kernel itself runs at {DRIVER_NICE}: the two cannot be told apart")
     assert int(sched(k)["engine_nice"]) == kernel
+
+
+def test_other_calls_are_answered_while_a_long_text_is_tokenized(daemon):
+    """Megabytes of text take the tokenizer seconds: that runs off the loop's thread (and
+    without the GIL), so another session's calls go on being answered meanwhile. They
+    waited for the whole tokenize: one gap as long as it. (A ratio of the tokenize's own
+    time, not a speed.)"""
+    text = "ab " * 1_500_000
+    result: list[list[int]] = []
+    with daemon.connect() as k, daemon.connect() as other:
+        tokenizing = threading.Thread(target=lambda: result.append(k.tokenize(text)))
+        start = time.monotonic()
+        tokenizing.start()
+        answers = [start]
+        while tokenizing.is_alive():
+            other.getpid()
+            answers.append(time.monotonic())
+        took = time.monotonic() - start
+    assert len(result[0]) >= 1_500_000
+    longest_wait = max(b - a for a, b in zip(answers, answers[1:], strict=False))
+    assert longest_wait < took / 2, (longest_wait, took)

@@ -143,11 +143,13 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         # The post-processor is bypassed so that BOS follows tokenizer_config.json alone.
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # The batch calls release the GIL (encode and decode hold it: seconds for a long
+        # text), so a thread of the kernel's tokenizes while its loop goes on.
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return [self.bos_id, *ids] if (self.add_bos if add_bos is None else add_bos) else ids
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special)
+        return self._tok.decode_batch([ids], skip_special_tokens=skip_special)[0]
 
     @functools.cached_property
     def _chat_template(self) -> jinja2.Template:
