@@ -427,7 +427,8 @@ def build_app(s: Service, max_body: int) -> FastAPI:
         max_tokens = context_check(info.context_length, len(prompt), req.max_completion,
                                    "messages")
         reply = ChatReply(s.model, s.fingerprint, req)
-        return await s.respond(request, reply, [req.params(prompt, max_tokens)], req.stream)
+        params = req.params(prompt, max_tokens, await req.grammar())
+        return await s.respond(request, reply, [params], req.stream)
 
     @guarded.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:

@@ -11,6 +11,8 @@ import select
 import signal
 import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import httpx2 as httpx
@@ -206,6 +208,7 @@ BAD_COMPLETION = [
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 2}, "best_of"),
     ({"prompt": ["Hi"] * 17, "n": 128}, "n"),  # 2176 choices, past 2048
+    ({"logit_bias": {"0" * 4301: 1}}, "logit_bias"),  # past int()'s digit limit: was a 500
     ({"top_k": -2}, "top_k"),
     ({"top_k": 2**70}, "top_k"),
     ({"min_p": 2}, "min_p"),
@@ -468,3 +471,59 @@ def test_health_and_metrics_are_503_once_the_kernel_is_gone(model, tmp_path):
     finally:
         s.stop()
         d.stop()
+
+
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_a_deeply_nested_field_is_no_500(http, model_name):
+    """JSON nested 600 deep (the parser takes up to about 1000) in a field the server
+    ignores: the check of its strings walked it by recursion and failed with a 500."""
+    r = post_json(http, "/v1/completions", {"model": model_name, "prompt": "Hi",
+                                           "max_tokens": 1, "x": nested(600)})
+    assert r.status_code == 200, r.text
+
+
+def test_a_schema_past_llguidance_s_parser_limits_is_a_400(http, model_name):
+    """A schema that compiles, whose parser then passes a limit as the output grows (3000
+    alternatives in one row, at most 2000): a 400 naming response_format, not a 500."""
+    schema = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"const": i}},
+                         "required": [f"k{i}"]} for i in range(3000)]}
+    r = post_json(http, "/v1/chat/completions", {
+        "model": model_name, "messages": MESSAGES, "max_tokens": 20,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                    "schema": schema}}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format"
+
+
+def test_the_server_answers_while_a_large_schema_compiles(server, model_name):
+    """llguidance takes seconds on 300 property patterns: that runs in a thread, so /health
+    is answered meanwhile. It waited for the compile: one gap as long as the request (a
+    ratio of the request's own time, not a speed)."""
+    schema = {"type": "object", "patternProperties": {
+        f"^p{i}[a-z]+$": {"type": "integer"} for i in range(300)}}
+    body = {"model": model_name, "messages": MESSAGES, "max_tokens": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                        "schema": schema}}}
+    done: list[int] = []
+
+    def chat() -> None:
+        done.append(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300,
+                               headers={"Authorization": f"Bearer {KEY}"}).status_code)
+
+    start = time.monotonic()
+    request = threading.Thread(target=chat)
+    request.start()
+    answers = [start]
+    while request.is_alive():
+        assert httpx.get(server.url + "/health", timeout=300).status_code == 200
+        answers.append(time.monotonic())
+    took = time.monotonic() - start
+    assert done == [200]
+    longest_wait = max(b - a for a, b in zip(answers, answers[1:], strict=False))
+    assert longest_wait < took / 2, (longest_wait, took)

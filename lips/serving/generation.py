@@ -200,8 +200,10 @@ class _Choice:
             piece = decoded = self.text.push(token)
             if self.grammar is not None:
                 if not self.grammar.consume_token(token):
-                    raise ValueError(f"the grammar refused token {token}, which its mask "
-                                     f"allowed: {self.grammar.get_error()}")
+                    # A token the mask allowed: llguidance stopped on a limit of its parser
+                    # (a schema too large for it), which only shows as the output grows.
+                    raise bad_field("response_format", "the grammar cannot go on: "
+                                    f"{self.grammar.get_error()}")
                 if self.grammar.is_stopped():  # nothing may follow
                     finish = "stop"
             if finish is None and self.steps == self.params.max_tokens:

@@ -9,6 +9,7 @@ and hands the checked request to the Generator as GenParams.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -33,22 +34,23 @@ def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
         raise bad_field(field, f"token ids must be in 0..{vocab_size - 1}")
 
 
-def _unencodable(value: Any, path: str = "") -> str | None:
+def _unencodable(value: Any) -> str | None:
     """The path of the first string in `value` that is not valid Unicode text (JSON lets a
-    lone surrogate such as "\\ud800" through; UTF-8 cannot carry it), or None."""
-    if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
-    elif isinstance(value, list):
-        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
-    else:
-        return None
-    return next((bad for p, v in items if (bad := _unencodable(v, p)) is not None), None)
+    lone surrogate such as "\\ud800" through; UTF-8 cannot carry it), or None. A walk with
+    its own stack: JSON may nest deeper than Python's recursion."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(v, dict):
+            stack.extend(reversed([(f"{path}.{k}" if path else str(k), x) for k, x in v.items()]))
+        elif isinstance(v, list):
+            stack.extend(reversed([(f"{path}[{i}]", x) for i, x in enumerate(v)]))
+    return None
 
 
 class Body(BaseModel):
@@ -111,7 +113,7 @@ class SamplingRequest(Body):
         if self.stream_options is not None and not self.stream:
             raise bad_field("stream_options", "only allowed when stream is true")
         for key, value in (self.logit_bias or {}).items():
-            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+            if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= vocab_size:
                 raise bad_field("logit_bias", f"{key!r} is not a token id of this model "
                                 f"(0..{vocab_size - 1})")
             if not -100 <= value <= 100:
@@ -308,8 +310,14 @@ class ChatRequest(SamplingRequest):
     def max_completion(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def params(self, prompt: list[int], max_tokens: int) -> GenParams:
-        grammar = self.response_format.grammar() if self.response_format else None
+    async def grammar(self) -> str | None:
+        """response_format's grammar, compiled in a thread: llguidance may take seconds on
+        a large schema (it releases the GIL), and the server's loop goes on meanwhile."""
+        if self.response_format is None:
+            return None
+        return await asyncio.to_thread(self.response_format.grammar)
+
+    def params(self, prompt: list[int], max_tokens: int, grammar: str | None) -> GenParams:
         return GenParams(prompt=prompt, max_tokens=max_tokens,
                          logprobs=(self.top_logprobs or 0) if self.logprobs else None,
                          grammar=grammar, **self.sampling())
