@@ -20,6 +20,7 @@ from kvfs.perm import Cred
 from kvfs.state import StateDir
 from symphony.engine.fingerprint import fingerprint
 from symphony.engine_process import EngineProcess
+from symphony.frame_hold import FrameHold
 from symphony.options import Options
 from symphony.process import Process, ProcessTable
 from symphony.procfs import ProcFS
@@ -54,6 +55,7 @@ class Kernel:
         self.state.restore()
         self.procs = ProcessTable()
         self.lifelines: dict[int, asyncio.Transport] = {}
+        self.frame_hold = FrameHold()
         self.sched = Scheduler(engine, self.fs, lambda: self.procs,
                                opts.token_budget, opts.max_seqs, opts.decode_ahead,
                                pipeline=opts.pipeline)

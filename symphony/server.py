@@ -310,11 +310,13 @@ class Hello(asyncio.Protocol):
         transport.write(f"{self.proc.token}\n".encode())
 
     def data_received(self, data: bytes) -> None:
+        held = self.frames.held
         try:
             frames = self.frames.feed(data)
         except wire.FrameError as e:
             self.drop(f"lifeline dropped: {e}")
             return
+        self.kernel.frame_hold.update(self.proc.uid, self.transport, held, self.frames.held)
         if frames and self.ring is not None:
             # Any frame takes the ring's records first (docs/syscalls.md): a CANCEL frame
             # may name a pred still in the ring. A PRED frame's own FRAMED record stops this
@@ -452,6 +454,8 @@ class Hello(asyncio.Protocol):
         return self.proc, self.proc.cred
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.proc is not None:
+            self.kernel.frame_hold.forget(self.proc.uid, self.transport, self.frames.held)
         if self.ring is not None:
             asyncio.get_running_loop().remove_reader(self.ring.kernel_bell)
             self.ring.close()

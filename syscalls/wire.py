@@ -52,6 +52,11 @@ class Frames:
     def __init__(self) -> None:
         self._buf = bytearray()
 
+    @property
+    def held(self) -> int:
+        """Bytes of a frame not yet whole."""
+        return len(self._buf)
+
     def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
         self._buf += data
         out, at = self._cut()

@@ -373,3 +373,70 @@ def test_lips_take_prompts_from_stdin_or_a_file(daemon, tmp_path):
     missing = subprocess.run([sys.executable, "lips/complete.py", "--prompt-file", "/nope"],
                              env=daemon.env(), cwd=ROOT, capture_output=True, text=True)
     assert missing.returncode == 2 and "/nope" in missing.stderr
+
+
+# Three lifelines, each a frame header announcing 64 MiB (a PRED), then as much of it as the
+# kernel reads within a few seconds (at most SEND_MB MiB each, never the whole frame).
+HOLD = """
+import select, struct
+SEND_MB = 60
+lines = []
+for _ in range(3):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(socket_path()) + ".hello")
+    assert s.recv(128).endswith(b"\\n")
+    s.sendall(struct.pack("<IIB", 64 << 20, 1, 1))
+    s.setblocking(False)
+    lines.append(s)
+sent = [0, 0, 0]
+chunk = bytes(1 << 16)
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline:
+    wanting = [s for i, s in enumerate(lines) if sent[i] < SEND_MB << 20]
+    _, writable, _ = select.select([], wanting, [], 0.5)
+    for s in writable:
+        try:
+            sent[lines.index(s)] += s.send(chunk)
+        except BlockingIOError:
+            pass
+report(mb=[n >> 20 for n in sent])
+# The first finishes its frame (zeros: no PredRequest, so its reply is an error): the
+# others are read again.
+first = max(range(3), key=sent.__getitem__)
+rest = bytes((64 << 20) - sent[first])
+lines[first].setblocking(True)
+lines[first].sendall(rest)
+reply = lines[first].recv(9)
+before = list(sent)
+deadline = time.monotonic() + 5
+while time.monotonic() < deadline:
+    wanting = [s for i, s in enumerate(lines) if i != first and sent[i] < SEND_MB << 20]
+    _, writable, _ = select.select([], wanting, [], 0.5)
+    for s in writable:
+        try:
+            sent[lines.index(s)] += s.send(chunk)
+        except BlockingIOError:
+            pass
+report(reply=len(reply), more_mb=sum(a - b for a, b in zip(sent, before)) >> 20)
+sys.stdin.readline()
+"""
+
+
+@NEEDS_ROOT
+def test_a_user_s_partial_lifeline_frames_are_held_to_one_frame_s_worth(daemon):
+    """Past 64 MiB of frames not yet whole, a user's lifelines but the first to start one
+    are not read: of three lifelines sending 60 MiB each of 64 MiB frames, the first gets
+    all its 60 read, and the other two together what took the user to 64 MiB (and what
+    socket buffers hold), where the kernel read 180 MiB before. Once the first frame is
+    whole (and answered), the others are read again. The kernel goes on answering."""
+    user = as_user(daemon, 60011, HOLD)
+    try:
+        first, second, third = sorted(report(user)["mb"], reverse=True)
+        assert first == 60
+        assert second + third <= 64 + 4, (first, second, third)
+        after = report(user)
+        assert after["reply"] == 9 and after["more_mb"] >= 8, after
+        with daemon.connect() as k:
+            assert k.getpid()
+    finally:
+        user.communicate("\n", timeout=60)
