@@ -390,33 +390,26 @@ for _ in range(3):
     lines.append(s)
 sent = [0, 0, 0]
 chunk = bytes(1 << 16)
-deadline = time.monotonic() + 10
-while time.monotonic() < deadline:
-    wanting = [s for i, s in enumerate(lines) if sent[i] < SEND_MB << 20]
-    _, writable, _ = select.select([], wanting, [], 0.5)
-    for s in writable:
-        try:
-            sent[lines.index(s)] += s.send(chunk)
-        except BlockingIOError:
-            pass
+def send_for(seconds, but=None):  # on each lifeline but `but`, what the kernel reads
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        wanting = [s for i, s in enumerate(lines) if i != but and sent[i] < SEND_MB << 20]
+        _, writable, _ = select.select([], wanting, [], 0.5)
+        for s in writable:
+            try:
+                sent[lines.index(s)] += s.send(chunk)
+            except BlockingIOError:
+                pass
+send_for(10)
 report(mb=[n >> 20 for n in sent])
 # The first finishes its frame (zeros: no PredRequest, so its reply is an error): the
 # others are read again.
 first = max(range(3), key=sent.__getitem__)
-rest = bytes((64 << 20) - sent[first])
 lines[first].setblocking(True)
-lines[first].sendall(rest)
+lines[first].sendall(bytes((64 << 20) - sent[first]))
 reply = lines[first].recv(9)
 before = list(sent)
-deadline = time.monotonic() + 5
-while time.monotonic() < deadline:
-    wanting = [s for i, s in enumerate(lines) if i != first and sent[i] < SEND_MB << 20]
-    _, writable, _ = select.select([], wanting, [], 0.5)
-    for s in writable:
-        try:
-            sent[lines.index(s)] += s.send(chunk)
-        except BlockingIOError:
-            pass
+send_for(5, but=first)
 report(reply=len(reply), more_mb=sum(a - b for a, b in zip(sent, before)) >> 20)
 sys.stdin.readline()
 """
