@@ -17,7 +17,7 @@ decode with and without CUDA graphs) and bench/kernel.py, and a summary table pr
 (also OUT_DIR/summary.txt).
 
 A step that fails or hangs costs only itself: it runs in a process group of its own, killed
-at its limit. Each step's output is OUT_DIR/NN-step.log, pytest's OUT_DIR/NN-step.xml, and a
+at its limit. Each step's output is OUT_DIR/NN-step.log, pytest's OUT_DIR/step.xml, and a
 line per step goes to OUT_DIR/results.jsonl when it ends. Exit status: 0 when every step
 passed (or was skipped), 1 otherwise.
 """
@@ -345,6 +345,11 @@ def main() -> int:
     chosen = steps(args.dry_run, out)
     if args.only:
         keep = set(args.only.split(","))
+        unknown = keep - {s.name for s in chosen}
+        if unknown:
+            print(f"--only: no step {', '.join(sorted(unknown))} (the steps: "
+                  f"{', '.join(s.name for s in chosen)})", file=sys.stderr)
+            return 2
         chosen = [s for s in chosen if s.name in keep]
     jobs = args.jobs or (3 if args.dry_run else 1)
     t0 = time.monotonic()

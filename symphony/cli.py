@@ -204,25 +204,30 @@ def add_kernel_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument("--socket", help="gRPC socket (default: $SYMPHONY_SOCKET or "
                    "/tmp/symphony/kernel.sock)")
     k.add_argument("--state-dir", help="where KV files persist (default: "
-                   "$XDG_STATE_HOME/symphony)")
+                   "$XDG_STATE_HOME/symphony, else ~/.local/state/symphony)")
     k.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    k.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
-    k.add_argument("--kv-pages", type=int, help="device KV pages (default: 25%% of memory)")
+    k.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="weights and KV (default: float32 on cpu, bfloat16 on cuda)")
+    k.add_argument("--kv-pages", type=int, help="device KV pages (default: 25%% of the "
+                   "device's free memory)")
     k.add_argument("--host-pages", type=int, help="host-tier pages (default: --kv-pages when "
                    "it is given, else 0: no host tier)")
-    k.add_argument("--disk-pages", type=int, default=Options.disk_pages, help="swap-file pages")
+    k.add_argument("--disk-pages", type=int, default=Options.disk_pages,
+                   help="swap-file pages (default %(default)s: no disk tier)")
     k.add_argument("--token-budget", type=positive, default=Options.token_budget,
-                   help="tokens per forward pass")
+                   help="tokens per forward pass (default %(default)s)")
     k.add_argument("--max-seqs", type=positive, default=Options.max_seqs,
-                   help="sequences per forward pass")
+                   help="sequences per forward pass (default %(default)s)")
     k.add_argument("--quota", type=int, help="pages per user (root has no quota)")
     k.add_argument("--decode-ahead", choices=["on", "off"],
                    default="on" if Options.decode_ahead else "off",
-                   help="compute a decoding LIP's next pred in spare room before it comes")
+                   help="compute a decoding LIP's next pred in spare room before it comes "
+                   "(default %(default)s)")
     k.add_argument("--pipeline", choices=["on", "off"],
                    default="on" if Options.pipeline else "off",
                    help="plan each step while the one before computes and send it behind "
-                   "that one, so that the engine never waits for the kernel between steps")
+                   "that one, so that the engine never waits for the kernel between steps "
+                   "(default %(default)s)")
     k.add_argument("--max-procs-per-user", type=positive, default=Options.max_procs_per_user,
                    help="processes a user may have at once; more get EAGAIN (root: no "
                    "limit; default %(default)s)")
@@ -258,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_flags(g)
     add_sampling_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     g.add_argument(
         "--dtype",
         choices=["float32", "float16", "bfloat16"],
@@ -276,13 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("start", help="start the kernel in the background; return once it answers")
     add_kernel_flags(s)
     s.set_defaults(func=cmd_start)
+    socket_help = "the kernel's socket (default: $SYMPHONY_SOCKET or /tmp/symphony/kernel.sock)"
     for name, doc in (("stop", "stop the kernel, saving every KV file"),
                       ("status", "is a kernel running, and what it serves")):
         c = sub.add_parser(name, help=doc)
-        c.add_argument("--socket")
+        c.add_argument("--socket", help=socket_help)
         c.set_defaults(func=lambda a, n=name: getattr(control(), f"cmd_{n}")(a))
     r = sub.add_parser("run", help="run a LIP wired to the kernel; exits with its status")
-    r.add_argument("--socket")
+    r.add_argument("--socket", help=socket_help)
     r.add_argument("program", help="a .py file (run with this Python) or an executable")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(func=lambda a: control().cmd_run(a))
@@ -291,15 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", add_help=False,
                         help="an OpenAI-compatible HTTP server on the kernel (the LIP "
                         "lips/openai_server.py, run as `run` does; --help: its flags)")
-    sv.add_argument("--socket")
+    sv.add_argument("--socket", help=socket_help)
     sv.set_defaults(func=lambda a: control().cmd_serve(a), passes_flags=True)
     ps = sub.add_parser("ps", help="list the kernel's processes")
-    ps.add_argument("--socket")
-    ps.add_argument("--json", action="store_true")
+    ps.add_argument("--socket", help=socket_help)
+    ps.add_argument("--json", action="store_true", help="print one JSON array")
     ps.set_defaults(func=lambda a: control().cmd_ps(a))
     kill = sub.add_parser("kill", help="kill processes: their calls end, their files close")
-    kill.add_argument("--socket")
-    kill.add_argument("pids", type=int, nargs="+")
+    kill.add_argument("--socket", help=socket_help)
+    kill.add_argument("pids", type=int, nargs="+", help="the kernel's pids (ps)")
     kill.set_defaults(func=lambda a: control().cmd_kill(a))
     rk = sub.add_parser("rank", help="start this machine's ranks of a kernel's engine that "
                         "spans machines (every node but node 0, the kernel's)")

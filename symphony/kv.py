@@ -205,7 +205,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     kv.set_defaults(func=run)
     # --socket goes on each command, not on `kv`: a subparser's default would override it.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--socket")
+    common.add_argument("--socket", help="the kernel's socket (default: $SYMPHONY_SOCKET or "
+                        "/tmp/symphony/kernel.sock)")
     ops = kv.add_subparsers(dest="kv_op", required=True)
     ls = ops.add_parser("ls", parents=[common], help="list a directory (default: your home)")
     ls.add_argument(

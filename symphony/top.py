@@ -174,8 +174,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="a live view of the kernel's memory, scheduler and processes",
         description=__doc__,
     )
-    top.add_argument("--socket")
-    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument("--socket", help="the kernel's socket (default: $SYMPHONY_SOCKET or "
+                     "/tmp/symphony/kernel.sock)")
+    top.add_argument("--interval", type=float, default=1.0,
+                     help="seconds between refreshes (default %(default)s)")
     top.add_argument(
         "--once",
         action="store_true",

@@ -19,13 +19,13 @@ if TYPE_CHECKING:
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="default %(default)s")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
     p.add_argument("--temperature", type=float, help="sample at this temperature")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--top-k", type=int, default=0, help="default %(default)s: no limit")
+    p.add_argument("--top-p", type=float, default=1.0, help="default %(default)s: no limit")
+    p.add_argument("--min-p", type=float, default=0.0, help="default %(default)s: no limit")
+    p.add_argument("--seed", type=int, help="a reproducible sample (default: none)")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -41,6 +41,15 @@ def test_the_dry_run_passes_every_step(tmp_path):
     assert run.stdout.rstrip().endswith("all passed")  # the table comes last
 
 
+def test_only_refuses_a_step_there_is_not(tmp_path):
+    """A misspelt --only ran nothing and said "all passed"."""
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run",
+                          "--only", "api,kernel", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--only: no step kernel" in run.stderr, run.stderr
+    assert not (tmp_path / "summary.txt").exists()
+
+
 def test_a_bad_manifest_is_caught(tmp_path):
     (tmp_path / "a-1.0-py3-none-any.whl").write_bytes(b"wheel")
     sha = "0" * 64
