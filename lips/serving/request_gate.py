@@ -25,7 +25,7 @@ def guarded(path: str) -> bool:
     return path.startswith(GUARDED[0]) or path in GUARDED[1:]
 
 
-def too_large(size: int, limit: int) -> str:
+def too_large(size: int | str, limit: int) -> str:
     return (f"the request body is {size} bytes or more, over the {limit} this server takes "
             "(--max-body-bytes)")
 
@@ -44,9 +44,11 @@ class RequestGate:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         error = self.key_error(headers.get("authorization", "")) if guarded(scope["path"]) else None
         length = headers.get("content-length", "0").strip()
-        if error is None and not (length.isdigit() and int(length) <= self.max_body):
-            error = ApiError(413, too_large(int(length), self.max_body) if length.isdigit()
-                             else f"the Content-Length {length!r} is not a byte count")
+        # A count of more than 19 digits (int() refuses past 4300) is over any limit.
+        counted = length.isascii() and length.isdigit()
+        if error is None and not (counted and len(length) <= 19 and int(length) <= self.max_body):
+            error = ApiError(413, too_large(length, self.max_body) if counted
+                             else f"the Content-Length {length[:40]!r} is not a byte count")
         if error is not None:
             await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
             return
