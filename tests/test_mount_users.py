@@ -63,6 +63,11 @@ def source(k, n: int, salt: int) -> tuple[Path, bytes]:
     return path, data
 
 
+def two_sources(k) -> tuple[tuple[Path, bytes], tuple[Path, bytes]]:
+    """Two different KV files as source() makes them: of 9 and of 7 entries."""
+    return source(k, 9, salt=1), source(k, 7, salt=2)
+
+
 def python_as(uid: int, code: str, *args: str | Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", BECOME + code, str(uid), *map(str, args)],
                             cwd="/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -186,8 +191,7 @@ def test_a_file_being_written_follows_a_rename(k, mnt):
 
 
 def test_in_sticky_tmp_another_user_may_not_replace_remove_or_move_a_file_being_written(k, mnt):
-    src_a, data_a = source(k, 9, salt=1)
-    src_b, _ = source(k, 7, salt=2)
+    (src_a, data_a), (src_b, _) = two_sources(k)
     tmp = mnt / "tmp"
     p, n, q = str(tmp / "p1.kv"), str(tmp / "n1.kv"), str(tmp / "q1.kv")
     with held_open(A, (p, src_a)):
@@ -201,8 +205,7 @@ def test_in_sticky_tmp_another_user_may_not_replace_remove_or_move_a_file_being_
 
 
 def test_a_file_renamed_over_a_file_being_written_replaces_it(k, mnt):
-    src_a, data_a = source(k, 9, salt=1)
-    src_b, data_b = source(k, 7, salt=2)
+    (src_a, data_a), (src_b, data_b) = two_sources(k)
     tmp = mnt / "tmp"
     p, n, mine, q = (str(tmp / f) for f in ("p2.kv", "n2.kv", "mine2.kv", "q2.kv"))
     assert as_user(B, "cp", str(src_b), n).returncode == 0
