@@ -477,4 +477,10 @@ def start_node(rdv: Rendezvous, device: str, model_dir: Path) -> list[subprocess
 
 
 if __name__ == "__main__":
-    sys.exit(follower_main(sys.argv[1:]))
+    status = follower_main(sys.argv[1:])
+    # Out without the interpreter's finalization: gloo's threads and their buffers, torn
+    # down there while the other ranks exit too, now and then end in std::terminate (an
+    # exit status of -6 for a rank that ended cleanly).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
