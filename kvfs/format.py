@@ -29,6 +29,9 @@ VERSION = "1"
 # Our header is a few hundred bytes whatever N is (tokens live in tensors, not the JSON);
 # the bound only stops a hostile length from making us read or parse megabytes.
 MAX_HEADER = 1 << 20
+# Bytes of a file's entry besides its K and V: token id, position, and at most one excluded
+# range (16 bytes) per entry, since ranges are non-empty and disjoint.
+ENTRY_EXTRA = 32
 
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()}
@@ -41,6 +44,12 @@ TENSORS = (*INT_TENSORS, "k", "v")
 META_KEYS = ("format", "version", "fingerprint", "dtype", "page_size", "layers", "kv_heads",
              "head_dim")
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
+
+
+def largest_file(pages: int, page_size: int, page_bytes: int) -> int:
+    """Bytes of the largest file `pages` pages of `page_bytes` bytes could hold: an entry
+    for every row, each with an excluded range, and the largest header the format allows."""
+    return 8 + MAX_HEADER + pages * page_size * (page_bytes // page_size + ENTRY_EXTRA)
 
 
 def _bad(message: str) -> FSError:

@@ -11,13 +11,24 @@ import errno
 import os
 import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from kvfs import reservation
 from kvfs.errors import FSError, NoRoom, enoent
-from kvfs.format import Imported, Incoming, Layout, export_bytes, parse, read_range
+from kvfs.format import (
+    Header,
+    Imported,
+    Incoming,
+    Layout,
+    export_bytes,
+    largest_file,
+    parse,
+    read_range,
+)
+from kvfs.inflight import ImportsInFlight
 from kvfs.inode import Inode, now_ns
 from kvfs.pages import Page, PageStore
 from kvfs.perm import ROOT, Cred, R, W, X, allowed, check, check_ids, check_sticky
@@ -93,6 +104,7 @@ class FileSystem:
         self.on_namespace_change: Callable[[], None] = lambda: None
         self.on_sync: Callable[[Inode], None] = lambda inode: None
         self.on_load: Callable[[Inode], None] = lambda inode: None
+        self.importing = ImportsInFlight()
 
     # -- inodes and paths ---------------------------------------------------------------
 
@@ -489,13 +501,32 @@ class FileSystem:
             check(cred, old, W, f"import {path!r}: write permission denied")
         return parent, name, old
 
-    def receive(self, cred: Cred, path: str) -> Incoming:
-        """An import stream to `path`, checked before its body is taken: the caller's
-        permission now, then its header as soon as that arrives, whose length must fit what
-        the file's owner could ever hold."""
+    @contextmanager
+    def receive(self, cred: Cred, path: str) -> Iterator[Incoming]:
+        """An import stream to `path` for the block's length, checked before its body is
+        taken: the caller's permission now, then its header as soon as that arrives, whose
+        length must fit what the file's owner could ever hold, and whose declared size must
+        keep the caller's streams in flight within their bound (kvfs/inflight.py). That
+        size counts against the caller until the block ends, however it ends."""
         old = self._import_target(cred, path)[2]
         owner = cred.uid if old is None else old.uid
-        return Incoming(self.layout, lambda header: self._could_hold(owner, header.length, path))
+        taken = 0
+
+        def admit(header: Header) -> None:
+            nonlocal taken
+            self._could_hold(owner, header.length, path)
+            self.importing.take(cred.uid, header.size, self.largest_file(), path)
+            taken = header.size
+
+        try:
+            yield Incoming(self.layout, admit)
+        finally:
+            self.importing.give(cred.uid, taken)
+
+    def largest_file(self) -> int:
+        """Bytes of the largest file the device pool could hold."""
+        return largest_file(self.store.capacity("device"), self.page_size,
+                            self.store.pool.page_bytes)
 
     def _could_hold(self, uid: int, length: int, path: str) -> None:
         """Refuse a file of `length` entries whose pages could never all be had for uid, even

@@ -66,9 +66,6 @@ OWN_INODES = 1 << 62
 SLACK = 4 << 20  # how far a read may land behind or ahead of the last and reuse the stream
 BLKSIZE = 1 << 20  # st_blksize: tools size their buffers by it
 SPOOL_MEMORY = 8 << 20  # a file being written moves from memory to a temporary file past this
-# Bytes of a KV file's entry besides its K and V: token id, position, and at most one excluded
-# range (16 bytes) per entry (docs/kv-format.md).
-ENTRY_EXTRA = 32
 XATTR_PREFIX = b"user.symphony."
 XATTRS = tuple(XATTR_PREFIX + n for n in (b"tokens", b"pages", b"text", b"model"))
 XATTR_MAX = 1 << 16  # Linux's limit on an attribute value
@@ -825,8 +822,7 @@ class KvFS(pyfuse3.Operations):
             def ask() -> Bounds:
                 mem = proc_fields(self.kernel.procfs("meminfo"))
                 pages, size = int(mem["device_total"]), int(mem["page_size_tokens"])
-                per_entry = int(mem["page_bytes"]) // size + ENTRY_EXTRA
-                largest = 8 + kv_format().MAX_HEADER + pages * size * per_entry
+                largest = kv_format().largest_file(pages, size, int(mem["page_bytes"]))
                 return Bounds(self.kernel.model_info().fingerprint, pages, size, largest)
 
             self.bounds = await self.run(ask)

@@ -573,18 +573,20 @@ async def sys_export(k: Kernel, proc: Process, cred: Cred,
 async def sys_import(k: Kernel, proc: Process, cred: Cred,
                      chunks: AsyncIterator[pb.ImportChunk]) -> pb.Empty:
     """Checked as it arrives, so that a refused file costs the kernel little: the caller's
-    permission on the path before the body is taken, the header as soon as it is whole."""
+    permission on the path before the body is taken, the header as soon as it is whole.
+    The bytes it declares count against the caller's bound on streams in flight until it
+    ends, whether it is imported, refused, cancelled or its client goes."""
     first = await anext(chunks, None)
     if first is None or not first.path:
         raise einval("import: no path in the first chunk")
     path, mode = first.path, first.mode if first.HasField("mode") else 0o600
-    incoming = k.fs.receive(cred, path)
     try:
-        incoming.feed(first.data)
-        async for chunk in chunks:
-            incoming.feed(chunk.data)
-        await _settle_path(k, cred, path)
-        await _room_made(k, lambda: k.fs.import_file(cred, path, incoming.data(), mode))
+        with k.fs.receive(cred, path) as incoming:
+            incoming.feed(first.data)
+            async for chunk in chunks:
+                incoming.feed(chunk.data)
+            await _settle_path(k, cred, path)
+            await _room_made(k, lambda: k.fs.import_file(cred, path, incoming.data(), mode))
     except FSError as e:  # the format's checks name no file: say which
         if repr(path) in e.message:
             raise

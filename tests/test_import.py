@@ -3,13 +3,14 @@ costs the kernel little, and an import over a file rewrites it in place, as a wr
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 from pathlib import Path
 
 import pytest
-from daemon import prompt, run_script, sched
+from daemon import meminfo, prompt, run_script, sched, wait_for, world_dir
 
 pytestmark = pytest.mark.slow
 
@@ -144,3 +145,159 @@ def test_import_over_another_user_s_file_keeps_its_owner_and_mode(daemon):
         assert before["/home/uid60001/f"].mode & 0o7777 == 0o602
         with pytest.raises(FileNotFoundError):
             k.stat("/home/uid60001/new")
+
+
+# Import streams held open, as uid argv[2] (root: 0): each sends its first bytes, then waits
+# to be ended. Prints what each step got, as [errno, message].
+IN_FLIGHT = """
+import json, os, sys, threading, time
+from syscalls.client import Kernel
+what, uid, fit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+big, largest, small = (open(p, "rb").read() for p in sys.argv[4:7])
+head = big[:8 + int.from_bytes(big[:8], "little")]
+if uid:
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+k = Kernel.connect(name=what)
+
+def errno_of(fn):
+    try:
+        fn()
+    except OSError as e:
+        return [e.errno, str(e)]
+    return [0, ""]
+
+class Held:
+    def __init__(self, path, first, rest=b""):
+        self.path, self.first, self.rest = path, first, rest
+        self.go, self.abandon, self.result = threading.Event(), False, None
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+    def chunks(self):
+        yield self.first
+        self.go.wait()
+        if self.abandon:
+            raise RuntimeError("the client goes mid-stream")
+        yield self.rest
+    def run(self):
+        self.result = errno_of(lambda: k.import_file(self.path, self.chunks()))
+        self.go.set()
+    def end(self, abandon=False):
+        self.abandon = abandon
+        self.go.set()
+        self.thread.join(30)
+        return self.result
+
+def probe(want, path, first, held=()):
+    # `first` alone, then the stream's end: admitted, it is EINVAL (truncated). A held
+    # stream refused while a probe held its bytes is opened again.
+    deadline = time.monotonic() + 10
+    while True:
+        for i, h in enumerate(held):
+            if not h.thread.is_alive():
+                held[i] = Held(h.path, h.first, h.rest)
+        got = errno_of(lambda: k.import_file(path, [first]))
+        if got[0] == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+out = {}
+if what == "bound":
+    # `fit` streams in flight: a small file that completes, and big headers
+    cut = 8 + int.from_bytes(small[:8], "little")
+    held = [Held("/tmp/flight-done", small[:cut], small[cut:])]
+    held += [Held(f"/tmp/flight-{i}", head) for i in range(1, fit)]
+    time.sleep(0.3)
+    out["over"] = probe(122, "/tmp/flight-over", head, held)
+    out["done"] = held[0].end()
+    out["truncated"] = held[1].end()
+    out["abandoned"] = [h.end(abandon=True)[0] for h in held[2:]]
+    out["after"] = probe(22, "/tmp/flight-after", largest)
+elif what == "gone":
+    held = [Held(f"/tmp/flight-{i}", head) for i in range(fit - 1)]
+    time.sleep(0.3)
+    out["over"] = probe(122, "/tmp/flight-over", head, held)
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # the client goes with its streams in flight
+elif what == "after":
+    out["after"] = probe(22, "/tmp/flight-after", largest)
+elif what == "root":
+    held = [Held(f"/tmp/flight-{i}", head) for i in range(fit + 2)]
+    time.sleep(0.3)
+    out["probe"] = probe(22, "/tmp/flight-probe", head)
+    out["held"] = [h.end()[0] for h in held]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture
+def in_flight(daemon, src):
+    """Runs IN_FLIGHT's steps with files that take the bound's measure: a big header (half
+    the pool's rows, no excluded range), the header of the largest file the pool could
+    hold (every row, each an excluded range: admitted only once no big stream's bytes are
+    counted), and a small file; `fit` is how many streams fit in the bound, the small one
+    and big ones. Nothing must be left behind: no file but the completed one, every page
+    free once that is gone."""
+    from kvfs.format import _plan, largest_file, parse_header
+
+    with daemon.connect() as k:
+        mem = meminfo(k)
+        pages, size = int(mem["device_total"]), int(mem["page_size_tokens"])
+        bound = largest_file(pages, size, int(mem["page_bytes"]))
+        layout = parse_header(src, None).layout
+        big, largest = _plan(pages * size // 2, 0, layout), _plan(pages * size, pages * size,
+                                                                   layout)
+        fit = 1 + (bound - len(src)) // big[1][-1][2]
+        assert 3 <= fit <= 6
+        assert largest[1][-1][2] + big[1][-1][2] > bound
+        files = world_dir() / "in-flight"
+        files.mkdir(exist_ok=True)
+        for name, data in (("big", big[0]), ("largest", largest[0]), ("small", src)):
+            (files / name).write_bytes(data)
+
+        def run(what: str, uid: int) -> dict:
+            return json.loads(run_script(daemon, IN_FLIGHT, what, str(uid), str(fit),
+                                         *(str(files / n) for n in ("big", "largest", "small"))))
+
+        yield run, bound
+        with contextlib.suppress(FileNotFoundError):
+            k.unlink("/tmp/flight-done")
+        assert [n for n, _ in k.readdir("/tmp") if n.startswith("flight-")] == []
+        wait_for(lambda: meminfo(k)["device_free"] == mem["device_free"], 10, "every page free")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_a_user_s_import_streams_in_flight_are_bounded_together(in_flight):
+    """The stream past the bound is refused at its header (EDQUOT, naming its path and the
+    bound), and nothing is made of it; the bytes of streams that end (completed, refused,
+    abandoned by their client) are given back."""
+    run, bound = in_flight
+    out = run("bound", 60010)
+    code, message = out["over"]
+    assert code == errno.EDQUOT, message
+    assert "import '/tmp/flight-over': " in message
+    assert f"more than the largest file the KV pool could hold ({bound} bytes)" in message
+    assert out["done"] == [0, ""]
+    assert out["truncated"][0] == errno.EINVAL and "truncated" in out["truncated"][1]
+    assert 0 not in out["abandoned"]
+    assert out["after"][0] == errno.EINVAL, out["after"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_import_streams_of_a_client_that_goes_are_given_back(in_flight):
+    """A client that exits with its streams in flight (refused one past them) gives their
+    bytes back: the largest file's header, admitted only when none is counted, is then."""
+    run, _ = in_flight
+    assert run("gone", 60011)["over"][0] == errno.EDQUOT
+    assert run("after", 60011)["after"][0] == errno.EINVAL
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_root_s_import_streams_in_flight_are_not_bounded(in_flight):
+    """As on the mount: root's streams past the bound, all in flight, are all admitted (each
+    ends truncated, EINVAL, never EDQUOT)."""
+    run, _ = in_flight
+    out = run("root", 0)
+    assert out["probe"][0] == errno.EINVAL, out["probe"]
+    assert out["held"] == [errno.EINVAL] * len(out["held"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+from contextlib import ExitStack
 
 import pytest
 import torch
@@ -539,9 +540,10 @@ def test_import_over_a_file_needs_write_permission_on_the_file(fs):
     before = snapshot(fs)
     raises(errno.EACCES, fs.import_file, BOB, "/home/alice/open/f", data)
     raises(errno.EACCES, fs.import_file, BOB, "/tmp/f", data)
-    raises(errno.EACCES, fs.receive, BOB, "/tmp/f")  # before any of the body is taken
-    raises(errno.EACCES, fs.receive, BOB, "/home/alice/new")  # creating: the directory's
-    raises(errno.EISDIR, fs.receive, ALICE, "/home/alice/open")
+    # Before any of the body is taken: as the stream starts.
+    raises(errno.EACCES, fs.receive(BOB, "/tmp/f").__enter__)
+    raises(errno.EACCES, fs.receive(BOB, "/home/alice/new").__enter__)  # the directory's
+    raises(errno.EISDIR, fs.receive(ALICE, "/home/alice/open").__enter__)
     assert snapshot(fs) == before
     fs.import_file(BOB, "/tmp/g", data)  # sticky /tmp, alice's file, writable by others
     st = fs.stat(ROOT, "/tmp/g")
@@ -577,14 +579,53 @@ def test_an_import_stream_is_bounded_by_what_its_owner_could_hold():
         data = exported(big, list(range(entries)))
         return data[:8 + int.from_bytes(data[:8], "little")]
 
+    def feed(cred: Cred, path: str, data: bytes) -> None:
+        with fs.receive(cred, path) as incoming:
+            incoming.feed(data)
+
     fs = make_fs(pages=9, quota={1000: 7})
     fs.home(ALICE, "alice")
-    raises(errno.EDQUOT, fs.receive(ALICE, "/home/alice/f").feed, header(29))  # 8 pages
-    fs.receive(ALICE, "/home/alice/f").feed(header(28))
-    fs.receive(ROOT, "/tmp/f").feed(header(29))  # root has no quota
+    raises(errno.EDQUOT, feed, ALICE, "/home/alice/f", header(29))  # 8 pages
+    feed(ALICE, "/home/alice/f", header(28))
+    feed(ROOT, "/tmp/f", header(29))  # root has no quota
     fs.close(fs.open(ROOT, "/tmp/root", RW_CREAT, 0o666))
-    fs.receive(ALICE, "/tmp/root").feed(header(29))  # charged to root, the file's owner
-    raises(errno.EFBIG, fs.receive(ROOT, "/tmp/f").feed, header(37))  # 10 pages
+    feed(ALICE, "/tmp/root", header(29))  # charged to root, the file's owner
+    raises(errno.EFBIG, feed, ROOT, "/tmp/f", header(37))  # 10 pages
+
+
+def test_import_streams_in_flight_are_bounded_per_user_until_they_end():
+    """A user other than root may have at most the largest file the pool could hold declared
+    by its streams in flight together: the one past it is refused at its header (EDQUOT),
+    changing nothing; a stream's bytes come back when it ends, however it ends."""
+    big = make_fs(pages=80)
+    fs = make_fs(pages=9)
+    data = exported(big, list(range(36)))  # the most the pool's 9 pages hold
+    head = data[:8 + int.from_bytes(data[:8], "little")]
+    fit = fs.largest_file() // len(data)
+    assert fit >= 2
+    with ExitStack() as streams:
+        for i in range(fit):  # all in flight at once
+            streams.enter_context(fs.receive(ALICE, f"/tmp/{i}")).feed(head)
+        before = snapshot(fs)
+        e = raises(errno.EDQUOT, fs.receive(ALICE, "/tmp/over").__enter__().feed, head)
+        assert e.message.startswith("import '/tmp/over': ")
+        assert f"more than the largest file the KV pool could hold ({fs.largest_file()} " \
+            "bytes)" in str(e)
+        assert snapshot(fs) == before
+        with fs.receive(BOB, "/tmp/bob") as other:  # another user has a bound of its own
+            other.feed(head)
+        with fs.receive(ROOT, "/tmp/root") as root:  # root has none
+            root.feed(head)
+    with pytest.raises(FSError), fs.receive(ALICE, "/tmp/bad") as bad:
+        bad.feed(head)
+        bad.feed(b"\0" * len(data))  # more than it declares: refused, its bytes given back
+    with ExitStack() as streams:  # all the bytes came back
+        for i in range(fit):
+            streams.enter_context(fs.receive(ALICE, f"/tmp/{i}")).feed(head)
+    with fs.receive(ALICE, "/tmp/whole") as incoming:
+        incoming.feed(data)
+        fs.import_file(ALICE, "/tmp/whole", incoming.data())
+    assert fs.importing.held == {}
 
 
 # -- cutting reservations, keep and shift ---------------------------------------------------
