@@ -6,13 +6,15 @@ frame that never ends: 16 GiB. Past HOLD_LIMIT bytes in all, a user's lifelines 
 read, all but the one that started holding first: that one can always finish its frame,
 after which the others go on, so every frame of the user's gets through, one after
 another, while a frame that never ends stalls only its user. Root is not held to it.
+A lifeline is paused through its ReadPause, so that its backed-up replies, the other reason
+not to read it, keep it paused after FrameHold lets it go.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 
+from symphony.read_pause import FRAMES, ReadPause
 from syscalls import wire
 
 HOLD_LIMIT = wire.MAX_PAYLOAD
@@ -22,10 +24,10 @@ class FrameHold:
     def __init__(self) -> None:
         self.held: Counter[int] = Counter()  # uid -> bytes of partial frames
         # uid -> the lifelines holding some, in the order they started (dicts keep it)
-        self._holders: dict[int, dict[asyncio.Transport, None]] = {}
-        self._paused: dict[int, set[asyncio.Transport]] = {}  # uid -> lifelines not read
+        self._holders: dict[int, dict[ReadPause, None]] = {}
+        self._paused: dict[int, set[ReadPause]] = {}  # uid -> lifelines not read
 
-    def update(self, uid: int, lifeline: asyncio.Transport, before: int, after: int) -> None:
+    def update(self, uid: int, lifeline: ReadPause, before: int, after: int) -> None:
         """The lifeline of a process of uid holds `after` bytes of a frame, where it held
         `before`: it stops being read if the user is past the limit and it is not the first
         holder; when the user's bytes fall, the paused ones are read again."""
@@ -43,16 +45,15 @@ class FrameHold:
             paused = self._paused.setdefault(uid, set())
             if lifeline not in paused:
                 paused.add(lifeline)
-                lifeline.pause_reading()
+                lifeline.pause(FRAMES)
         if not self.held[uid]:
             del self.held[uid], self._holders[uid]
 
-    def forget(self, uid: int, lifeline: asyncio.Transport, held: int) -> None:
+    def forget(self, uid: int, lifeline: ReadPause, held: int) -> None:
         """The lifeline is gone (it held `held` bytes)."""
         self._paused.get(uid, set()).discard(lifeline)
         self.update(uid, lifeline, held, 0)
 
     def _resume(self, uid: int) -> None:
         for lifeline in self._paused.pop(uid, ()):
-            if not lifeline.is_closing():
-                lifeline.resume_reading()
+            lifeline.resume(FRAMES)  # read again unless its replies still hold it

@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 from kvfs.errors import FSError
 from kvfs.perm import Cred, check_ids
 from symphony.process import Process
+from symphony.read_pause import REPLIES, ReadPause
 from symphony.scheduler import taken_back
 from symphony.syscall_table import TABLE, pred_reply, submit_pred
 from symphony.users import user_name
@@ -227,6 +228,15 @@ pred_request = parser(pb.PredRequest)
 # Descriptors kept for root's sessions and for what running sessions open (fsync writes a
 # file, swap, the state directory): other users' hellos are refused before these.
 FD_RESERVE = 256
+# A lifeline's write buffer: past REPLIES_HIGH bytes of replies its process has not read,
+# the kernel takes no more of its preds (Hello.pause_writing) until they are down to
+# REPLIES_LOW. The mark only stops intake, so it need not hold a whole reply (one of up to
+# 64 MiB is still written whole, and the preds taken before the pause are still answered):
+# it bounds what a process that never reads makes the kernel keep to a few MiB more than
+# the replies of what it had submitted, where asyncio's default (64 KiB) would stop intake
+# at every reply with top logprobs, before a process reading as it should could take it.
+REPLIES_HIGH = 4 << 20
+REPLIES_LOW = 1 << 20
 
 
 def fd_limit() -> int:
@@ -276,7 +286,9 @@ def peer_pidfd(sock: socket.socket, pid: int) -> int | None:
 class Hello(asyncio.Protocol):
     """One connection of the hello socket: a process's identity and its lifeline, which
     then carries its fast-path preds (syscalls/wire.py), and, once asked, its syscall
-    rings (syscalls/ring.py)."""
+    rings (syscalls/ring.py). While its replies back up in the lifeline's write buffer
+    (the process does not read them), no more of its preds are taken: the lifeline is not
+    read and the ring not drained until the buffer is down again."""
 
     def __init__(self, kernel: Kernel, front: Front):
         self.kernel, self.front, self.proc = kernel, front, None
@@ -288,9 +300,13 @@ class Hello(asyncio.Protocol):
         self.backlog: list[tuple[int, int, bytes]] = []
         self.framed: dict[int, bytes] = {}  # a pred frame read, its FRAMED record not yet
         self.bell_due = False  # the process's bell rings once per loop turn of completions
+        self.unread: list[tuple[int, int, bytes]] = []  # frames read, not taken yet
+        self.backed_up = False  # the replies are past REPLIES_HIGH: take nothing more
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
+        self.reads = ReadPause(transport)
+        transport.set_write_buffer_limits(high=REPLIES_HIGH, low=REPLIES_LOW)
         sock = transport.get_extra_info("socket")
         pid, uid, gid = PEERCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
@@ -316,13 +332,22 @@ class Hello(asyncio.Protocol):
         except wire.FrameError as e:
             self.drop(f"lifeline dropped: {e}")
             return
-        self.kernel.frame_hold.update(self.proc.uid, self.transport, held, self.frames.held)
-        if frames and self.ring is not None:
+        self.kernel.frame_hold.update(self.proc.uid, self.reads, held, self.frames.held)
+        self.unread += frames
+        self.take()
+
+    def take(self) -> None:
+        """Take the frames read, in order, until the replies back up: the rest wait for
+        resume_writing."""
+        if self.unread and self.ring is not None:
             # Any frame takes the ring's records first (docs/syscalls.md): a CANCEL frame
             # may name a pred still in the ring. A PRED frame's own FRAMED record stops this
             # drain until the frame is in `framed`, below.
             self.drain()
-        for kind, call, payload in frames:
+        taken = 0
+        for kind, call, payload in self.unread:
+            if self.backed_up:
+                break
             if kind == wire.CANCEL:
                 self.cancel(call)
             elif kind == wire.RING_SETUP:
@@ -330,11 +355,35 @@ class Hello(asyncio.Protocol):
             elif kind == wire.PRED and self.ring is not None:
                 # Its FRAMED record was written before it was sent: take the ring up to it.
                 self.framed[call] = payload
-                self.drain()
+                if self.drain() and call in self.framed:
+                    # Cut short before its FRAMED record, if it has one: taken again later.
+                    del self.framed[call]
+                    break
                 if call in self.framed:  # no FRAMED record: it goes in arrival order
                     self.pred(kind, call, self.framed.pop(call))
             else:
                 self.pred(kind, call, payload)
+            taken += 1
+        del self.unread[:taken]
+
+    def pause_writing(self) -> None:
+        """The replies the process has not read are past REPLIES_HIGH: take no more of its
+        preds (those taken are still answered) until resume_writing."""
+        self.backed_up = True
+        self.reads.pause(REPLIES)
+
+    def resume_writing(self) -> None:
+        """The process read its replies down to REPLIES_LOW: read its lifeline again
+        (unless FrameHold holds it) and take what it submitted meanwhile, in order."""
+        self.backed_up = False
+        self.reads.resume(REPLIES)
+        asyncio.get_running_loop().call_soon(self.go_on)
+
+    def go_on(self) -> None:
+        if self.backed_up or self.transport.is_closing():
+            return
+        self.take()
+        self.drain()
 
     def drop(self, why: str) -> None:
         """The process broke its lifeline or its ring: it is reaped, as if it had died."""
@@ -379,18 +428,23 @@ class Hello(asyncio.Protocol):
             pass
         self.drain()
 
-    def drain(self) -> None:
+    def drain(self) -> bool:
         """Take every record submitted to the ring, in order; stop at a FRAMED record whose
-        frame has not come (it resumes when the frame comes)."""
+        frame has not come (it resumes when the frame comes), or when the replies back up
+        (resume_writing drains again). True when the replies cut it short."""
         if self.ring is None or self.transport.is_closing():
-            return
+            return False
+        if self.backed_up:  # the records stay in the ring: the process finds it full
+            return True
         try:
             self.backlog += self.ring.take()
         except ring.RingError as e:
             self.drop(f"ring dropped: {e}")
-            return
+            return False
         taken = 0
         for kind, call, payload in self.backlog:
+            if self.backed_up:
+                break
             if kind == ring.FRAMED:
                 if call not in self.framed:
                     break
@@ -401,6 +455,7 @@ class Hello(asyncio.Protocol):
             else:
                 self.pred(kind, call, payload)
         del self.backlog[:taken]
+        return self.backed_up
 
     def pred(self, kind: int, call: int, payload: bytes) -> None:
         request = (pred_request(payload) if kind == wire.PRED
@@ -455,7 +510,7 @@ class Hello(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.proc is not None:
-            self.kernel.frame_hold.forget(self.proc.uid, self.transport, self.frames.held)
+            self.kernel.frame_hold.forget(self.proc.uid, self.reads, self.frames.held)
         if self.ring is not None:
             asyncio.get_running_loop().remove_reader(self.ring.kernel_bell)
             self.ring.close()

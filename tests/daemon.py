@@ -15,9 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 from checkpoints import add_tokenizer, make_checkpoint
 
+from syscalls import session
+from syscalls import symphony_pb2 as pb
 from syscalls.client import Kernel
 from syscalls.convert import proc_fields
 
@@ -107,6 +110,55 @@ def sched(k: Kernel) -> dict[str, str]:
     return proc_fields(k.procfs("sched"))
 
 
+def preds_answered(k: Kernel, pid: int) -> int:
+    """The preds of process pid the kernel has answered, from /proc/PID/syscalls."""
+    rows = [r.split("\t") for r in k.procfs(f"{pid}/syscalls").splitlines()[1:]]
+    return next((int(r[1]) for r in rows if r[0] == "Pred"), 0)
+
+
+def send_while_taken(k: Kernel, pid: int, calls: range, send: Callable[[int], None]) -> None:
+    """send(call) for each call as a client that reads no replies but keeps the kernel busy
+    would: the next once the kernel has answered all but 2 of those sent (process pid's
+    /proc count), and, once it has answered none for a second, the rest at once."""
+    stalled = False
+    for sent, call in enumerate(calls):
+        deadline = time.monotonic() + 1.0
+        while not stalled and sent - preds_answered(k, pid) > 2:
+            stalled = time.monotonic() > deadline
+            time.sleep(0.01)
+        send(call)
+
+
+def raw_open(sock: Path, token: str) -> int:
+    """An anonymous file opened O_RDWR over gRPC by the session of `token` (a raw lifeline
+    of session.hello): its fd."""
+    with grpc.insecure_channel(session.grpc_target(sock)) as channel:
+        open_ = channel.unary_unary("/symphony.Kernel/Open",
+                                    request_serializer=pb.OpenRequest.SerializeToString,
+                                    response_deserializer=pb.FdReply.FromString)
+        return open_(pb.OpenRequest(path="", flags=os.O_RDWR),
+                     metadata=[(session.SESSION_KEY, token)]).fd
+
+
+def vm_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+# A pred whose reply is large (every row of 256 tokens with 300 top logprobs: about 700 KB)
+# for a process that does not read its replies; it truncates its file first, so the file
+# never grows.
+HOG_TOKENS = 256
+HOG = {"tokens": [(7 * i) % 290 + 6 for i in range(HOG_TOKENS)],
+       "outputs": list(range(HOG_TOKENS)), "top_logprobs": 300, "truncate": 0}
+
+
+def hog_payload(fd: int) -> bytes:
+    """HOG on fd as a serialized PredRequest, for a raw lifeline or ring."""
+    return pb.PredRequest(fd=fd, tokens=HOG["tokens"], outputs=HOG["outputs"], truncate=0,
+                          sampler=pb.Sampler(top_logprobs=300)).SerializeToString()
+
+
 def prompt(n: int, salt: int = 0) -> list[int]:
     """n token ids of the test model's vocabulary (320), varied by salt."""
     return [(7 * i + 13 * salt) % 290 + 6 for i in range(n)]
@@ -119,6 +171,17 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def settled(read, quiet: float = 0.5):
+    """read()'s value once it has stood still for `quiet` seconds."""
+    value, since = read(), time.monotonic()
+    while time.monotonic() - since < quiet:
+        time.sleep(0.05)
+        now = read()
+        if now != value:
+            value, since = now, time.monotonic()
+    return value
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):

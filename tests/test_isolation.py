@@ -5,10 +5,12 @@ prompts kept off the command line."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +19,8 @@ from pathlib import Path
 import pytest
 from daemon import ROOT, start_daemon, wait_for
 
+from symphony.frame_hold import HOLD_LIMIT, FrameHold
+from symphony.read_pause import REPLIES, ReadPause
 from symphony.server import FD_RESERVE
 from syscalls.convert import proc_fields
 
@@ -433,3 +437,51 @@ def test_a_user_s_partial_lifeline_frames_are_held_to_one_frame_s_worth(daemon):
             assert k.getpid()
     finally:
         user.communicate("\n", timeout=60)
+
+
+def test_a_lifeline_is_read_only_when_neither_frames_nor_replies_hold_it():
+    """A lifeline held both by FrameHold (its user's partial frames) and by its own replies
+    backed up (symphony/read_pause.py) is read again only once both let go, in either
+    order: one letting go used to resume reading that the other still held."""
+
+    async def main() -> None:
+        got: list[bytes] = []
+
+        class Reader(asyncio.Protocol):
+            def data_received(self, data: bytes) -> None:
+                got.append(data)
+
+        loop = asyncio.get_running_loop()
+        ends = [socket.socketpair() for _ in range(2)]
+        first, line = [ReadPause((await loop.connect_accepted_socket(Reader, ours))[0])
+                       for ours, _ in ends]
+        peer = ends[1][1]
+        hold, uid = FrameHold(), 60011
+
+        async def read() -> bool:
+            """Whether the lifeline is read: what its peer sends arrives."""
+            got.clear()
+            peer.send(b"x")
+            await asyncio.sleep(0.2)
+            return bool(got)
+
+        assert await read()
+        hold.update(uid, first, 0, HOLD_LIMIT)  # the first holder: always read
+        for frames_first in (True, False):
+            hold.update(uid, line, 0, 1)  # past the limit: FrameHold pauses it
+            assert not await read()
+            line.pause(REPLIES)
+            if frames_first:
+                hold.update(uid, line, 1, 0)  # FrameHold lets go; the replies still hold
+                assert not await read()
+                line.resume(REPLIES)
+            else:
+                line.resume(REPLIES)  # the replies let go; FrameHold still holds
+                assert not await read()
+                hold.update(uid, line, 1, 0)
+            assert await read()
+        for reads, (_, theirs) in zip((first, line), ends, strict=True):
+            reads.transport.close()
+            theirs.close()
+
+    asyncio.run(main())

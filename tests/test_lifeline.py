@@ -1,11 +1,12 @@
 """pred's fast path on the lifeline (syscalls/wire.py): the same answers, errors and
-accounting as the Pred rpc, many callers on one session, and what bad frames or a vanished
-kernel do. The first tests play the kernel's end of a socket pair; the rest run a real
-kernel daemon."""
+accounting as the Pred rpc, many callers on one session, and what bad frames, a vanished
+kernel or a process that reads no replies do. The first tests play the kernel's end of a
+socket pair; the rest run a real kernel daemon."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import socket
@@ -14,7 +15,18 @@ import time
 
 import grpc
 import pytest
-from daemon import meminfo, wait_for
+from daemon import (
+    HOG,
+    HOG_TOKENS,
+    hog_payload,
+    meminfo,
+    preds_answered,
+    raw_open,
+    send_while_taken,
+    settled,
+    vm_rss_kib,
+    wait_for,
+)
 
 from syscalls import lifeline, session, wire
 from syscalls import symphony_pb2 as pb
@@ -255,17 +267,6 @@ def raw_call(life: socket.socket, frames: wire.Frames, kind: int, payload: bytes
     return pb.PredReply.FromString(data)
 
 
-def settled(read, quiet: float = 0.5):
-    """read()'s value once it has stood still for `quiet` seconds."""
-    value, since = read(), time.monotonic()
-    while time.monotonic() - since < quiet:
-        time.sleep(0.05)
-        now = read()
-        if now != value:
-            value, since = now, time.monotonic()
-    return value
-
-
 def test_bad_frames_get_einval_and_garbage_ends_the_process(daemon):
     with daemon.connect() as k:
         # Sessions of earlier tests may still be reaped, freeing pages: count from after. A
@@ -338,3 +339,57 @@ def test_a_reader_interrupted_in_its_wait_hands_reading_to_another_waiter(monkey
     caller.start()
     caller.join(10)
     assert got == [4], "the next caller waited for a reader that was gone"
+
+
+# -- a process that does not read its lifeline ---------------------------------------------
+
+HOG_PREDS = 100  # about 70 MB of replies, read by no one
+
+
+def test_a_process_that_does_not_read_its_lifeline_gets_no_more_preds_taken(daemon):
+    """Its replies back up in the kernel's write buffer to a few MiB (symphony/server.py,
+    REPLIES_HIGH); then the kernel takes no more of its preds, so the kernel's memory does
+    not grow with the preds it keeps sending (it grew by every reply: 70 MB here). Another
+    process is answered meanwhile as ever. Once it reads, every pred gets its one answer."""
+    with daemon.connect("bystander") as k, k.open("", os.O_RDWR) as f:
+        # The kernel's path for such a reply warm, before its memory is measured.
+        assert len(f.pred(**HOG)) == HOG_TOKENS
+        pids = {p.pid for p in k.ps()}
+        life, token = session.hello(daemon.socket)
+        try:
+            (hog,) = {p.pid for p in k.ps()} - pids
+            payload = hog_payload(raw_open(daemon.socket, token))
+            rss = vm_rss_kib(daemon.process.pid)
+            life.setblocking(False)
+            unsent = b""
+
+            def send(call: int) -> None:
+                nonlocal unsent
+                unsent += wire.frame(wire.PRED, call, payload)
+                with contextlib.suppress(BlockingIOError):
+                    unsent = unsent[life.send(unsent):]
+
+            send_while_taken(k, hog, range(1, HOG_PREDS + 1), send)
+            taken = settled(lambda: preds_answered(k, hog), quiet=1.0)
+            grown = vm_rss_kib(daemon.process.pid) - rss
+            start = time.monotonic()
+            assert len(decode(f, 4)) == 4  # the bystander is answered, without delay
+            assert time.monotonic() - start < 5
+            assert taken < HOG_PREDS // 3, taken
+            assert grown < 40 << 10, f"the kernel grew by {grown >> 10} MiB"
+            # Now it reads: the kernel takes the rest, and every pred is answered once.
+            life.settimeout(60)
+            rest = threading.Thread(target=life.sendall, args=(unsent,), daemon=True)
+            rest.start()
+            frames, replies = wire.Frames(), {}
+            while len(replies) < HOG_PREDS:
+                for kind, call, data in frames.feed(life.recv(1 << 20)):
+                    assert kind == wire.REPLY and call not in replies, (kind, call)
+                    replies[call] = pb.PredReply.FromString(data)
+            assert sorted(replies) == list(range(1, HOG_PREDS + 1))
+            assert {len(r.outputs) for r in replies.values()} == {HOG_TOKENS}, \
+                next(r.error for r in replies.values() if r.HasField("error"))
+            assert preds_answered(k, hog) == HOG_PREDS
+            rest.join(10)
+        finally:
+            life.close()

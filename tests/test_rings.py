@@ -1,7 +1,7 @@
 """Syscall rings (syscalls/ring.py): the records, a kernel end that copies before it checks,
 and, on a real kernel daemon, preds through both clients, preds too large for the ring
-keeping their place in line, cancellation, and processes that scribble on their ring or
-die in the middle of a record, which only they notice."""
+keeping their place in line, cancellation, and processes that scribble on their ring, die
+in the middle of a record or read no replies, which only they notice."""
 
 from __future__ import annotations
 
@@ -17,7 +17,18 @@ import threading
 import time
 
 import pytest
-from daemon import meminfo, prompt, wait_for
+from daemon import (
+    HOG,
+    HOG_TOKENS,
+    hog_payload,
+    meminfo,
+    preds_answered,
+    prompt,
+    raw_open,
+    send_while_taken,
+    settled,
+    wait_for,
+)
 
 from syscalls import ring, session, wire
 from syscalls import symphony_pb2 as pb
@@ -495,3 +506,42 @@ def test_async_pred_many(daemon):
             await k.close()
 
     asyncio.run(main())
+
+
+def test_a_process_that_reads_no_replies_has_its_ring_drained_no_more(daemon):
+    """Its replies, too large for the completion ring, back up on its lifeline: then the
+    kernel takes no more of its ring's records (tests/test_lifeline.py has the same on the
+    lifeline), and the process finds its submission ring full. Once it reads, the kernel
+    drains the ring again, and every pred gets its one answer."""
+    with daemon.connect("bystander") as k, k.open("", os.O_RDWR) as f:
+        assert len(f.pred(**HOG)) == HOG_TOKENS  # the kernel's path for such a reply warm
+        f.truncate(0)
+        pids = {p.pid for p in k.ps()}
+        lifeline, token, rings = rung_session(daemon.socket)
+        try:
+            (hog,) = {p.pid for p in k.ps()} - pids
+            payload = hog_payload(raw_open(daemon.socket, token))
+            calls = range(1, 101)  # each record about 1.3 KB: all fit the ring at once
+
+            def submit(call: int) -> None:
+                assert rings.room(len(payload))
+                rings.submit(ring.PRED, call, payload)
+
+            send_while_taken(k, hog, calls, submit)
+            taken = settled(lambda: preds_answered(k, hog), quiet=1.0)
+            assert len(greedy(f, prompt(6), 3)) == 3  # the bystander is answered meanwhile
+            assert taken < len(calls) // 3, taken
+            frames, replies = wire.Frames(), {}
+            lifeline.settimeout(60)
+            while len(replies) < len(calls):
+                got = rings.completions()
+                if not got:
+                    got = frames.feed(lifeline.recv(1 << 20))
+                for kind, call, data in got:
+                    assert kind == wire.REPLY and call not in replies, (kind, call)
+                    replies[call] = pb.PredReply.FromString(data)
+            assert sorted(replies) == list(calls)
+            assert {len(r.outputs) for r in replies.values()} == {HOG_TOKENS}
+        finally:
+            lifeline.close()
+            rings.close()

@@ -1,0 +1,33 @@
+"""Why a lifeline is not read: each reason pauses it on its own, and it is read again only
+once no reason is left.
+
+Two hold a lifeline today: FrameHold (its user is past 64 MiB of partial frames) and the
+lifeline's own replies (its write buffer past its high-water mark: the process does not
+read them, so the kernel takes no more of its preds). One reason ending must not resume
+reading that the other still holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+FRAMES = "frames"  # FrameHold: the user's partial frames are past HOLD_LIMIT
+REPLIES = "replies"  # the replies not read by the process are past the high-water mark
+
+
+class ReadPause:
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.reasons: set[str] = set()
+
+    def pause(self, reason: str) -> None:
+        if not self.reasons and not self.transport.is_closing():
+            self.transport.pause_reading()
+        self.reasons.add(reason)
+
+    def resume(self, reason: str) -> None:
+        if reason not in self.reasons:
+            return
+        self.reasons.discard(reason)
+        if not self.reasons and not self.transport.is_closing():
+            self.transport.resume_reading()
