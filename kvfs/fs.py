@@ -85,6 +85,16 @@ def split(path: str) -> list[str]:
     return parts
 
 
+@dataclass(frozen=True)
+class NameChanges:
+    """What a namespace call changed, for the state directory to save: each name of a
+    directory that now names another inode, or none (`old` and `new` None where there was
+    or is no such name), and the inodes whose attributes changed."""
+
+    names: list[tuple[Inode, str, Inode | None, Inode | None]]  # (directory, name, old, new)
+    touched: list[Inode]
+
+
 class FileSystem:
     def __init__(self, store: PageStore, fingerprint: str, vocab_size: int | None = None):
         self.store, self.fingerprint, self.vocab_size = store, fingerprint, vocab_size
@@ -96,12 +106,12 @@ class FileSystem:
         self.root.parent = self.root
         self._mkdir_in(self.root, "home", 0o755, ROOT)
         self._mkdir_in(self.root, "tmp", 0o1777, ROOT)
-        # Hooks of the state directory: save a changed file, save the namespace (neither
-        # fails the call: a failed save is logged and tried again), make a file durable for
-        # fsync (raises EIO when it cannot), and load the pages of a file restored from disk
-        # on its first open.
+        # Hooks of the state directory: save a changed file, save a change of the namespace
+        # (neither fails the call: a failed save is logged and tried again), make a file
+        # durable for fsync (raises EIO when it cannot), and load the pages of a file
+        # restored from disk on its first open.
         self.on_change: Callable[[Inode], None] = lambda inode: None
-        self.on_namespace_change: Callable[[], None] = lambda: None
+        self.on_namespace_change: Callable[[NameChanges], None] = lambda change: None
         self.on_sync: Callable[[Inode], None] = lambda inode: None
         self.on_load: Callable[[Inode], None] = lambda inode: None
         self.importing = ImportsInFlight()
@@ -175,7 +185,7 @@ class FileSystem:
             raise FSError(errno.EEXIST, repr(path))
         self._writable_dir(cred, parent, path)
         d = self._mkdir_in(parent, name, mode, cred)
-        self.on_namespace_change()
+        self.on_namespace_change(NameChanges([(parent, name, None, d)], [parent]))
         return d
 
     def rmdir(self, cred: Cred, path: str) -> None:
@@ -193,7 +203,7 @@ class FileSystem:
         del parent.entries[name]
         parent.nlink -= 1
         parent.touch()
-        self.on_namespace_change()
+        self.on_namespace_change(NameChanges([(parent, name, d, None)], [parent]))
 
     def _not_skeleton(self, inode: Inode | None, path: str) -> None:
         """EBUSY for /home and /tmp: they stay where they are (homes are made in /home, and
@@ -214,8 +224,8 @@ class FileSystem:
             raise FSError(errno.EINVAL, f"{user!r} is not a user name")
         home = self.root.entries["home"]
         if user not in home.entries:
-            self._mkdir_in(home, user, 0o755, Cred(cred.uid, cred.gid))
-            self.on_namespace_change()
+            d = self._mkdir_in(home, user, 0o755, Cred(cred.uid, cred.gid))
+            self.on_namespace_change(NameChanges([(home, user, None, d)], [home]))
         return f"/home/{user}"
 
     # -- metadata -----------------------------------------------------------------------
@@ -251,7 +261,7 @@ class FileSystem:
             raise FSError(errno.EPERM, f"{path!r}: only the owner may chmod")
         inode.mode = stat.S_IFMT(inode.mode) | (mode & 0o7777)
         inode.touch(modified=False)
-        self.on_namespace_change()
+        self.on_namespace_change(NameChanges([], [inode]))
 
     def access(self, cred: Cred, path: str, want: int) -> None:
         """Raise ENOENT or EACCES unless `path` exists and cred may R/W/X it as asked."""
@@ -266,7 +276,7 @@ class FileSystem:
         inode.uid = inode.uid if uid == -1 else uid
         inode.gid = inode.gid if gid == -1 else gid
         inode.touch(modified=False)
-        self.on_namespace_change()
+        self.on_namespace_change(NameChanges([], [inode]))
 
     # -- names --------------------------------------------------------------------------
 
@@ -284,7 +294,7 @@ class FileSystem:
         inode.nlink -= 1
         inode.touch(modified=False)
         self._maybe_free(inode)
-        self.on_namespace_change()
+        self.on_namespace_change(NameChanges([(parent, name, inode, None)], [parent, inode]))
 
     def link(self, handle: Handle, path: str) -> None:
         """Give an open file (anonymous or not) another name.
@@ -305,7 +315,7 @@ class FileSystem:
         inode.nlink += 1
         inode.touch(modified=False)
         inode.dirty = True  # now named: the next save writes it
-        self.on_namespace_change()
+        self.on_namespace_change(NameChanges([(parent, name, None, inode)], [parent, inode]))
 
     def rename(self, cred: Cred, old: str, new: str) -> None:
         """Atomic: the new name points at the file, or it never happened."""
@@ -352,7 +362,9 @@ class FileSystem:
         for d in (src_dir, dst_dir):
             d.touch()
         inode.touch(modified=False)
-        self.on_namespace_change()
+        self.on_namespace_change(NameChanges(
+            [(src_dir, src_name, inode, None), (dst_dir, dst_name, target, inode)],
+            [src_dir, dst_dir, inode]))
 
     # -- open files ---------------------------------------------------------------------
 
@@ -382,7 +394,7 @@ class FileSystem:
             inode.nlink = 1
             parent.entries[name] = inode
             parent.touch()
-            self.on_namespace_change()
+            self.on_namespace_change(NameChanges([(parent, name, None, inode)], [parent]))
             return self._handle(inode, cred, acc != os.O_WRONLY, acc != os.O_RDONLY)
         if flags & os.O_CREAT and flags & os.O_EXCL:
             raise FSError(errno.EEXIST, repr(path))
@@ -562,7 +574,7 @@ class FileSystem:
         inode.nlink = 1
         parent.touch()
         inode.touch()
-        self.on_namespace_change()
+        self.on_namespace_change(NameChanges([(parent, name, None, inode)], [parent]))
         self.on_change(inode)
         return inode
 

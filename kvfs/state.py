@@ -1,16 +1,20 @@
 """The state directory: named KV files outside /tmp survive a restart.
 
     STATE/namespace.json   directories, names, modes, owners, times (everything but /tmp)
+    STATE/namespace.log    the changes to it since (kvfs/journal.py)
     STATE/files/INO.kv     each file's contents in the canonical form (docs/kv-format.md)
 
 Every write goes to a temporary file, is fsynced, then renamed over the old one, and the
 directory is fsynced: a crash at any point leaves the old or the new version, never a
-torn one. The namespace on disk never names a file whose data is not on disk: a namespace
-save first writes every named file with entries and no data file yet, and a data file no
-name needs any more is removed only once the namespace without that name is on disk. So
-after a crash at any instant each named file is its last saved version or the new one.
-namespace.json marks each file whose data was saved, so restore tells a file created empty
-(no data file, none expected) from lost data (refused, EIO).
+torn one; a change of names is a line appended to the journal and fdatasynced. When the
+journal has as many lines as there are named inodes (1024 at least), the namespace is
+written whole and the journal starts again: a change costs O(1) on the loop, amortized.
+The namespace on disk never names a file whose data is not on disk: a file's data is
+written before the change or the namespace that names it, and a data file no name needs
+any more is removed only once the change without that name is on disk. So after a crash
+at any instant each named file is its last saved version or the new one. The namespace
+marks each file whose data was saved, so restore tells a file created empty (no data
+file, none expected) from lost data (refused, EIO).
 
 A failed save never fails the call that changed things, which stands in memory: it is
 logged and tried again (a file at its next save, the namespace at the next change, both
@@ -27,13 +31,16 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from kvfs import journal
 from kvfs.errors import FSError
 from kvfs.format import exported_size, parse, read_meta, read_range
-from kvfs.fs import FileSystem
+from kvfs.fs import FileSystem, NameChanges
 from kvfs.inode import Inode
+from kvfs.journal import JOURNAL
 
 NAMESPACE = "namespace.json"
 VERSION = 1
+JOURNAL_MIN = 1024  # lines the journal may reach before the namespace is written whole
 log = logging.getLogger("kvfs.state")
 
 CHUNK = 8 << 20
@@ -66,9 +73,16 @@ class StateDir:
         # Every inode named outside /tmp, as of the last namespace change: one lookup tells
         # whether a file is saved at all.
         self.named: dict[int, Inode] = {}
+        # Per named inode, the names it has in named directories (the root's included): a
+        # change of names tells from it which inodes come to be named or stop being.
+        self.refs: dict[int, int] = {}
         self.written: set[int] = set()  # files with a data file on disk
-        self.stale = False  # the namespace on disk is older than the one in memory
+        # The namespace on disk is older than the one in memory (a failed save): the next
+        # save writes it whole, as a journal line after a lost one would not do.
+        self.stale = False
         self.last: dict | None = None  # the namespace as last written, less next_ino
+        self.generation = 0  # namespace.json's, which its journal carries
+        self.journal_lines = 0  # changes in the journal since
         fs.on_change = self.changed
         fs.on_namespace_change = self.namespace_changed
         fs.on_sync = self.sync
@@ -77,19 +91,23 @@ class StateDir:
     def _data(self, ino: int) -> Path:
         return self.files / f"{ino}.kv"
 
-    def _walk(self) -> dict[int, Inode]:
-        """Every inode with a name outside /tmp, by inode number (a loop, not recursion:
-        a tree may be deeper than Python's stack)."""
+    def _walk(self) -> tuple[dict[int, Inode], dict[int, int]]:
+        """Every inode with a name outside /tmp, by inode number, and how many such names
+        each has (a loop, not recursion: a tree may be deeper than Python's stack)."""
         out: dict[int, Inode] = {}
+        refs: dict[int, int] = {}
         tmp = self.fs.root.entries["tmp"]
         stack = [self.fs.root]
         while stack:
             for child in stack.pop().entries.values():
-                if child is not tmp and child.ino not in out:
+                if child is tmp:
+                    continue
+                refs[child.ino] = refs.get(child.ino, 0) + 1
+                if child.ino not in out:
                     out[child.ino] = child
                     if child.is_dir:
                         stack.append(child)
-        return out
+        return out, refs
 
     # -- the file system's hooks ----------------------------------------------------------
 
@@ -101,10 +119,11 @@ class StateDir:
             log.exception("saving inode %d failed; kept in memory, tried again at its next "
                           "save and at stop", inode.ino)
 
-    def namespace_changed(self) -> None:
-        """Save the namespace, or log why not (tried again at the next change and at stop)."""
+    def namespace_changed(self, change: NameChanges) -> None:
+        """Save a change of names, or log why not (the namespace is then saved whole at the
+        next change, at fsync and at stop)."""
         try:
-            self.save_namespace()
+            self._record(change)
         except Exception:
             log.exception("saving the namespace failed; kept in memory, tried again at the "
                           "next change and at stop")
@@ -121,20 +140,19 @@ class StateDir:
     # -- saving ---------------------------------------------------------------------------
 
     def save_file(self, inode: Inode) -> None:
-        """Write a named file's data if it changed; the first time, the namespace too: it
-        records that the file has data, so that restore knows a missing data file is lost."""
+        """Write a named file's data if it changed, then its attributes: its times, and that
+        it has data, so that restore knows a missing data file is lost."""
         if self._save(inode):
-            self.save_namespace()
+            self._record(NameChanges([], [inode]))
 
     def _save(self, inode: Inode) -> bool:
-        """Write a named file's data if it changed; whether it is the file's first data file."""
+        """Write a named file's data if it changed; whether it did."""
         if inode.is_dir or inode.ino not in self.named or not inode.dirty:
             return False
         if inode.length and not inode.pages:
             return False  # restored but never loaded: what is on disk is already current
-        first = inode.ino not in self.written
         self._write_data(inode)
-        return first
+        return True
 
     def _write_data(self, inode: Inode) -> None:
         # Streamed a chunk at a time: a long file is never held twice in memory.
@@ -145,11 +163,80 @@ class StateDir:
         inode.dirty = False
         self.written.add(inode.ino)
 
+    def _record(self, change: NameChanges) -> None:
+        """Put a change on disk: a line of the journal, or the namespace whole when the
+        journal is long or behind. Raises what the disk says (then the next save is whole)."""
+        if self.stale or self.journal_lines >= max(JOURNAL_MIN, len(self.named)):
+            self.save_namespace()
+            return
+        root, ops = self.fs.root, []
+        counts: dict[int, int] = {}  # names gained (lost: negative) in named directories
+        by_ino: dict[int, Inode] = {}
+        for d, name, old, new in change.names:
+            if not (d is root or self.named.get(d.ino) is d):
+                continue  # under /tmp, or in a directory with no name
+            if old is not None:
+                ops.append(["unlink", d.ino, name])
+                counts[old.ino], by_ino[old.ino] = counts.get(old.ino, 0) - 1, old
+            if new is not None:
+                ops.append(["link", d.ino, name, new.ino])
+                counts[new.ino], by_ino[new.ino] = counts.get(new.ino, 0) + 1, new
+        entered: list[Inode] = []
+        left: list[Inode] = []
+        for ino, n in counts.items():
+            self._count(by_ino[ino], n, entered, left)
+        for inode in entered:  # a file's data before any name of it
+            if not inode.is_dir and inode.length and inode.ino not in self.written:
+                self._write_data(inode)
+        new = {inode.ino for inode in entered}
+        ops = ([["set", inode.ino, self._meta(inode)] for inode in entered] + ops
+               + [["drop", inode.ino] for inode in left])
+        for inode in change.touched:
+            if inode is root:
+                ops.append(["root", self._attrs(inode)])
+            elif self.named.get(inode.ino) is inode and inode.ino not in new:
+                ops.append(["attr", inode.ino, self._attrs(inode)])
+        if not ops:
+            return
+        try:
+            journal.append(self.path / JOURNAL, ops, self.fs.next_ino)
+        except BaseException:
+            self.stale = True
+            raise
+        self.journal_lines += 1
+        for inode in left:
+            if inode.ino in self.written:
+                self._data(inode.ino).unlink(missing_ok=True)
+                self.written.discard(inode.ino)
+
+    def _count(self, inode: Inode, n: int, entered: list[Inode], left: list[Inode]) -> None:
+        """inode has n names more (fewer, n < 0) in named directories: when it comes to
+        have some, or none, it enters or leaves the named inodes, a directory with its tree."""
+        stack = [(inode, n)]
+        while stack:
+            node, n = stack.pop()
+            before = self.refs.get(node.ino, 0)
+            after = before + n
+            if after:
+                self.refs[node.ino] = after
+            else:
+                self.refs.pop(node.ino, None)
+            if before == 0 < after:
+                self.named[node.ino] = node
+                entered.append(node)
+                if node.is_dir:
+                    stack += [(child, 1) for child in node.entries.values()]
+            elif before > 0 == after:
+                del self.named[node.ino]
+                left.append(node)
+                if node.is_dir:
+                    stack += [(child, -1) for child in node.entries.values()]
+
     def save_namespace(self) -> None:
         """Write the data of every named file with entries and none on disk yet, then the
-        namespace, then remove the data files no name needs any more."""
+        namespace and a new journal, then remove the data files no name needs any more."""
         self.stale = True
-        self.named = self._walk()
+        self.named, self.refs = self._walk()
         for inode in self.named.values():
             if not inode.is_dir and inode.length and inode.ino not in self.written:
                 self._write_data(inode)
@@ -160,23 +247,32 @@ class StateDir:
         }
         # A change under /tmp alone leaves this as it was: no write. next_ino may then be
         # behind on disk, but only numbers of inodes never saved are then used again.
-        if record != self.last:
+        if record != self.last or self.journal_lines:
+            generation = self.generation + 1
             atomic_write(self.path / NAMESPACE, [json.dumps(
-                {**record, "next_ino": self.fs.next_ino}, indent=1).encode()])
-            self.last = record
+                {**record, "next_ino": self.fs.next_ino, "generation": generation},
+                indent=1).encode()])
+            self.generation, self.last = generation, record
+            atomic_write(self.path / JOURNAL, [journal.header(generation)])
+            self.journal_lines = 0
         self.stale = False
         for ino in self.written - self.named.keys():
             self._data(ino).unlink(missing_ok=True)
         self.written &= self.named.keys()
 
+    def _attrs(self, inode: Inode) -> dict:
+        attrs = {k: getattr(inode, k) for k in ("mode", "uid", "gid", "atime", "mtime",
+                                                 "ctime")}
+        if not inode.is_dir:
+            attrs["fingerprint"] = inode.fingerprint
+            attrs["saved"] = inode.ino in self.written
+        return attrs
+
     def _meta(self, inode: Inode) -> dict:
-        meta = {k: getattr(inode, k) for k in ("mode", "uid", "gid", "atime", "mtime", "ctime")}
+        meta = self._attrs(inode)
         if inode.is_dir:
             tmp = self.fs.root.entries["tmp"]
             meta["entries"] = {n: c.ino for n, c in inode.entries.items() if c is not tmp}
-        else:
-            meta["fingerprint"] = inode.fingerprint
-            meta["saved"] = inode.ino in self.written
         return meta
 
     def shutdown(self) -> None:
@@ -208,12 +304,16 @@ class StateDir:
         if not index.exists():
             self.save_namespace()
             return
+        changes = self.path / JOURNAL
         try:
             record = json.loads(index.read_bytes())
             if record.get("version") != VERSION:
                 raise ValueError(f"version {record.get('version')!r}")
+            text = changes.read_bytes() if changes.exists() else b""
+            replayed = journal.replay(record, text, self.fs.root.ino)
         except (json.JSONDecodeError, ValueError) as e:
             raise FSError(errno.EINVAL, f"{index}: unreadable state ({e})") from e
+        self.generation = record.get("generation", 0)
         fs, metas = self.fs, {int(k): v for k, v in record["inodes"].items()}
         made: dict[int, Inode] = {}
         written: set[int] = set()
@@ -243,6 +343,17 @@ class StateDir:
         root.entries, root.nlink = entries, 2 + sum(c.is_dir for c in entries.values())
         fs.next_ino = max(fs.next_ino, record["next_ino"])
         self.named, self.written = made, written
+        self.refs = self._walk()[1]
+        if replayed is None or replayed or not text.endswith(b"\n"):
+            # The journal folded into a namespace written whole: a new one starts, clear
+            # of the changes and of any torn line a crash left at its end. A disk that
+            # cannot take it now stops no start: what is on disk stands, and the next
+            # change saves the namespace whole.
+            try:
+                self.save_namespace()
+            except OSError:
+                log.exception("saving the restored namespace failed; tried again at the "
+                              "next change, at fsync and at stop")
         for data in self.files.glob("*.kv"):
             if int(data.stem) not in made:
                 data.unlink()

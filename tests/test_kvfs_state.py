@@ -9,6 +9,7 @@ import shutil
 import pytest
 from kvfs_helpers import append, assert_kv, make_fs
 
+import kvfs.journal
 import kvfs.state
 from kvfs.errors import FSError
 from kvfs.fs import FileSystem
@@ -262,13 +263,18 @@ def test_a_crash_before_any_write_leaves_each_file_old_or_new(tmp_path, monkeypa
     names = ("a", "b", "d", "e", "f", "g", "imported", "linked")
     old = {n: contents(fs, home + n) for n in names}
     snapshots = []
-    write = kvfs.state.atomic_write
+    write, append_line = kvfs.state.atomic_write, kvfs.journal.append
 
     def copy_then_write(path, chunks):
         snapshots.append(shutil.copytree(state, tmp_path / f"crash{len(snapshots)}"))
         write(path, chunks)
 
+    def copy_then_append(path, ops, next_ino):
+        snapshots.append(shutil.copytree(state, tmp_path / f"crash{len(snapshots)}"))
+        append_line(path, ops, next_ino)
+
     monkeypatch.setattr(kvfs.state, "atomic_write", copy_then_write)
+    monkeypatch.setattr(kvfs.journal, "append", copy_then_append)
     src = fs.open(ALICE, "/tmp/src", RW_CREAT)
     append(fs, src, list(range(50, 70)))
     fs.import_file(ALICE, home + "imported", fs.export(src))  # a new name
@@ -285,6 +291,7 @@ def test_a_crash_before_any_write_leaves_each_file_old_or_new(tmp_path, monkeypa
     fs.fsync(g)
     fs.close(anon)
     snapshots.append(shutil.copytree(state, tmp_path / "done"))
+    monkeypatch.undo()  # a restore writes a namespace too
     new = {n: contents(fs, home + n) for n in names}
     assert all(new[n] != old[n] for n in names)
     for snapshot in snapshots:
@@ -322,10 +329,11 @@ def test_a_failed_save_fails_no_call_and_fsync_says_eio(tmp_path, monkeypatch):
     fs.fsync(f)
     saved = fs.export(f)
 
-    def disk_full(path, chunks):
+    def disk_full(path, *what):
         raise OSError(errno.ENOSPC, f"{path}: no space left")
 
     monkeypatch.setattr(kvfs.state, "atomic_write", disk_full)
+    monkeypatch.setattr(kvfs.journal, "append", disk_full)
     fs.mkdir(ALICE, "/home/alice/d")
     g = fs.open(ALICE, "/home/alice/d/g", RW_CREAT)
     append(fs, g, [4, 5])
@@ -387,3 +395,134 @@ def test_import_over_a_saved_file_rewrites_its_data_in_place(tmp_path):
     st = third.stat(ROOT, "/home/alice/f")
     assert (st.ino, st.uid, st.mode & 0o7777, st.tokens) == (ino, 1000, 0o640, 3)
     assert third.export(third.open(ROOT, "/home/alice/f")) == data
+
+
+def names(fs: FileSystem) -> dict[str, tuple]:
+    """Every name outside /tmp: what it names (inode number, type and permission bits,
+    owner, group, entries)."""
+    out, stack = {}, [("", fs.root)]
+    while stack:
+        path, d = stack.pop()
+        for name, child in d.entries.items():
+            if d is fs.root and name == "tmp":
+                continue
+            out[f"{path}/{name}"] = (child.ino, child.mode, child.uid, child.gid, child.length)
+            if child.is_dir:
+                stack.append((f"{path}/{name}", child))
+    return out
+
+
+@pytest.mark.parametrize("journal_min", [1024, 3])
+def test_the_journal_restores_every_change_of_names(tmp_path, monkeypatch, journal_min):
+    """Random namespace calls (in and out of /tmp, over other names, hard links, whole trees
+    moving): the named inodes kept change by change are those a walk finds, and a restart
+    from the disk as it is after any call gives the names as they were; with a short
+    journal, through namespaces written whole on the way."""
+    import random
+
+    monkeypatch.setattr(kvfs.state, "JOURNAL_MIN", journal_min)
+    rng = random.Random(7)
+    fs = make_fs(pages=256)
+    state = StateDir(tmp_path / "state", fs)
+    state.restore()
+    fs.home(ALICE, "alice")
+    dirs, files = ["/home/alice", "/tmp"], []
+
+    def path_in(d: str) -> str:
+        return f"{d}/n{rng.randrange(12)}"
+
+    for step in range(300):
+        op = rng.choice(["mkdir", "create", "unlink", "rename", "link", "rmdir", "chmod",
+                         "import", "anon"])
+        try:
+            if op == "mkdir":
+                p = path_in(rng.choice(dirs))
+                fs.mkdir(ALICE, p)
+                dirs.append(p)
+            elif op == "create":
+                p = path_in(rng.choice(dirs))
+                h = fs.open(ALICE, p, RW_CREAT)
+                append(fs, h, [step % 90 + 1] * rng.randrange(0, 9))
+                fs.close(h)
+                files.append(p)
+            elif op == "unlink" and files:
+                fs.unlink(ALICE, rng.choice(files))
+            elif op == "rename":
+                src = rng.choice(files + dirs[2:]) if files or dirs[2:] else None
+                if src:
+                    fs.rename(ALICE, src, path_in(rng.choice(dirs)))
+            elif op == "link" and files:
+                h = fs.open(ALICE, rng.choice(files))
+                fs.link(h, path_in(rng.choice(dirs)))
+                fs.close(h)
+            elif op == "rmdir" and dirs[2:]:
+                fs.rmdir(ALICE, rng.choice(dirs[2:]))
+            elif op == "chmod" and files:
+                fs.chmod(ALICE, rng.choice(files), rng.choice([0o600, 0o640, 0o644]))
+            elif op == "import":
+                src = fs.open(ALICE, "", RW_CREAT)
+                append(fs, src, [3, 1, 4, 1, 5][: rng.randrange(1, 6)])
+                fs.import_file(ALICE, path_in(rng.choice(dirs)), fs.export(src))
+                fs.close(src)
+            elif op == "anon":
+                h = fs.open(ALICE, "", RW_CREAT)
+                append(fs, h, [9] * rng.randrange(0, 12))
+                fs.link(h, path_in(rng.choice(dirs)))
+                fs.close(h)
+        except FSError:
+            pass  # a name taken, gone, or a directory not empty: nothing changed
+        assert (state.named, state.refs) == state._walk(), (step, op)
+        if step % 25 == 0 or step == 299:
+            again = boot(shutil.copytree(tmp_path / "state", tmp_path / f"copy{step}"))
+            assert names(again) == names(fs), step
+    assert state.generation > 1 if journal_min == 3 else state.generation == 1
+
+
+def test_a_change_of_names_writes_a_line_not_the_namespace(tmp_path):
+    """With many names, a create appends a line to the journal and leaves namespace.json
+    as it is: the change costs O(1), not O(names)."""
+    fs = make_fs()
+    state = StateDir(tmp_path, fs)
+    state.restore()
+    fs.home(ALICE, "alice")
+    for i in range(200):
+        fs.close(fs.open(ALICE, f"/home/alice/f{i}", RW_CREAT))
+    index, log = tmp_path / "namespace.json", tmp_path / "namespace.log"
+    before, lines = index.stat(), log.read_bytes().count(b"\n")
+    fs.close(fs.open(ALICE, "/home/alice/one-more", RW_CREAT))
+    assert index.stat().st_mtime_ns == before.st_mtime_ns and index.stat().st_ino == before.st_ino
+    added = log.read_bytes().splitlines()[lines:]
+    assert len(added) == 1 and len(added[0]) < 400
+    assert "/home/alice/one-more" in names(boot(tmp_path))
+
+
+def test_a_torn_last_line_is_dropped_and_a_stale_journal_ignored(tmp_path):
+    fs = boot(tmp_path)
+    fs.home(ALICE, "alice")
+    fs.mkdir(ALICE, "/home/alice/kept")
+    log = tmp_path / "namespace.log"
+    whole = log.read_bytes()
+    fs.mkdir(ALICE, "/home/alice/torn")
+    torn = log.read_bytes()
+    log.write_bytes(torn[: len(whole) + (len(torn) - len(whole)) // 2])  # died mid-line
+    after = boot(tmp_path)
+    assert "/home/alice/kept" in names(after) and "/home/alice/torn" not in names(after)
+    # That restart wrote the namespace whole and began a clean journal: changes go on.
+    after.mkdir(ALICE, "/home/alice/next")
+    assert {"/home/alice/kept", "/home/alice/next"} <= set(names(boot(tmp_path)))
+    # A journal of an older namespace.json (a crash between writing the two) is ignored.
+    log.write_bytes(torn)
+    assert "/home/alice/torn" not in names(boot(tmp_path))
+
+
+def test_a_journal_line_that_is_not_one_is_an_unreadable_state(tmp_path):
+    fs = boot(tmp_path)
+    fs.home(ALICE, "alice")
+    fs.mkdir(ALICE, "/home/alice/d")
+    log = tmp_path / "namespace.log"
+    head, *lines = log.read_bytes().splitlines(keepends=True)
+    log.write_bytes(head + b'{"ops": [["unlink", 424242, "x"]], "next_ino": 9}\n'
+                    + b"".join(lines))
+    with pytest.raises(FSError) as e:
+        boot(tmp_path)
+    assert e.value.errno == errno.EINVAL and "namespace.log" in str(e.value)
