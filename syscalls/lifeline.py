@@ -38,6 +38,9 @@ Why = tuple[int, str]  # errno and message of what calls get once no reply can c
 # How long an interrupted call waits for the kernel to take its pred back: a pred in the
 # running step is rolled back when the step ends. Interrupting it again ends the wait.
 CANCEL_WAIT = 10.0
+# A sender the lifeline takes nothing from looks this often whether it may read the
+# replies (the thread reading them may have stopped).
+BLOCKED_SEND_WAIT = 0.05
 
 
 def _gone(where: str, why: str) -> Why:
@@ -171,7 +174,11 @@ class Lifeline:
                 while sum(progress) < len(data):
                     # list.extend calls send from C: the count is kept even when an
                     # interruption lands the moment send returns.
-                    progress.extend(map(self.sock.send, (view[sum(progress):],)))
+                    try:
+                        progress.extend(map(self.sock.send, (view[sum(progress):],),
+                                            (socket.MSG_DONTWAIT,)))
+                    except BlockingIOError:
+                        self._read_while_blocked()
             except OSError:
                 raise
             except BaseException:
@@ -180,6 +187,30 @@ class Lifeline:
                 raise
         except OSError as e:
             raise errors.error(*_gone(self.where, e.strerror or str(e))) from e
+
+    def _read_while_blocked(self) -> None:
+        """The lifeline takes nothing now: the kernel takes no more preds of a process
+        while its replies wait unread (docs/syscalls.md), so this sender reads them, unless
+        another thread does; back when the lifeline may take more, or BLOCKED_SEND_WAIT."""
+        me = threading.get_ident()
+        with self._lock:
+            reading = self._reader is None and not self._closed
+            if reading:
+                self._reader = me
+        why = None
+        poll = select.poll()
+        poll.register(self.sock, select.POLLOUT | (select.POLLIN if reading else 0))
+        try:
+            if any(ev & (select.POLLIN | select.POLLHUP)
+                   for _, ev in poll.poll(BLOCKED_SEND_WAIT * 1e3)) and reading:
+                self._recv()
+        except OSError as e:
+            why = _gone(self.where, e.strerror or str(e))
+        finally:
+            if reading:
+                with self._lock:
+                    self._reader = None
+                    self._hand_out(why)
 
     def _finish(self, view: memoryview, progress: list[int]) -> None:
         """The rest of a frame cut short by an interruption. Interrupted again, it is cut

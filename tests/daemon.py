@@ -60,8 +60,9 @@ class Daemon:
     def env(self) -> dict[str, str]:
         return {**os.environ, "SYMPHONY_SOCKET": str(self.socket)}
 
-    def connect(self, name: str = "test") -> Kernel:
-        return Kernel.connect(self.socket, name=name)
+    def connect(self, name: str = "test", **how) -> Kernel:
+        """A session (Kernel.connect's `rings` and `lifeline_pred` in `how`)."""
+        return Kernel.connect(self.socket, name=name, **how)
 
     def stop(self) -> int:
         if self.process.poll() is None:

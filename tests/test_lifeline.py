@@ -393,3 +393,30 @@ def test_a_process_that_does_not_read_its_lifeline_gets_no_more_preds_taken(daem
             rest.join(10)
         finally:
             life.close()
+
+
+@pytest.mark.parametrize("rings", [False, True])
+def test_a_sender_reads_the_replies_while_the_kernel_takes_no_more(daemon, rings):
+    """Ten preds sent and not waited for yet (their ~7 MB of replies wait unread, so the
+    kernel takes no more of the process's preds), then a batch of 30 MB (600 preds of
+    50 KB, refused at once: a bad fd) that fills the lifeline's socket or the ring: the
+    sender reads the replies while it cannot send, and all are answered. Before, the
+    sender and the kernel waited for each other for ever."""
+    with daemon.connect("batch", rings=rings) as k, daemon.connect("watcher") as w, \
+            k.open("", os.O_RDWR) as f:
+        line = k._line
+        early = [next(line._ids) for _ in range(10)]
+        sendings = [lifeline.Sending() for _ in early]
+        line._calls.update(zip(early, sendings, strict=True))
+        line._send_many([wire.frame(wire.PRED, c, hog_payload(f.fd)) for c in early], sendings)
+        wait_for(lambda: preds_answered(w, k.getpid()) == len(early), what="the ten answered")
+        got = []
+        sender = threading.Thread(target=lambda: got.append(k.pred_many(
+            [{"fd": 999, "tokens": [300] * 25000}] * 600, return_exceptions=True)),
+            daemon=True)
+        sender.start()
+        sender.join(120)
+        assert not sender.is_alive(), "the batch waits for the kernel, which waits for it"
+        assert {e.errno for e in got[0]} == {errno.EBADF} and len(got[0]) == 600
+        replies = [pb.PredReply.FromString(line._wait(c, None)) for c in early]
+        assert [len(r.outputs) for r in replies] == [HOG_TOKENS] * len(early)
