@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -38,7 +39,10 @@ class Output:
     row: int
     token: int
     logprob: float
-    top: list[tuple[int, float]]
+    # The row's most likely ids, first the likeliest, and their logprobs: rows of the
+    # step's arrays (lists in a step without an engine)
+    top_ids: Sequence[int]
+    top_logprobs: Sequence[float]
     model_logprob: float | None = None  # of token, the model's own: set for a row with a
     # mask or a bias (without, it is logprob)
     scores: list[float] = field(default_factory=list)  # at the row's score_ids, in order

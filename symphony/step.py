@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from symphony.engine.engine import Batch, Engine, TreeRows
@@ -129,8 +130,8 @@ class StepResult:
 
     tokens: list[int]
     logprobs: list[float]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
+    top_ids: np.ndarray | list[list[int]]  # [rows, n]: arrays from the engine
+    top_logprobs: np.ndarray | list[list[float]]
     seconds: float = 0.0  # the step's time, shared out by tokens computed
     model_logprobs: list[float] | None = None
     scores: list[list[float]] | None = None
@@ -140,8 +141,10 @@ class StepResult:
 
 
 def _result(s: Samples) -> StepResult:
-    return StepResult(s.tokens.tolist(), s.logprobs.tolist(), s.top_ids.tolist(),
-                      s.top_logprobs.tolist(),
+    # The top logprobs as arrays: thousands a row pickle and reach the reply as bytes
+    # (symphony/top_wire.py), where lists of Python numbers took seconds.
+    return StepResult(s.tokens.tolist(), s.logprobs.tolist(), s.top_ids.cpu().numpy(),
+                      s.top_logprobs.cpu().numpy(),
                       model_logprobs=None if s.model_logprobs is None
                       else s.model_logprobs.tolist(),
                       scores=None if s.scores is None else s.scores.tolist())

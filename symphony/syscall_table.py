@@ -28,6 +28,7 @@ from symphony.engine.tokenizer import Tokenizer
 from symphony.engine.tree import ancestor_bits, depths
 from symphony.pred_job import Output, PredSpec
 from symphony.process import NICE_MAX, NICE_MIN, Process
+from symphony.top_wire import encode_tops
 from syscalls import symphony_pb2 as pb
 from syscalls import wire
 
@@ -337,10 +338,11 @@ def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> as
 
 def pred_reply(outputs: list[Output]) -> pb.PredReply:
     reply = pb.PredReply()
-    for o in outputs:  # add() in place: about twice as fast as building the messages
+    for o, top in zip(outputs, _tops(outputs), strict=True):
+        # add() in place: about twice as fast as building the messages
         out = reply.outputs.add(row=o.row, token=o.token, logprob=o.logprob)
-        for i, lp in o.top:
-            out.top.add(id=i, logprob=lp)
+        if top:
+            out.MergeFromString(top)
         if o.model_logprob is not None:  # only a controlled row has these
             out.model_logprob = o.model_logprob
         if o.scores:
@@ -348,6 +350,19 @@ def pred_reply(outputs: list[Output]) -> pb.PredReply:
         if o.next_logprob is not None:
             out.next_logprob = o.next_logprob
     return reply
+
+
+def _tops(outputs: list[Output]) -> list[bytes]:
+    """The outputs' top logprobs on the wire (symphony/top_wire.py): all rows at once where
+    they have as many, as a pred's rows do."""
+    counts = {len(o.top_ids) for o in outputs}
+    if counts <= {0}:
+        return [b""] * len(outputs)
+    if len(counts) == 1:
+        return encode_tops(np.array([o.top_ids for o in outputs]),
+                           np.array([o.top_logprobs for o in outputs]))
+    return [encode_tops(np.array([o.top_ids]), np.array([o.top_logprobs]))[0]
+            for o in outputs]
 
 
 async def sys_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> pb.PredReply:

@@ -1,0 +1,52 @@
+"""The top logprobs on the wire, built with numpy: what protobuf's own messages give."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from symphony.pred_job import Output
+from symphony.syscall_table import pred_reply
+from symphony.top_wire import encode_tops
+from syscalls import symphony_pb2 as pb
+
+EDGES = [0, 1, 127, 128, 16383, 16384, 2**21 - 1, 2**21, 2**28 - 1, 2**28, 2**31 - 1]
+
+
+def as_messages(ids, logprobs) -> pb.PredOutput:
+    out = pb.PredOutput(row=2, token=5)
+    for i, lp in zip(ids, logprobs, strict=True):
+        out.top.add(id=int(i), logprob=float(lp))
+    return out
+
+
+def test_each_row_parses_to_the_messages_and_serializes_as_they_do():
+    rng = np.random.default_rng(0)
+    ids = np.array([EDGES, EDGES[::-1], rng.integers(0, 150_000, len(EDGES))])
+    logprobs = rng.normal(size=ids.shape).astype(np.float32)
+    logprobs[0, 0] = 0.0  # proto3 leaves a zero out; an explicit one parses alike
+    for row, data in enumerate(encode_tops(ids, logprobs)):
+        got = pb.PredOutput(row=2, token=5)
+        got.MergeFromString(data)
+        want = as_messages(ids[row], logprobs[row])
+        assert got == want
+        assert got.SerializeToString() == want.SerializeToString()
+
+
+def test_no_entries_and_ids_out_of_range():
+    assert encode_tops(np.zeros((3, 0), dtype=np.int64), np.zeros((3, 0))) == [b""] * 3
+    for bad in (-1, 2**31):
+        with pytest.raises(ValueError, match=r"\[0, 2\^31\)"):
+            encode_tops(np.array([[bad]]), np.array([[0.5]]))
+
+
+def test_a_reply_of_rows_with_and_without_tops():
+    outputs = [Output(0, 7, -0.5, np.array([7, 300]), np.array([-0.5, -2.0])),
+               Output(1, 9, -0.25, [9], [-0.25]),  # another count: encoded on its own
+               Output(2, 4, -1.0, [], [], model_logprob=-3.0, scores=[-1.5])]
+    want = pb.PredReply()
+    for o in outputs:
+        out = want.outputs.add(row=o.row, token=o.token, logprob=o.logprob)
+        out.top.extend(as_messages(o.top_ids, o.top_logprobs).top)
+    want.outputs[2].model_logprob, want.outputs[2].scores[:] = -3.0, [-1.5]
+    assert pred_reply(outputs) == want
