@@ -336,13 +336,23 @@ def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> as
     return k.sched.submit(proc, handle, spec)
 
 
+# Top logprobs in a reply past which numpy builds them (symphony/top_wire.py): below,
+# add() a message each is faster than numpy's cost a call.
+FEW_TOPS = 256
+
+
 def pred_reply(outputs: list[Output]) -> pb.PredReply:
     reply = pb.PredReply()
-    for o, top in zip(outputs, _tops(outputs), strict=True):
+    many = sum(len(o.top_ids) for o in outputs) > FEW_TOPS
+    tops = _tops(outputs) if many else [b""] * len(outputs)
+    for o, top in zip(outputs, tops, strict=True):
         # add() in place: about twice as fast as building the messages
         out = reply.outputs.add(row=o.row, token=o.token, logprob=o.logprob)
         if top:
             out.MergeFromString(top)
+        elif not many:
+            for i, lp in zip(o.top_ids, o.top_logprobs, strict=True):
+                out.top.add(id=int(i), logprob=float(lp))
         if o.model_logprob is not None:  # only a controlled row has these
             out.model_logprob = o.model_logprob
         if o.scores:

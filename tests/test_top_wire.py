@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from symphony import syscall_table
 from symphony.pred_job import Output
 from symphony.syscall_table import pred_reply
 from symphony.top_wire import encode_tops
@@ -40,7 +41,9 @@ def test_no_entries_and_ids_out_of_range():
             encode_tops(np.array([[bad]]), np.array([[0.5]]))
 
 
-def test_a_reply_of_rows_with_and_without_tops():
+@pytest.mark.parametrize("few", [0, 256], ids=["numpy", "a message each"])
+def test_a_reply_of_rows_with_and_without_tops(monkeypatch, few):
+    monkeypatch.setattr(syscall_table, "FEW_TOPS", few)
     outputs = [Output(0, 7, -0.5, np.array([7, 300]), np.array([-0.5, -2.0])),
                Output(1, 9, -0.25, [9], [-0.25]),  # another count: encoded on its own
                Output(2, 4, -1.0, [], [], model_logprob=-3.0, scores=[-1.5])]
