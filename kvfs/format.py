@@ -20,18 +20,17 @@ import torch
 
 from kvfs.errors import FSError
 from kvfs.inode import Inode
+from kvfs.kv_header import (
+    INT_TENSORS,
+    Shape,
+    header_length,
+    read_header,
+    tensor_shapes,
+)
+from kvfs.kv_header import bad as _bad
 from kvfs.pages import Page, PageStore
 from kvfs.pool import DEVICE, DISK, HOST, KVPool
 from kvfs.ranges import overlapping
-
-MAGIC = "symphony-kv"
-VERSION = "1"
-# Our header is a few hundred bytes whatever N is (tokens live in tensors, not the JSON);
-# the bound only stops a hostile length from making us read or parse megabytes.
-MAX_HEADER = 1 << 20
-# Bytes of a file's entry besides its K and V: token id, position, and at most one excluded
-# range (16 bytes) per entry, since ranges are non-empty and disjoint.
-ENTRY_EXTRA = 32
 
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()}
@@ -39,21 +38,6 @@ _DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()}
 # make two byte streams for one file).
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 _NP_BITS = {torch.int32: np.dtype("<i4"), torch.int16: np.dtype("<i2")}
-INT_TENSORS = ("token_ids", "positions", "excluded")
-TENSORS = (*INT_TENSORS, "k", "v")
-META_KEYS = ("format", "version", "fingerprint", "dtype", "page_size", "layers", "kv_heads",
-             "head_dim")
-_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
-
-
-def largest_file(pages: int, page_size: int, page_bytes: int) -> int:
-    """Bytes of the largest file `pages` pages of `page_bytes` bytes could hold: an entry
-    for every row, each with an excluded range, and the largest header the format allows."""
-    return 8 + MAX_HEADER + pages * page_size * (page_bytes // page_size + ENTRY_EXTRA)
-
-
-def _bad(message: str) -> FSError:
-    return FSError(errno.EINVAL, f"kv file: {message}")
 
 
 @dataclass(frozen=True)
@@ -84,27 +68,26 @@ class Layout:
         """Bytes of one entry's K (or V) in one layer."""
         return self.kv_heads * self.head_dim * self.dtype.itemsize
 
-    def metadata(self) -> dict[str, str]:
-        return {"format": MAGIC, "version": VERSION, "fingerprint": self.fingerprint,
-                "dtype": DTYPE_NAMES[self.dtype], "page_size": str(self.page_size),
-                "layers": str(self.layers), "kv_heads": str(self.kv_heads),
-                "head_dim": str(self.head_dim)}
+    @property
+    def shape(self) -> Shape:
+        """As a header names it."""
+        return Shape(self.fingerprint, DTYPE_NAMES[self.dtype], self.page_size, self.layers,
+                     self.kv_heads, self.head_dim)
+
+    @classmethod
+    def of_shape(cls, shape: Shape) -> Layout:
+        return cls(shape.fingerprint, _DTYPES[shape.dtype], shape.page_size, shape.layers,
+                   shape.kv_heads, shape.head_dim)
 
 
 # -- export -------------------------------------------------------------------------------
 
 
-def _shapes(n: int, r: int, layout: Layout) -> dict[str, tuple[str, list[int]]]:
-    kv = (DTYPE_NAMES[layout.dtype], [layout.layers, n, layout.kv_heads, layout.head_dim])
-    return {"token_ids": ("I64", [n]), "positions": ("I64", [n]), "excluded": ("I64", [r, 2]),
-            "k": kv, "v": kv}
-
-
 def _plan(n: int, r: int, layout: Layout) -> tuple[bytes, list[tuple[str, int, int]]]:
     """The 8-byte length and padded JSON header, and each region's absolute [start, end)."""
-    head: dict = {"__metadata__": layout.metadata()}
+    head: dict = {"__metadata__": layout.shape.metadata()}
     spans, off = [], 0
-    for name, (dtype, shape) in _shapes(n, r, layout).items():
+    for name, (dtype, shape) in tensor_shapes(n, r, layout.shape).items():
         size = prod(shape) * (8 if dtype == "I64" else layout.dtype.itemsize)
         head[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + size]}
         spans.append((name, off, off + size))
@@ -241,155 +224,11 @@ class Imported:
     v: torch.Tensor
 
 
-def header_length(first8: bytes, file_size: int | None) -> int:
-    """The JSON header's length from the file's first 8 bytes, checked against the file's
-    size when it is known (None: an import stream, whose size is known only at its end)."""
-    size = len(first8) if file_size is None else file_size
-    if size < 8 or len(first8) < 8:
-        raise _bad(f"truncated: {size} bytes, fewer than the 8-byte header length")
-    (n,) = struct.unpack("<Q", bytes(first8[:8]))
-    if n < 2 or n > MAX_HEADER:
-        raise _bad(f"bad header length {n} (must be 2..{MAX_HEADER})")
-    if file_size is not None and 8 + n > file_size:
-        raise _bad(f"truncated: header length {n} runs past the end of the {file_size}-byte file")
-    return n
-
-
-def _no_duplicates(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise _bad(f"header JSON repeats a key among {sorted(keys)}")
-    return dict(pairs)
-
-
-def _no_constant(name: str):
-    raise _bad(f"header JSON has non-standard constant {name}")
-
-
-def _count(meta: dict, key: str) -> int:
-    value = meta[key]
-    if not (value.isascii() and value.isdigit()) or str(int(value)) != value or int(value) < 1:
-        raise _bad(f"metadata {key} {value!r} is not a positive integer")
-    return int(value)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def parse_header(prefix: bytes, file_size: int | None, layout: Layout | None = None) -> Header:
-    """Check the header of a `file_size`-byte file whose first bytes are `prefix` (at least
-    8 + header_length of them): structure, metadata, tensor table, and that the tensors tile
-    the rest of the file exactly (when its size is known). With `layout`, the file must also
-    match it."""
-    n_head = header_length(prefix, file_size)
-    if len(prefix) < 8 + n_head:
-        raise _bad(f"truncated: header needs {8 + n_head} bytes, got {len(prefix)}")
-    try:
-        head = json.loads(bytes(prefix[8:8 + n_head]).decode("utf-8"),
-                          object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
-    except UnicodeDecodeError as e:
-        raise _bad(f"header is not UTF-8 ({e.reason})") from None
-    except json.JSONDecodeError as e:
-        raise _bad(f"header is not valid JSON ({e.msg} at {e.pos})") from None
-    except RecursionError:  # json's decoder recurses once per level of nesting
-        raise _bad("header JSON nests too deep") from None
-    if not isinstance(head, dict):
-        raise _bad(f"header JSON is a {type(head).__name__}, not an object")
-
-    meta = head.pop("__metadata__", None)
-    if not isinstance(meta, dict):
-        raise _bad("header has no __metadata__ object")
-    for key, value in meta.items():
-        if not isinstance(value, str):
-            raise _bad(f"metadata {key} is not a string")
-    if meta.get("format") != MAGIC:
-        raise _bad(f"not a symphony KV file (metadata format {meta.get('format')!r}, "
-                   f"expected {MAGIC!r})")
-    if meta.get("version") != VERSION:
-        raise _bad(f"unsupported version {meta.get('version')!r} (this kernel reads {VERSION!r})")
-    for key in META_KEYS:
-        if key not in meta:
-            raise _bad(f"metadata has no {key}")
-    for key in meta:
-        if key not in META_KEYS:
-            raise _bad(f"unknown metadata key {key!r}")
-    if layout is not None and meta["fingerprint"] != layout.fingerprint:
-        raise _bad(f"file belongs to another model: its fingerprint is "
-                   f"{meta['fingerprint']!r}, this model's is {layout.fingerprint!r}")
-    if meta["dtype"] not in _DTYPES:
-        raise _bad(f"metadata dtype {meta['dtype']!r} is not one of {sorted(_DTYPES)}")
-    own = Layout(meta["fingerprint"], _DTYPES[meta["dtype"]], _count(meta, "page_size"),
-                 _count(meta, "layers"), _count(meta, "kv_heads"), _count(meta, "head_dim"))
-    if layout is not None:
-        if own.dtype != layout.dtype:
-            raise _bad(f"dtype {meta['dtype']} does not match the pool's "
-                       f"{DTYPE_NAMES[layout.dtype]}")
-        # page_size is not compared: entries are stored flat and import re-pages them.
-        for key in ("layers", "kv_heads", "head_dim"):
-            if getattr(own, key) != getattr(layout, key):
-                raise _bad(f"{key} {getattr(own, key)} does not match the model's "
-                           f"{getattr(layout, key)}")
-
-    for name in TENSORS:
-        if name not in head:
-            raise _bad(f"missing tensor {name}")
-    for name in head:
-        if name not in TENSORS:
-            raise _bad(f"unexpected tensor {name!r}")
-    entries = {}
-    for name in TENSORS:
-        e = head[name]
-        if not isinstance(e, dict) or set(e) != _ENTRY_KEYS:
-            raise _bad(f"tensor {name} entry must have exactly {sorted(_ENTRY_KEYS)}")
-        shape, offs = e["shape"], e["data_offsets"]
-        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
-            raise _bad(f"tensor {name} shape {shape!r} is not a list of sizes")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)
-                and 0 <= offs[0] <= offs[1]):
-            raise _bad(f"tensor {name} data_offsets {offs!r} are not [begin, end]")
-        entries[name] = (e["dtype"], shape, offs)
-
-    n = entries["token_ids"][1][0] if len(entries["token_ids"][1]) == 1 else -1
-    r = entries["excluded"][1][0] if len(entries["excluded"][1]) == 2 else -1
-    want = _shapes(n, r, own)
-    for name, (dtype, shape, (begin, end)) in entries.items():
-        if dtype != want[name][0]:
-            raise _bad(f"tensor {name} dtype {dtype!r}, expected {want[name][0]}")
-        if shape != want[name][1]:
-            raise _bad(f"tensor {name} shape {shape}, expected {_shape_rule(name, own)}")
-        size = prod(shape) * (8 if dtype == "I64" else own.dtype.itemsize)
-        if end - begin != size:
-            raise _bad(f"tensor {name} data_offsets [{begin}, {end}] hold {end - begin} bytes, "
-                       f"its shape needs {size}")
-    # Ranges are non-empty and disjoint, so at most N: the file's size is bounded by N alone.
-    if r > n:
-        raise _bad(f"tensor excluded has {r} ranges, more than the file's {n} entries allow")
-
-    # The tensors must tile the data section: no gaps, no overlap, nothing after.
-    data_start, pos = 8 + n_head, 0
-    for name, (_, _, (begin, end)) in sorted(entries.items(), key=lambda x: tuple(x[1][2])):
-        if begin < pos:
-            raise _bad(f"tensor {name} data_offsets [{begin}, {end}] overlap the tensor "
-                       f"before it (which ends at {pos})")
-        if begin > pos:
-            raise _bad(f"gap of {begin - pos} bytes before tensor {name}")
-        pos = end
-    size = data_start + pos
-    if file_size is not None and size > file_size:
-        raise _bad(f"truncated: tensors need {size} bytes, file has {file_size}")
-    if file_size is not None and size < file_size:
-        raise _bad(f"{file_size - size} bytes of trailing data after the tensors")
-    offsets = {nm: (data_start + e[2][0], data_start + e[2][1]) for nm, e in entries.items()}
-    return Header(own, n, r, offsets, size)
-
-
-def _shape_rule(name: str, own: Layout) -> str:
-    if name in ("token_ids", "positions"):
-        return "[N] (the same N for token_ids, positions, k and v)"
-    if name == "excluded":
-        return "[R, 2]"
-    return f"[{own.layers}, N, {own.kv_heads}, {own.head_dim}]"
+    """kv_header.read_header's checks (with `layout`, the file must match it), the file's
+    layout in torch's terms."""
+    raw = read_header(prefix, file_size, None if layout is None else layout.shape)
+    return Header(Layout.of_shape(raw.shape), raw.length, raw.ranges, raw.offsets, raw.size)
 
 
 def _values(h: Header, raw: dict[str, bytes], vocab_size: int | None

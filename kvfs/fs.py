@@ -24,12 +24,12 @@ from kvfs.format import (
     Incoming,
     Layout,
     export_bytes,
-    largest_file,
     parse,
     read_range,
 )
 from kvfs.inflight import ImportsInFlight
 from kvfs.inode import Inode, now_ns
+from kvfs.kv_header import largest_file
 from kvfs.pages import Page, PageStore
 from kvfs.perm import ROOT, Cred, R, W, X, allowed, check, check_ids, check_sticky
 from kvfs.ranges import covered, merge_ranges

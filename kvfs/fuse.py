@@ -52,6 +52,8 @@ import pyfuse3
 import trio
 
 from kvfs.errors import FSError
+from kvfs.kv_header import header_length, largest_file
+from kvfs.kv_header import read_header as check_header
 from syscalls import wire
 from syscalls.client import Kernel
 from syscalls.convert import CHUNK_BYTES, Stat, proc_fields
@@ -111,14 +113,6 @@ def entry(
     return a
 
 
-def kv_format() -> Any:
-    """kvfs.format, imported when first needed: it brings torch, which a mount that only
-    reads never needs."""
-    from kvfs import format as kv_format
-
-    return kv_format
-
-
 def refusal(path: str, e: OSError) -> int:
     """Log why a write to `path` is refused (FUSE carries only the errno); its errno."""
     log.info("write %s: %s", path, e)
@@ -143,21 +137,20 @@ def stat_entry(st: Stat, ino: int) -> pyfuse3.EntryAttributes:
 
 def read_header(spool: Any, front: int, bounds: Bounds) -> tuple[int, int] | None:
     """Check the header in a spool whose first `front` bytes are written, as the kernel's
-    import does (kvfs.format's parser, the model's fingerprint, room in the device pool):
+    import does (kvfs.kv_header's checks, the model's fingerprint, room in the device pool):
     where the header ends and the file's size as it lays it out, or None if it is not all
     there yet. Raises the kernel's refusal (FSError)."""
-    fmt = kv_format()
     spool.seek(0)
     first = spool.read(8)
-    n = fmt.header_length(first, None)
+    n = header_length(first, None)
     if front < 8 + n:
         return None
-    header = fmt.parse_header(first + spool.read(n), None)
-    if header.layout.fingerprint != bounds.fingerprint:
+    header = check_header(first + spool.read(n), None)
+    if header.shape.fingerprint != bounds.fingerprint:
         raise FSError(
             errno.EINVAL,
             f"kv file: belongs to another model: its fingerprint is "
-            f"{header.layout.fingerprint!r}, this model's is {bounds.fingerprint!r}",
+            f"{header.shape.fingerprint!r}, this model's is {bounds.fingerprint!r}",
         )
     pages = -(-header.length // bounds.page_size)
     if pages > bounds.pages:
@@ -822,7 +815,7 @@ class KvFS(pyfuse3.Operations):
             def ask() -> Bounds:
                 mem = proc_fields(self.kernel.procfs("meminfo"))
                 pages, size = int(mem["device_total"]), int(mem["page_size_tokens"])
-                largest = kv_format().largest_file(pages, size, int(mem["page_bytes"]))
+                largest = largest_file(pages, size, int(mem["page_bytes"]))
                 return Bounds(self.kernel.model_info().fingerprint, pages, size, largest)
 
             self.bounds = await self.run(ask)

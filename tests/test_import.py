@@ -239,7 +239,8 @@ def in_flight(daemon, src):
     counted), and a small file; `fit` is how many streams fit in the bound, the small one
     and big ones. Nothing must be left behind: no file but the completed one, every page
     free once that is gone."""
-    from kvfs.format import _plan, largest_file, parse_header
+    from kvfs.format import _plan, parse_header
+    from kvfs.kv_header import largest_file
 
     with daemon.connect() as k:
         mem = meminfo(k)

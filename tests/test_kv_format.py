@@ -8,6 +8,7 @@ import random
 import stat
 import struct
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from kvfs.format import (
     export_bytes,
     exported_size,
     parse,
+    parse_header,
     read_meta,
     read_range,
 )
@@ -563,3 +565,25 @@ def test_incoming_cut_short_is_refused_by_parse(cut):
     incoming = Incoming(layout, lambda header: None)
     incoming.feed(data[:cut])
     refused(incoming.data(), layout, "truncated")
+
+
+def test_the_mount_checks_a_header_without_torch(tmp_path):
+    """The mount checks what is written to it with kvfs.kv_header alone: it never loads
+    torch (seconds the first time; the first write to a mount waited for it)."""
+    import subprocess
+    import sys
+
+    store, layout = setup(dtype=torch.bfloat16)
+    data = export_bytes(make_file(store, layout, 9, excluded=[(2, 5)]), store, layout)
+    (tmp_path / "f.kv").write_bytes(data)
+    script = f"""
+import io, sys
+from kvfs.fuse import Bounds, read_header
+data = open({str(tmp_path / "f.kv")!r}, "rb").read()
+print(read_header(io.BytesIO(data), len(data), Bounds({FP!r}, 64, 4, 1 << 30)))
+print("torch" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parent.parent).stdout.split("\n")
+    header = parse_header(data, len(data))
+    assert out[:2] == [str((header.offsets["token_ids"][0], len(data))), "False"]
