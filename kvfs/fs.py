@@ -29,6 +29,7 @@ from kvfs.format import (
 )
 from kvfs.inflight import ImportsInFlight
 from kvfs.inode import Inode, now_ns
+from kvfs.inodes import DEFAULT_INODE_QUOTA, InodeQuota
 from kvfs.kv_header import largest_file
 from kvfs.pages import Page, PageStore
 from kvfs.perm import ROOT, Cred, R, W, X, allowed, check, check_ids, check_sticky
@@ -96,8 +97,11 @@ class NameChanges:
 
 
 class FileSystem:
-    def __init__(self, store: PageStore, fingerprint: str, vocab_size: int | None = None):
+    def __init__(self, store: PageStore, fingerprint: str, vocab_size: int | None = None,
+                 inode_quota: int | None = DEFAULT_INODE_QUOTA):
         self.store, self.fingerprint, self.vocab_size = store, fingerprint, vocab_size
+        # Inodes each user owns, and its limit (kvfs/inodes.py; None: no limit).
+        self.inodes = InodeQuota(inode_quota)
         self.page_size = store.pool.page_size
         self.layout = Layout.of(store.pool, fingerprint)
         self.next_ino = 1
@@ -119,8 +123,11 @@ class FileSystem:
     # -- inodes and paths ---------------------------------------------------------------
 
     def _new_inode(self, mode: int, cred: Cred) -> Inode:
+        """A new inode, counted against cred's inode quota: the caller checked that quota
+        (self.inodes.check) before changing anything."""
         inode = Inode(ino=self.next_ino, mode=mode, uid=cred.uid, gid=cred.gid)
         self.next_ino += 1
+        self.inodes.add(inode.uid)
         if inode.is_dir:
             inode.entries = {}
         else:
@@ -184,6 +191,7 @@ class FileSystem:
         if name in parent.entries:
             raise FSError(errno.EEXIST, repr(path))
         self._writable_dir(cred, parent, path)
+        self.inodes.check(cred.uid, f"mkdir {path!r}")
         d = self._mkdir_in(parent, name, mode, cred)
         self.on_namespace_change(NameChanges([(parent, name, None, d)], [parent]))
         return d
@@ -203,6 +211,7 @@ class FileSystem:
         del parent.entries[name]
         parent.nlink -= 1
         parent.touch()
+        self.inodes.drop(d.uid)
         self.on_namespace_change(NameChanges([(parent, name, d, None)], [parent]))
 
     def _not_skeleton(self, inode: Inode | None, path: str) -> None:
@@ -219,7 +228,9 @@ class FileSystem:
         return sorted(d.entries.items())
 
     def home(self, cred: Cred, user: str) -> str:
-        """/home/<user>, made on first use, owned by the user."""
+        """/home/<user>, made on first use, owned by the user. It counts against the
+        user's inode quota but is made even past it (the kernel's doing, not the user's, as
+        a chown by root is), so a user at its limit can still attach."""
         if "/" in user or user in ("", ".", ".."):
             raise FSError(errno.EINVAL, f"{user!r} is not a user name")
         home = self.root.entries["home"]
@@ -273,6 +284,9 @@ class FileSystem:
         if not cred.root:
             raise FSError(errno.EPERM, f"{path!r}: only root may chown")
         check_ids(uid, gid, f"chown {path!r}", leave=True)
+        if uid != -1 and uid != inode.uid:  # the inode's count moves, even past the limit
+            self.inodes.drop(inode.uid)
+            self.inodes.add(uid)
         inode.uid = inode.uid if uid == -1 else uid
         inode.gid = inode.gid if gid == -1 else gid
         inode.touch(modified=False)
@@ -350,6 +364,7 @@ class FileSystem:
         if target is not None:
             if target.is_dir:
                 dst_dir.nlink -= 1
+                self.inodes.drop(target.uid)
             else:
                 target.nlink -= 1
                 self._maybe_free(target)
@@ -374,6 +389,7 @@ class FileSystem:
         if acc not in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR):
             raise FSError(errno.EINVAL, f"open {path!r}: bad access mode")
         if path == "":
+            self.inodes.check(cred.uid, "open anonymous file")
             inode = self._new_inode(stat.S_IFREG | (mode & 0o7777), cred)
             return self._handle(inode, cred, True, True)
         if path.startswith("/") and not path.strip("/"):
@@ -390,6 +406,7 @@ class FileSystem:
             if not flags & os.O_CREAT:
                 raise enoent(repr(path))
             self._writable_dir(cred, parent, path)
+            self.inodes.check(cred.uid, f"open {path!r}")
             inode = self._new_inode(stat.S_IFREG | (mode & 0o7777), cred)
             inode.nlink = 1
             parent.entries[name] = inode
@@ -450,10 +467,12 @@ class FileSystem:
         self._maybe_free(inode)
 
     def _maybe_free(self, inode: Inode) -> None:
-        """Free a file's pages once it has neither a name nor an open handle."""
+        """Free a file's pages, and give back its inode, once it has neither a name nor
+        an open handle."""
         if inode.nlink == 0 and inode.opens == 0 and not inode.is_dir:
             self.store.unref(inode.pages)
             inode.pages, inode.table = [], None
+            self.inodes.drop(inode.uid)
 
     def fsync(self, handle: Handle) -> None:
         inode = self._live(handle)
@@ -522,6 +541,8 @@ class FileSystem:
         size counts against the caller until the block ends, however it ends."""
         old = self._import_target(cred, path)[2]
         owner = cred.uid if old is None else old.uid
+        if old is None:
+            self.inodes.check(cred.uid, f"import {path!r}")
         taken = 0
 
         def admit(header: Header) -> None:
@@ -562,6 +583,8 @@ class FileSystem:
         parent, name, old = self._import_target(cred, path)
         if old is not None and old.busy:
             raise FSError(errno.EBUSY, f"import {path!r}: a forward pass is writing the file")
+        if old is None:
+            self.inodes.check(cred.uid, f"import {path!r}")
         imported = parse(data, self.layout, self.vocab_size)
         if old is not None:
             self.fill(old, imported)
@@ -569,7 +592,11 @@ class FileSystem:
             self.on_change(old)
             return old
         inode = self._new_inode(stat.S_IFREG | (mode & 0o7777), cred)
-        self.fill(inode, imported)
+        try:
+            self.fill(inode, imported)
+        except BaseException:
+            self.inodes.drop(inode.uid)  # never named: it dies here
+            raise
         parent.entries[name] = inode
         inode.nlink = 1
         parent.touch()
@@ -759,6 +786,7 @@ class FileSystem:
         """A copy-on-write clone, as a new anonymous file of the caller's: full pages are
         shared, only a partly filled last page is copied."""
         inode = self._readable(handle, "fork")
+        self.inodes.check(cred.uid, "fork")
         # Only the committed entries: a forward pass may have reserved pages past them.
         pages = inode.pages[: self._pages_for(inode.length)]
         tail = inode.length % self.page_size != 0 and pages[-1] is not None

@@ -337,8 +337,18 @@ class StateDir:
                 node.nlink += not node.is_dir  # a file has a link per name
             if parent is not root:
                 parent.nlink = 2 + sum(c.is_dir for c in into.values())
+        # Each restored inode counts against its owner's inode quota (kvfs/inodes.py), past
+        # it if need be (it was the owner's before the restart); those replaced are given
+        # back: a restart leaves every user's count as it was.
+        for name, node in root.entries.items():
+            if name != "tmp":
+                fs.inodes.drop(node.uid)
+        for node in made.values():
+            fs.inodes.add(node.uid)
+        fs.inodes.drop(root.uid)
         for key in ("mode", "uid", "gid", "atime", "mtime", "ctime"):
             setattr(root, key, record["root"][key])
+        fs.inodes.add(root.uid)
         entries["tmp"] = root.entries["tmp"]
         root.entries, root.nlink = entries, 2 + sum(c.is_dir for c in entries.values())
         fs.next_ino = max(fs.next_ino, record["next_ino"])

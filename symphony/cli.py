@@ -86,7 +86,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     opts = Options(
         socket=socket_path(args.socket), state_dir=Path(args.state_dir or default_state_dir()),
         token_budget=args.token_budget, max_seqs=args.max_seqs, disk_pages=args.disk_pages,
-        quota=args.quota, decode_ahead=args.decode_ahead == "on",
+        quota=args.quota, inode_quota=args.inode_quota, decode_ahead=args.decode_ahead == "on",
         pipeline=args.pipeline == "on",
         max_procs_per_user=args.max_procs_per_user,
     )
@@ -135,7 +135,8 @@ def control():
 
 
 KERNEL_OPTIONS = ("model", "state_dir", "device", "dtype", "kv_pages", "host_pages",
-                  "disk_pages", "token_budget", "max_seqs", "quota", "decode_ahead", "pipeline",
+                  "disk_pages", "token_budget", "max_seqs", "quota", "inode_quota",
+                  "decode_ahead", "pipeline",
                   "max_procs_per_user", "engine", "weights", "tensor_parallel", "nnodes",
                   "node_rank", "master_addr", "master_port", "cuda_graphs")
 
@@ -154,6 +155,14 @@ def positive(text: str) -> int:
     n = int(text)
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a positive count")
+    return n
+
+
+def non_negative(text: str) -> int:
+    """An argparse type: a count that may be 0."""
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a count (0 or more)")
     return n
 
 
@@ -219,6 +228,10 @@ def add_kernel_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument("--max-seqs", type=positive, default=Options.max_seqs,
                    help="sequences per forward pass (default %(default)s)")
     k.add_argument("--quota", type=int, help="pages per user (root has no quota)")
+    k.add_argument("--inode-quota", type=non_negative, default=Options.inode_quota, metavar="N",
+                   help="inodes (files, directories, anonymous files, forks) per user; "
+                   "past it a call that would make one fails with EDQUOT (root has no "
+                   "limit; 0: no limit; default %(default)s)")
     k.add_argument("--decode-ahead", choices=["on", "off"],
                    default="on" if Options.decode_ahead else "off",
                    help="compute a decoding LIP's next pred in spare room before it comes "

@@ -50,7 +50,8 @@ class Kernel:
         opts.state_dir.mkdir(parents=True, exist_ok=True)
         store = PageStore(engine.pool, opts.state_dir / "swap", opts.disk_pages,
                           default_quota=opts.quota)
-        self.fs = FileSystem(store, self.fingerprint, engine.config.vocab_size)
+        self.fs = FileSystem(store, self.fingerprint, engine.config.vocab_size,
+                             inode_quota=opts.inode_quota or None)
         self.state = StateDir(opts.state_dir, self.fs)
         self.state.restore()
         self.procs = ProcessTable()

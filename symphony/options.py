@@ -17,6 +17,7 @@ class Options:
     max_seqs: int = 256  # sequences per forward pass
     disk_pages: int = 0
     quota: int | None = None  # pages per user (root has none)
+    inode_quota: int = 65536  # inodes per user (root has none); 0: no limit
     decode_ahead: bool = True  # compute a decoding LIP's next pred before it comes
     pipeline: bool = True  # send the next step to the engine before the one in flight ends
     max_procs_per_user: int = 256  # sessions a user other than root may hold at once

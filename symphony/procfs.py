@@ -90,6 +90,11 @@ class ProcFS:
             limit = store.limit(uid)
             pairs.append((f"quota_{user_name(uid)}",
                           f"{used} / {limit if limit is not None else '-'}"))
+        inodes = self.k.fs.inodes
+        for uid, used in sorted(inodes.used.items()):
+            limit = inodes.limit(uid)
+            pairs.append((f"inodes_{user_name(uid)}",
+                          f"{used} / {limit if limit is not None else '-'}"))
         return lines(pairs)
 
     def sched(self) -> str:

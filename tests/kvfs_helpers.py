@@ -6,6 +6,7 @@ import torch
 
 from kernels import store_kv_ref
 from kvfs.fs import FileSystem, Handle, Reservation
+from kvfs.inodes import DEFAULT_INODE_QUOTA
 from kvfs.pages import PageStore
 from kvfs.pool import KVPool, PageShape
 from symphony.engine.config import ModelConfig
@@ -19,12 +20,13 @@ PAGE = 4
 
 
 def make_fs(pages: int = 64, host: int = 16, disk: int = 0, tmp_path=None, shards: int = 1,
-            **quota) -> FileSystem:
+            inode_quota: int | None = DEFAULT_INODE_QUOTA, **quota) -> FileSystem:
     """A file system over a pool of TINY's page shape, its device tier in `shards` shards."""
     shape = PageShape(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, PAGE, torch.float32)
     pool = KVPool(shape, pages, host, "cpu", shards)
     swap = tmp_path / "swap" if tmp_path is not None else None
-    return FileSystem(PageStore(pool, swap, disk, **quota), fingerprint="tiny-model")
+    return FileSystem(PageStore(pool, swap, disk, **quota), fingerprint="tiny-model",
+                      inode_quota=inode_quota)
 
 
 def kv_for(tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

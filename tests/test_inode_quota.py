@@ -1,0 +1,91 @@
+"""The inode quota on a real kernel (`symphony kernel --inode-quota N`): a user other than
+root past it gets EDQUOT, with the user and the limit in the message, through the client;
+/proc/meminfo shows the count."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from daemon import NEEDS_MOUNT, ROOT, as_user
+
+from syscalls.convert import proc_fields
+
+pytestmark = pytest.mark.slow
+LIMIT = 4
+UID = 60021
+DAEMON_FLAGS = ("--kv-pages", "512", "--inode-quota", str(LIMIT))
+NEEDS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+
+# Imports first, then become the user.
+BODY = """
+import json, os, sys
+from syscalls.client import Kernel
+uid = int(sys.argv[1])
+os.setgroups([])
+os.setgid(uid)
+os.setuid(uid)
+def refusal(fn):
+    try:
+        fn()
+    except OSError as e:
+        return [e.errno, str(e)]
+    return None
+k = Kernel.connect(name="inodes")  # its home: 1
+k.mkdir(k.home + "/d")  # 2
+k.open(k.home + "/f", os.O_CREAT | os.O_RDWR).close()  # 3
+anon = k.open("")  # 4
+anon.pred([5, 6, 7], no_outputs=True)
+out = {"create": refusal(lambda: k.open(k.home + "/g", os.O_CREAT | os.O_RDWR)),
+       "mkdir": refusal(lambda: k.mkdir(k.home + "/e")),
+       "anonymous": refusal(lambda: k.open("")),
+       "fork": refusal(lambda: anon.fork()),
+       "meminfo": k.procfs("meminfo"), "home": k.home}
+anon.close()
+k.open(k.home + "/g", os.O_CREAT | os.O_RDWR).close()  # room again
+out["again"] = refusal(lambda: k.mkdir(k.home + "/e"))
+print(json.dumps(out))
+"""
+
+
+@NEEDS_ROOT
+def test_a_user_past_its_inode_quota_gets_edquot_through_the_client(daemon):
+    out = subprocess.run([sys.executable, "-c", BODY, str(UID)], env=daemon.env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    for call in ("create", "mkdir", "anonymous", "fork", "again"):
+        code, message = got[call]
+        assert code == errno.EDQUOT, (call, message)
+        assert f"uid {UID} inode quota {LIMIT}" in message, (call, message)
+    fields = proc_fields(got["meminfo"])
+    user = next(key for key in fields if key.startswith("inodes_") and str(UID) in key)
+    assert fields[user] == f"{LIMIT} / {LIMIT}"
+    with daemon.connect("root") as k:  # root is not limited; the refused left nothing
+        assert sorted(name for name, _ in k.readdir(got["home"])) == ["d", "f", "g"]
+        for i in range(LIMIT + 2):
+            k.mkdir(f"/root-dir-{i}")
+        assert proc_fields(k.procfs("meminfo"))[user] == f"{LIMIT} / {LIMIT}"
+        assert proc_fields(k.procfs("meminfo"))["inodes_root"].endswith(" / -")
+
+
+@NEEDS_ROOT
+@NEEDS_MOUNT
+def test_the_mount_says_edquot_for_mkdir_past_the_quota(daemon, mnt):
+    """The mount makes directories with the same kvfs call: past the quota, mkdir(1) fails
+    with "Disk quota exceeded"."""
+    uid = UID + 1
+    for i in range(LIMIT):
+        made = as_user(uid, "mkdir", str(mnt / f"tmp/ino{i}"))
+        assert made.returncode == 0, made.stderr
+    refused = as_user(uid, "mkdir", str(mnt / "tmp/one-more"))
+    assert refused.returncode != 0
+    assert os.strerror(errno.EDQUOT) in refused.stderr.decode(), refused.stderr
+    assert not (mnt / "tmp/one-more").exists()
+    assert as_user(uid, "rmdir", str(mnt / "tmp/ino0")).returncode == 0
+    made = as_user(uid, "mkdir", str(mnt / "tmp/one-more"))
+    assert made.returncode == 0, made.stderr
