@@ -782,11 +782,14 @@ class FileSystem:
                 self._private(inode, i)
         self.store.bring_up(inode.pages[i] for i in own)
 
-    def fork(self, handle: Handle, cred: Cred) -> Handle:
+    def fork(self, handle: Handle, cred: Cred, *, snapshot: bool = False) -> Handle:
         """A copy-on-write clone, as a new anonymous file of the caller's: full pages are
-        shared, only a partly filled last page is copied."""
+        shared, only a partly filled last page is copied. A `snapshot` (export's, which lives
+        as long as the export) counts against the caller's inodes but is not refused at
+        its limit: reading a file does not need room for one more."""
         inode = self._readable(handle, "fork")
-        self.inodes.check(cred.uid, "fork")
+        if not snapshot:
+            self.inodes.check(cred.uid, "fork")
         # Only the committed entries: a forward pass may have reserved pages past them.
         pages = inode.pages[: self._pages_for(inode.length)]
         tail = inode.length % self.page_size != 0 and pages[-1] is not None

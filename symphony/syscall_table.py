@@ -575,7 +575,7 @@ async def sys_export(k: Kernel, proc: Process, cred: Cred,
     by_fd = req.WhichOneof("target") == "fd"
     src = proc.handle(req.fd) if by_fd else k.fs.open(cred, req.path, os.O_RDONLY)
     try:
-        snap = await _room_made(k, lambda: k.fs.fork(src, cred))
+        snap = await _room_made(k, lambda: k.fs.fork(src, cred, snapshot=True))
     except FSError as e:  # the fork's refusal, said as export's
         what = f"fd {req.fd}" if by_fd else repr(req.path)
         raise FSError(e.errno, f"export {what}: its snapshot: "

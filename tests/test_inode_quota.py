@@ -44,6 +44,7 @@ out = {"create": refusal(lambda: k.open(k.home + "/g", os.O_CREAT | os.O_RDWR)),
        "mkdir": refusal(lambda: k.mkdir(k.home + "/e")),
        "anonymous": refusal(lambda: k.open("")),
        "fork": refusal(lambda: anon.fork()),
+       "export": len(k.export(anon)),  # its snapshot is never refused
        "meminfo": k.procfs("meminfo"), "home": k.home}
 anon.close()
 k.open(k.home + "/g", os.O_CREAT | os.O_RDWR).close()  # room again
@@ -62,6 +63,7 @@ def test_a_user_past_its_inode_quota_gets_edquot_through_the_client(daemon):
         code, message = got[call]
         assert code == errno.EDQUOT, (call, message)
         assert f"uid {UID} inode quota {LIMIT}" in message, (call, message)
+    assert got["export"] > 0
     fields = proc_fields(got["meminfo"])
     user = next(key for key in fields if key.startswith("inodes_") and str(UID) in key)
     assert fields[user] == f"{LIMIT} / {LIMIT}"

@@ -114,6 +114,17 @@ def test_every_call_that_makes_an_inode_is_refused_at_the_limit(fs):
     assert fs.inodes.used == owned(fs)
 
 
+def test_an_export_snapshot_at_the_limit_is_taken_and_given_back(fs):
+    """Reading needs no room for one more inode: export's snapshot counts while it lives
+    but is not refused."""
+    named, _ = at_limit(fs)
+    snap = fs.fork(named, ALICE, snapshot=True)
+    assert fs.inodes.used[ALICE.uid] == LIMIT + 1
+    assert fs.export(snap) == fs.export(named)
+    fs.close(snap)
+    assert fs.inodes.used[ALICE.uid] == LIMIT
+
+
 def test_a_freed_inode_makes_room_for_the_next(fs):
     named, anon = at_limit(fs)
     frees = [
