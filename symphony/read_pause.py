@@ -1,10 +1,11 @@
 """Why a lifeline is not read: each reason pauses it on its own, and it is read again only
 once no reason is left.
 
-Two hold a lifeline today: FrameHold (its user is past 64 MiB of partial frames) and the
+Three hold a lifeline today: FrameHold (its user is past 64 MiB of partial frames), the
 lifeline's own replies (its write buffer past its high-water mark: the process does not
-read them, so the kernel takes no more of its preds). One reason ending must not resume
-reading that the other still holds.
+read them, so the kernel takes no more of its preds), and the process's preds in flight
+(IN_FLIGHT_MAX of them). One reason ending must not resume reading that another still
+holds.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 
 FRAMES = "frames"  # FrameHold: the user's partial frames are past HOLD_LIMIT
 REPLIES = "replies"  # the replies not read by the process are past the high-water mark
+IN_FLIGHT = "in flight"  # the process has IN_FLIGHT_MAX preds in flight (symphony/server.py)
 
 
 class ReadPause:

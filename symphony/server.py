@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from kvfs.errors import FSError
 from kvfs.perm import Cred, check_ids
 from symphony.process import Process
-from symphony.read_pause import REPLIES, ReadPause
+from symphony.read_pause import IN_FLIGHT, REPLIES, ReadPause
 from symphony.scheduler import taken_back
 from symphony.syscall_table import TABLE, pred_reply, submit_pred
 from symphony.users import user_name
@@ -237,6 +237,13 @@ FD_RESERVE = 256
 # at every reply with top logprobs, before a process reading as it should could take it.
 REPLIES_HIGH = 4 << 20
 REPLIES_LOW = 1 << 20
+# Preds a process may have in flight on its lifeline and rings: at IN_FLIGHT_MAX the kernel
+# takes no more of them until it has answered all but IN_FLIGHT_LOW (they wait in the ring
+# or the socket; no error). Each costs the kernel a job, a future and its spec: without a
+# bound, a process writing small preds faster than steps answer them (a ring takes
+# thousands at a time) grew the run queue, and the kernel's memory, without end.
+IN_FLIGHT_MAX = 4096
+IN_FLIGHT_LOW = 3072
 
 
 def fd_limit() -> int:
@@ -302,6 +309,7 @@ class Hello(asyncio.Protocol):
         self.bell_due = False  # the process's bell rings once per loop turn of completions
         self.unread: list[tuple[int, int, bytes]] = []  # frames read, not taken yet
         self.backed_up = False  # the replies are past REPLIES_HIGH: take nothing more
+        self.full = False  # IN_FLIGHT_MAX preds in flight: take nothing more
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -346,7 +354,7 @@ class Hello(asyncio.Protocol):
             self.drain()
         taken = 0
         for kind, call, payload in self.unread:
-            if self.backed_up:
+            if self.held_back():
                 break
             if kind == wire.CANCEL:
                 self.cancel(call)
@@ -366,6 +374,10 @@ class Hello(asyncio.Protocol):
             taken += 1
         del self.unread[:taken]
 
+    def held_back(self) -> bool:
+        """Whether the kernel takes no more of the process's preds for now."""
+        return self.backed_up or self.full
+
     def pause_writing(self) -> None:
         """The replies the process has not read are past REPLIES_HIGH: take no more of its
         preds (those taken are still answered) until resume_writing."""
@@ -380,7 +392,7 @@ class Hello(asyncio.Protocol):
         asyncio.get_running_loop().call_soon(self.go_on)
 
     def go_on(self) -> None:
-        if self.backed_up or self.transport.is_closing():
+        if self.held_back() or self.transport.is_closing():
             return
         self.take()
         self.drain()
@@ -434,7 +446,7 @@ class Hello(asyncio.Protocol):
         (resume_writing drains again). True when the replies cut it short."""
         if self.ring is None or self.transport.is_closing():
             return False
-        if self.backed_up:  # the records stay in the ring: the process finds it full
+        if self.held_back():  # the records stay in the ring: the process finds it full
             return True
         try:
             self.backlog += self.ring.take()
@@ -443,7 +455,7 @@ class Hello(asyncio.Protocol):
             return False
         taken = 0
         for kind, call, payload in self.backlog:
-            if self.backed_up:
+            if self.held_back():
                 break
             if kind == ring.FRAMED:
                 if call not in self.framed:
@@ -455,7 +467,7 @@ class Hello(asyncio.Protocol):
             else:
                 self.pred(kind, call, payload)
         del self.backlog[:taken]
-        return self.backed_up
+        return self.held_back()
 
     def pred(self, kind: int, call: int, payload: bytes) -> None:
         request = (pred_request(payload) if kind == wire.PRED
@@ -464,11 +476,23 @@ class Hello(asyncio.Protocol):
                                           functools.partial(self.reply, call))
         if future is not None:
             self.calls[call] = future
+            if len(self.calls) >= IN_FLIGHT_MAX and not self.full:
+                self.full = True
+                self.reads.pause(IN_FLIGHT)
+
+    def answered(self, call: int) -> None:
+        """call is answered, or taken back: under IN_FLIGHT_LOW in flight, take more."""
+        self.calls.pop(call, None)
+        if self.full and len(self.calls) <= IN_FLIGHT_LOW:
+            self.full = False
+            self.reads.resume(IN_FLIGHT)
+            asyncio.get_running_loop().call_soon(self.go_on)
 
     def cancel(self, call: int) -> None:
         """A CANCEL frame: take back the pred of that call id. None in flight (answered
         already: the frames crossed; or no such call) is nothing to do."""
-        future = self.calls.pop(call, None)
+        future = self.calls.get(call)
+        self.answered(call)
         if future is not None and future.cancel():
             task = asyncio.get_running_loop().create_task(self.take_back(call, future))
             self.taking_back.add(task)
@@ -481,7 +505,7 @@ class Hello(asyncio.Protocol):
 
     def reply(self, call: int, reply: pb.PredReply) -> None:
         """On the ring when it has room, else as a frame on the lifeline."""
-        self.calls.pop(call, None)  # answered: the client may use the call id again
+        self.answered(call)  # the client may use the call id again
         if self.transport.is_closing():
             return
         payload = reply.SerializeToString()

@@ -22,6 +22,7 @@ from daemon import (
     meminfo,
     preds_answered,
     raw_open,
+    sched,
     send_while_taken,
     settled,
     vm_rss_kib,
@@ -420,3 +421,35 @@ def test_a_sender_reads_the_replies_while_the_kernel_takes_no_more(daemon, rings
         assert {e.errno for e in got[0]} == {errno.EBADF} and len(got[0]) == 600
         replies = [pb.PredReply.FromString(line._wait(c, None)) for c in early]
         assert [len(r.outputs) for r in replies] == [HOG_TOKENS] * len(early)
+
+
+def test_a_process_has_at_most_in_flight_max_preds_taken(daemon):
+    """A process that writes small preds faster than steps answer them: the kernel takes
+    IN_FLIGHT_MAX of them at most (its run queue stays under it), the rest wait in the
+    socket, and every one is answered once. Before, the run queue took them all."""
+    from symphony.server import IN_FLIGHT_MAX
+
+    preds = IN_FLIGHT_MAX + 2000
+    with daemon.connect("watcher") as w:
+        life, token = session.hello(daemon.socket)
+        try:
+            fds = [raw_open(daemon.socket, token) for _ in range(8)]
+            frames = b"".join(
+                wire.frame(wire.PRED, call, pb.PredRequest(
+                    fd=fds[call % len(fds)], tokens=[5], truncate=0).SerializeToString())
+                for call in range(1, preds + 1))
+            sender = threading.Thread(target=life.sendall, args=(frames,), daemon=True)
+            queued, replies, got = [], set(), wire.Frames()
+            life.settimeout(60)
+            sender.start()
+            while len(replies) < preds:
+                queued.append(int(sched(w)["run_queue"]))
+                for kind, call, data in got.feed(life.recv(1 << 20)):
+                    assert kind == wire.REPLY and call not in replies, (kind, call)
+                    assert not pb.PredReply.FromString(data).HasField("error")
+                    replies.add(call)
+            sender.join(10)
+            assert max(queued) <= IN_FLIGHT_MAX, max(queued)
+            assert max(queued) > IN_FLIGHT_MAX // 2  # the sender did outpace the steps
+        finally:
+            life.close()
