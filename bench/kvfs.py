@@ -1,12 +1,14 @@
-"""kvfs costs: fork against file length, memory of many forks, save/load throughput.
+"""kvfs costs: fork against file length, memory of many forks, save/load throughput, and a
+change of names against the number of names.
 
     python bench/kvfs.py
 
 The pool has the tiny model's KV shape (models/tiny: 6 layers, 4 KV heads of 32, page size
 16, fp32).
 Peers in the same run: copying the file's K/V bytes (what a fork without shared pages
-costs), and torch.save / torch.load of the same K/V tensors (what persisting costs done
-the plain way).
+costs), torch.save / torch.load of the same K/V tensors (what persisting costs done the
+plain way), and writing the namespace whole (what each change of names cost before the
+journal, kvfs/journal.py).
 """
 
 from __future__ import annotations
@@ -128,5 +130,40 @@ def main() -> None:
             fs.close(h)
 
 
+def names() -> None:
+    """A create in a directory of n named files, through the state directory (a journal
+    line, fdatasynced; the namespace written whole now and then, counted in the mean), and
+    the namespace written whole at n names, as every create did before the journal."""
+    print(f"\n{'names':>8}{'create us':>11}{'whole namespace us':>20}{'whole/create':>14}")
+    with tempfile.TemporaryDirectory() as tmp:
+        fs = FileSystem(PageStore(KVPool(SHAPE, 64)), "bench")
+        state = StateDir(Path(tmp) / "state", fs)
+        state.restore()
+        fs.mkdir(ROOT, "/d")
+        made = 0
+
+        def create() -> None:
+            nonlocal made
+            fs.close(fs.open(ROOT, f"/d/f{made}", os.O_RDWR | os.O_CREAT))
+            made += 1
+
+        for n in (1000, 4000, 16000):
+            while made < n:
+                create()
+            start, count = time.perf_counter(), 500
+            for _ in range(count):
+                create()
+            t_create = (time.perf_counter() - start) / count
+
+            def whole() -> None:
+                state.last = None  # else an unchanged namespace is not written again
+                state.save_namespace()
+
+            t_whole = best(whole, 3)
+            print(f"{n:>8}{t_create * 1e6:>11.0f}{t_whole * 1e6:>20.0f}"
+                  f"{t_whole / t_create:>13.0f}x")
+
+
 if __name__ == "__main__":
     main()
+    names()
