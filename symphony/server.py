@@ -30,7 +30,7 @@ from kvfs.perm import Cred, check_ids
 from symphony.process import Process
 from symphony.read_pause import IN_FLIGHT, REPLIES, ReadPause
 from symphony.scheduler import taken_back
-from symphony.syscall_table import TABLE, pred_reply, submit_pred
+from symphony.syscall_table import TABLE, pred_reply, reply_bound, submit_pred
 from symphony.users import user_name
 from syscalls import ring, wire
 from syscalls import symphony_pb2 as pb
@@ -244,6 +244,13 @@ REPLIES_LOW = 1 << 20
 # thousands at a time) grew the run queue, and the kernel's memory, without end.
 IN_FLIGHT_MAX = 4096
 IN_FLIGHT_LOW = 3072
+# And the most bytes their replies could take in all (syscall_table.reply_bound): past
+# OWED_MAX the kernel takes no more until they are down to OWED_LOW. A process that sends
+# its preds in one burst had them all taken before the first reply backed up (100 preds
+# of 4 MB replies each: 420 MB). The pred that crosses the mark is taken: one alone, of
+# up to 64 MiB, always is.
+OWED_MAX = 64 << 20
+OWED_LOW = 48 << 20
 
 
 def fd_limit() -> int:
@@ -309,7 +316,9 @@ class Hello(asyncio.Protocol):
         self.bell_due = False  # the process's bell rings once per loop turn of completions
         self.unread: list[tuple[int, int, bytes]] = []  # frames read, not taken yet
         self.backed_up = False  # the replies are past REPLIES_HIGH: take nothing more
-        self.full = False  # IN_FLIGHT_MAX preds in flight: take nothing more
+        self.owes: dict[int, int] = {}  # the bound on each pred in flight's reply, by call
+        self.owed = 0  # their sum
+        self.full = False  # IN_FLIGHT_MAX preds in flight, or OWED_MAX owed: take no more
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -476,14 +485,18 @@ class Hello(asyncio.Protocol):
                                           functools.partial(self.reply, call))
         if future is not None:
             self.calls[call] = future
-            if len(self.calls) >= IN_FLIGHT_MAX and not self.full:
+            self.owes[call] = owes = reply_bound(request)
+            self.owed += owes
+            if (len(self.calls) >= IN_FLIGHT_MAX or self.owed >= OWED_MAX) and not self.full:
                 self.full = True
                 self.reads.pause(IN_FLIGHT)
 
     def answered(self, call: int) -> None:
-        """call is answered, or taken back: under IN_FLIGHT_LOW in flight, take more."""
+        """call is answered, or taken back: under IN_FLIGHT_LOW in flight owing under
+        OWED_LOW, take more."""
         self.calls.pop(call, None)
-        if self.full and len(self.calls) <= IN_FLIGHT_LOW:
+        self.owed -= self.owes.pop(call, 0)
+        if self.full and len(self.calls) <= IN_FLIGHT_LOW and self.owed <= OWED_LOW:
             self.full = False
             self.reads.resume(IN_FLIGHT)
             asyncio.get_running_loop().call_soon(self.go_on)

@@ -228,6 +228,14 @@ def pred_reply_bytes(rows: int, top_logprobs: int,
     return size
 
 
+def reply_bound(req: pb.PredRequest) -> int:
+    """pred_reply_bytes of a request as it asks (checked or not): the most bytes its reply
+    can take, which submit_pred holds to the limit."""
+    rows = 0 if req.no_outputs else len(req.outputs) or 1
+    size = rows * (23 + 13 * req.sampler.top_logprobs + 5 * req.score_next)
+    return size + sum(11 + 4 * len(c.score_ids) for c in req.controls)
+
+
 def _tree(req: pb.PredRequest, tokens: list[int], positions: list[int] | None
           ) -> tuple[np.ndarray | None, list[int] | None]:
     """The pred's ancestor bits, and the depths its default positions add to the file's next

@@ -396,6 +396,37 @@ def test_a_process_that_does_not_read_its_lifeline_gets_no_more_preds_taken(daem
             life.close()
 
 
+def test_preds_sent_in_one_burst_owe_the_kernel_at_most_owed_max(daemon):
+    """100 preds whose replies may take 1 MB each, sent at once and never read: the kernel
+    takes them until their replies could take OWED_MAX (64 MiB) in all, not every one it
+    has read before the first reply backs up; once the process reads, all are answered."""
+    from symphony.server import OWED_MAX
+    from symphony.syscall_table import reply_bound
+
+    with daemon.connect("bystander") as k, k.open("", os.O_RDWR) as f:
+        life, token = session.hello(daemon.socket)
+        try:
+            (hog,) = {p.pid for p in k.ps()} - {k.getpid()}
+            payload = hog_payload(raw_open(daemon.socket, token))
+            bound = reply_bound(pb.PredRequest.FromString(payload))
+            life.settimeout(60)
+            sender = threading.Thread(target=life.sendall, args=(b"".join(
+                wire.frame(wire.PRED, call, payload) for call in range(1, HOG_PREDS + 1)),),
+                daemon=True)
+            sender.start()
+            taken = settled(lambda: preds_answered(k, hog), quiet=1.5)
+            assert taken <= OWED_MAX // bound + 1 < HOG_PREDS, taken
+            assert len(decode(f, 4)) == 4  # the bystander is answered meanwhile
+            frames, replies = wire.Frames(), set()
+            while len(replies) < HOG_PREDS:
+                for kind, call, _ in frames.feed(life.recv(1 << 20)):
+                    assert kind == wire.REPLY and call not in replies, (kind, call)
+                    replies.add(call)
+            sender.join(10)
+        finally:
+            life.close()
+
+
 @pytest.mark.parametrize("rings", [False, True])
 def test_a_sender_reads_the_replies_while_the_kernel_takes_no_more(daemon, rings):
     """Ten preds sent and not waited for yet (their ~7 MB of replies wait unread, so the
