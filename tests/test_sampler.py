@@ -27,6 +27,16 @@ def test_greedy_is_argmax():
     assert torch.equal(sample(logits, [GREEDY] * 6, [None] * 6).tokens, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-45, 5e-324])
+def test_a_temperature_near_zero_is_greedy(temperature):
+    """Divided by one near float32's smallest, the logits were infinite and the draw NaN:
+    a token of any likelihood came back."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3)) * 5
+    params = [SamplingParams(temperature=temperature, seed=s) for s in range(4)]
+    gens = [torch.Generator().manual_seed(s) for s in range(4)]
+    assert sample(logits, params, gens).tokens.tolist() == logits.argmax(-1).tolist()
+
+
 def test_pick_gives_the_tokens_sample_gives():
     logits = torch.randn(4, 300)
     params = [GREEDY, SamplingParams(temperature=1.0, seed=5), GREEDY,

@@ -11,6 +11,12 @@ import torch
 SEED_BOUND = 1 << 63  # seeds are the proto's int64 (torch would take [-2**63, 2**64))
 
 
+# A temperature under this samples as greedy does, as vLLM's does: dividing the logits by
+# one near float32's smallest made them infinite and the draw NaN (a token of any
+# likelihood came back).
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # greedy, as the client's Sampling and the wire's default
@@ -22,7 +28,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the bad field."""
