@@ -30,7 +30,7 @@ from kvfs.perm import Cred, check_ids
 from symphony.process import Process
 from symphony.read_pause import IN_FLIGHT, REPLIES, ReadPause
 from symphony.scheduler import taken_back
-from symphony.syscall_table import TABLE, pred_reply, reply_bound, submit_pred
+from symphony.syscall_table import TABLE, pred_reply, reply_bound, submit_pred, sys_pred
 from symphony.users import user_name
 from syscalls import ring, wire
 from syscalls import symphony_pb2 as pb
@@ -169,6 +169,23 @@ class Front:
 
         return handle
 
+    def pred_rpc(self):
+        """The Pred rpc: as unary's, its reply's bound taken from its process's budget of
+        replies the kernel holds (reply_budget.py) first, and given back when it ends."""
+        async def handle(request, context):
+            try:
+                proc = self.caller(context)[0]
+            except Exception:  # call() reports it
+                proc = None
+            if proc is not None and isinstance(request, pb.PredRequest):
+                owes = reply_bound(request)
+                await proc.replies.take(owes)
+                context.add_done_callback(lambda _: proc.replies.give(owes))
+            return await self.call("Pred", sys_pred, pb.PredReply, request,
+                                   lambda: self.caller(context))
+
+        return handle
+
     def server_stream(self, name: str, fn, reply_type):
         async def handle(request, context):
             start, proc = time.perf_counter(), None
@@ -217,7 +234,7 @@ class Front:
                     request_deserializer=parser(request_type), response_serializer=out)
             else:
                 methods[name] = grpc.unary_unary_rpc_method_handler(
-                    self.unary(name, fn, reply_type),
+                    self.pred_rpc() if name == "Pred" else self.unary(name, fn, reply_type),
                     request_deserializer=parser(request_type), response_serializer=out)
         return grpc.method_handlers_generic_handler(SERVICE, methods)
 

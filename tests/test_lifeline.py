@@ -12,12 +12,14 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 from daemon import (
     HOG,
     HOG_TOKENS,
+    ROOT,
     hog_payload,
     meminfo,
     preds_answered,
@@ -425,6 +427,62 @@ def test_preds_sent_in_one_burst_owe_the_kernel_at_most_owed_max(daemon):
             sender.join(10)
         finally:
             life.close()
+
+
+GRPC_HOG = """
+import os, signal, sys, time
+import grpc
+sys.path.insert(0, "tests")
+from daemon import hog_payload
+from syscalls import session
+from syscalls import symphony_pb2 as pb
+from syscalls.client import CHANNEL_OPTIONS
+sock = session.socket_path(None)
+life, token = session.hello(sock)
+channel = grpc.insecure_channel(session.grpc_target(sock), options=CHANNEL_OPTIONS)
+meta = [(session.SESSION_KEY, token)]
+fd = channel.unary_unary("/symphony.Kernel/Open",
+                         request_serializer=pb.OpenRequest.SerializeToString,
+                         response_deserializer=pb.FdReply.FromString)(
+    pb.OpenRequest(path="", flags=os.O_RDWR), metadata=meta).fd
+pred = channel.unary_unary("/symphony.Kernel/Pred",
+                           request_serializer=lambda b: b, response_deserializer=lambda b: b)
+calls = [pred.future(hog_payload(fd), metadata=meta) for _ in range(int(sys.argv[1]))]
+print(os.getpid(), flush=True)
+time.sleep(1)
+os.kill(os.getpid(), signal.SIGSTOP)  # reads nothing from now on
+"""
+
+
+def test_pred_rpcs_whose_replies_are_not_read_hold_the_kernel_to_a_budget(daemon):
+    """A process issues 300 Pred rpcs with ~0.7 MB replies, reads their replies for a
+    second, then stops reading: from then on the kernel answers only while what their
+    replies could take stays within the process's budget (reply_budget.py), not the rest
+    of the 300 (400 such had the kernel hold 1.7 GB)."""
+    import subprocess
+    import sys
+
+    from symphony.reply_budget import LIMIT
+    from symphony.syscall_table import reply_bound
+
+    rpcs = 300
+    with daemon.connect("bystander") as k, k.open("", os.O_RDWR) as f:
+        hog = subprocess.Popen([sys.executable, "-c", GRPC_HOG, str(rpcs)], env=daemon.env(),
+                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        try:
+            hog_os_pid = int(hog.stdout.readline())
+            (pid,) = [p.pid for p in k.ps() if p.os_pid == hog_os_pid]
+            wait_for(lambda: "T (stopped)" in Path(f"/proc/{hog_os_pid}/status").read_text(),
+                     what="the hog stopped")
+            when_stopped = preds_answered(k, pid)
+            answered = settled(lambda: preds_answered(k, pid), quiet=2.0)
+            bound = reply_bound(pb.PredRequest.FromString(hog_payload(3)))
+            assert answered - when_stopped <= LIMIT // bound + 2, (when_stopped, answered)
+            assert answered < rpcs
+            assert len(decode(f, 4)) == 4  # the bystander is answered meanwhile
+        finally:
+            hog.kill()
+            hog.wait()
 
 
 @pytest.mark.parametrize("rings", [False, True])
