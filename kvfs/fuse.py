@@ -704,8 +704,19 @@ class KvFS(pyfuse3.Operations):
         if access == os.O_RDONLY:
 
             def snapshot() -> int:
-                with k.open(path) as f:  # the kernel checks access here
-                    return k.fork(f).fd
+                f = k.open(path)  # the kernel checks access here
+                try:
+                    return k.fork(f).fd  # one snapshot for every read of this open
+                except OSError as e:
+                    if e.errno != errno.EDQUOT:
+                        raise
+                    # At the reader's inode quota: the file itself, each export stream of
+                    # it a snapshot of its own (export's is never refused), so reading works.
+                    kept, f = f, None
+                    return kept.fd
+                finally:
+                    if f is not None:
+                        f.close()
 
             reader = Reader(self.kernel, await self.run(snapshot))
             return pyfuse3.FileInfo(fh=self.add(reader), direct_io=True)

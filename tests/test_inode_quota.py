@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from daemon import NEEDS_MOUNT, ROOT, as_user
+from daemon import NEEDS_MOUNT, ROOT, as_user, make
 
 from syscalls.convert import proc_fields
 
@@ -91,3 +91,21 @@ def test_the_mount_says_edquot_for_mkdir_past_the_quota(daemon, mnt):
     assert as_user(uid, "rmdir", str(mnt / "tmp/ino0")).returncode == 0
     made = as_user(uid, "mkdir", str(mnt / "tmp/one-more"))
     assert made.returncode == 0, made.stderr
+
+
+@NEEDS_ROOT
+@NEEDS_MOUNT
+def test_a_user_at_its_quota_still_reads_through_the_mount(daemon, mnt):
+    """The mount's read-open forks a snapshot as the reader, which the quota refuses: at
+    the limit it reads the file itself instead, each export stream its own snapshot."""
+    uid = UID + 2
+    with daemon.connect("root") as k:
+        make(k, "/tmp/readable.kv", 40)
+        want = k.export("/tmp/readable.kv")
+    for i in range(LIMIT):
+        assert as_user(uid, "mkdir", str(mnt / f"tmp/full{i}")).returncode == 0
+    refused = as_user(uid, "mkdir", str(mnt / "tmp/full-past"))
+    assert os.strerror(errno.EDQUOT) in refused.stderr.decode()  # at the limit indeed
+    read = as_user(uid, "cat", str(mnt / "tmp/readable.kv"))
+    assert read.returncode == 0, read.stderr
+    assert read.stdout == want
