@@ -19,6 +19,10 @@ from symphony.users import user_name
 from syscalls.session import TOKEN_BYTES
 
 FIRST_FD = 3  # an fd left at the proto default (0) is never valid
+# Fds a process may have open, as RLIMIT_NOFILE: past it open and fork fail with EMFILE.
+# Each is a handle in the kernel's memory; without a bound a process could open one file
+# without end.
+FD_MAX = 16384
 NICE_MIN, NICE_MAX = -20, 19
 
 
@@ -129,6 +133,12 @@ class Process:
         if self.pidfd is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 signal.pidfd_send_signal(self.pidfd, sig)
+
+    def fd_room(self, what: str) -> None:
+        """EMFILE when the process has FD_MAX fds open."""
+        if len(self.fds) >= FD_MAX:
+            raise FSError(errno.EMFILE, f"{what}: process {self.pid} has {FD_MAX} fds open, "
+                          "its limit")
 
     def add_fd(self, handle: Handle) -> int:
         fd = self.next_fd

@@ -406,9 +406,13 @@ async def sys_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) ->
 def _install(k: Kernel, proc: Process, handle: Handle) -> int:
     """The new open file's fd. A call that waited (for a step, for pages) may find its
     process reaped meanwhile: then the file is closed again, or nobody ever would."""
-    if not proc.alive:
+    try:
+        if not proc.alive:
+            raise FSError(errno.EINTR, f"process {proc.pid} is exiting")
+        proc.fd_room("open")  # again: another call may have taken the last while this waited
+    except FSError:
         k.fs.close(handle)
-        raise FSError(errno.EINTR, f"process {proc.pid} is exiting")
+        raise
     return proc.add_fd(handle)
 
 
@@ -422,6 +426,7 @@ async def sys_open(k: Kernel, proc: Process, cred: Cred, req: pb.OpenRequest) ->
     if req.flags & ~OPEN_FLAGS:
         raise einval(f"open {req.path!r}: unsupported flags {req.flags & ~OPEN_FLAGS:#o}")
     mode = req.mode if req.HasField("mode") else 0o600
+    proc.fd_room(f"open {req.path!r}")
     if req.flags & os.O_TRUNC and req.path:
         await _settle_path(k, cred, req.path)
     handle = await _room_made(k, lambda: k.fs.open(cred, req.path, req.flags, mode))
@@ -441,6 +446,7 @@ async def sys_close(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> 
 
 async def sys_fork(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.FdReply:
     handle = proc.handle(req.fd)
+    proc.fd_room(f"fork of fd {req.fd}")
     clone = await _room_made(k, lambda: k.fs.fork(handle, cred))
     return pb.FdReply(fd=_install(k, proc, clone))
 

@@ -255,3 +255,24 @@ def test_start_after_a_crash_whose_pid_file_names_another_process(model, tmp_pat
             other.wait()
         else:
             os.waitpid(pid, 0)
+
+
+def test_a_process_has_at_most_fd_max_fds_open(daemon):
+    """Past FD_MAX open fds, open and fork fail with EMFILE naming the process and the
+    limit, and change nothing; a close makes room again."""
+    from symphony.process import FD_MAX
+
+    with daemon.connect("fds") as k:
+        with k.open("/tmp/fd-max.kv", os.O_CREAT | os.O_RDWR) as f:
+            f.pred(prompt(3), no_outputs=True)
+        fds = [k.open("/tmp/fd-max.kv") for _ in range(FD_MAX)]
+        for call in (lambda: k.open("/tmp/fd-max.kv"), lambda: k.open("/tmp/new.kv",
+                                                                     os.O_CREAT | os.O_RDWR),
+                     lambda: fds[0].fork()):
+            with pytest.raises(OSError) as e:
+                call()
+            assert e.value.errno == errno.EMFILE
+            assert f"process {k.getpid()} has {FD_MAX} fds open, its limit" in str(e.value)
+        assert [n for n, _ in k.readdir("/tmp")].count("new.kv") == 0
+        fds.pop().close()
+        k.open("/tmp/fd-max.kv").close()
