@@ -22,6 +22,7 @@ from kvfs.errors import FSError
 from kvfs.inode import Inode
 from kvfs.kv_header import (
     INT_TENSORS,
+    RawHeader,
     Shape,
     header_length,
     read_header,
@@ -197,14 +198,10 @@ def _read_page(store: PageStore, page: Page, cache: dict) -> tuple[torch.Tensor,
 
 
 @dataclass(frozen=True)
-class Header:
-    """A checked header: the file's own layout and where each tensor's bytes lie."""
+class Header(RawHeader):
+    """A checked header (kv_header.RawHeader), with the file's layout in torch's terms."""
 
     layout: Layout  # as the file states it; page_size is the exporter's
-    length: int  # entries, N
-    ranges: int  # excluded ranges, R
-    offsets: dict[str, tuple[int, int]]  # tensor -> absolute [begin, end) in the file
-    size: int  # bytes of the whole file, as the header lays it out
 
 
 @dataclass
@@ -228,7 +225,8 @@ def parse_header(prefix: bytes, file_size: int | None, layout: Layout | None = N
     """kv_header.read_header's checks (with `layout`, the file must match it), the file's
     layout in torch's terms."""
     raw = read_header(prefix, file_size, None if layout is None else layout.shape)
-    return Header(Layout.of_shape(raw.shape), raw.length, raw.ranges, raw.offsets, raw.size)
+    return Header(raw.shape, raw.length, raw.ranges, raw.offsets, raw.size,
+                  Layout.of_shape(raw.shape))
 
 
 def _values(h: Header, raw: dict[str, bytes], vocab_size: int | None
