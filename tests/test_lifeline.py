@@ -477,7 +477,9 @@ def test_pred_rpcs_whose_replies_are_not_read_hold_the_kernel_to_a_budget(daemon
             when_stopped = preds_answered(k, pid)
             answered = settled(lambda: preds_answered(k, pid), quiet=2.0)
             bound = reply_bound(pb.PredRequest.FromString(hog_payload(3)))
-            assert answered - when_stopped <= LIMIT // bound + 2, (when_stopped, answered)
+            # The budget's worth, and what gRPC's flow-control windows and the socket take
+            # before the stopped client's side is full (a few replies): not the other 200.
+            assert answered - when_stopped <= 2 * (LIMIT // bound) + 8, (when_stopped, answered)
             assert answered < rpcs
             assert len(decode(f, 4)) == 4  # the bystander is answered meanwhile
         finally:
