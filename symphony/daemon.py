@@ -24,6 +24,7 @@ from symphony.frame_hold import FrameHold
 from symphony.options import Options
 from symphony.process import Process, ProcessTable
 from symphony.procfs import ProcFS
+from symphony.reply_budget import ReplyBudget
 from symphony.scheduler import Scheduler
 from symphony.server import Front, Hello, grpc_options
 from syscalls import symphony_pb2 as pb
@@ -57,6 +58,7 @@ class Kernel:
         self.procs = ProcessTable()
         self.lifelines: dict[int, asyncio.Transport] = {}
         self.frame_hold = FrameHold()
+        self.reply_budgets: dict[object, ReplyBudget] = {}  # gRPC Pred replies, by debtor
         self.sched = Scheduler(engine, self.fs, lambda: self.procs,
                                opts.token_budget, opts.max_seqs, opts.decode_ahead,
                                pipeline=opts.pipeline)

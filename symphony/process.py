@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from kvfs.errors import FSError
 from kvfs.fs import Handle
 from kvfs.perm import Cred
-from symphony.reply_budget import ReplyBudget
 from symphony.users import user_name
 from syscalls.session import TOKEN_BYTES
 
@@ -93,8 +92,6 @@ class Process:
     answered: float = 0.0  # when its last pred was answered (monotonic)
     think: float = 0.0  # how long it usually takes from an answer to its next pred, s
     pidfd: int | None = None  # the OS process that said hello, even once its pid is reused
-    # Bytes of gRPC Pred replies the kernel may hold for it at once (reply_budget.py).
-    replies: ReplyBudget = field(default_factory=ReplyBudget)
 
     @property
     def uid(self) -> int:

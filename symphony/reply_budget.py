@@ -1,12 +1,13 @@
-"""How many bytes of gRPC pred replies a process may have the kernel hold at once.
+"""How many bytes of gRPC pred replies a user's processes may have the kernel hold at once.
 
 A unary Pred rpc's reply is gRPC's to send once the handler returns, and gRPC keeps it
 until the client reads it: a process that issued hundreds of Pred rpcs with large replies
 and never read them made the kernel hold every reply (400 of 0.76 MB: 640 MB more). So
-each Pred rpc takes its reply's bound (syscall_table.reply_bound) from its process's
-budget before it is submitted, and gives it back when the rpc ends, its reply sent; past
-LIMIT the next Pred rpc waits for room, in arrival order. One alone always goes, however
-large (submit_pred's EMSGSIZE is the bound on one).
+each Pred rpc takes its reply's bound (syscall_table.reply_bound) from its debtor's budget
+(its user's processes together, or one of root's: `debtor`) before it is
+submitted, and gives it back when the rpc ends, its reply sent; past LIMIT the next Pred
+rpc waits for room, in arrival order. One alone always goes, however large (submit_pred's
+EMSGSIZE is the bound on one).
 """
 
 from __future__ import annotations
@@ -14,9 +15,18 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+from symphony.process import Process
+
 # A quarter of the lifeline's OWED_MAX (symphony/server.py): a reply gRPC holds costs the
 # kernel about five times its bytes (400 Pred rpcs of 0.76 MB replies held 1.7 GB).
 LIMIT = 16 << 20
+
+
+def debtor(proc: Process) -> object:
+    """Whose budget a process's Pred rpcs take from: its user's, all its processes
+    together (else a user's 256 processes could each hold LIMIT); root's are each their
+    own."""
+    return proc.uid or proc
 
 
 class ReplyBudget:
@@ -39,6 +49,9 @@ class ReplyBudget:
             if room.done() and not room.cancelled():  # granted as it was cancelled
                 self.give(size)
             raise
+
+    def idle(self) -> bool:
+        return self.held == 0 and not self._waiting
 
     def give(self, size: int) -> None:
         self.held -= size

@@ -29,6 +29,7 @@ from kvfs.errors import FSError
 from kvfs.perm import Cred, check_ids
 from symphony.process import Process
 from symphony.read_pause import IN_FLIGHT, REPLIES, ReadPause
+from symphony.reply_budget import ReplyBudget, debtor
 from symphony.scheduler import taken_back
 from symphony.syscall_table import TABLE, pred_reply, reply_bound, submit_pred, sys_pred
 from symphony.users import user_name
@@ -170,7 +171,7 @@ class Front:
         return handle
 
     def pred_rpc(self):
-        """The Pred rpc: as unary's, its reply's bound taken from its process's budget of
+        """The Pred rpc: as unary's, its reply's bound taken from its debtor's budget of
         replies the kernel holds (reply_budget.py) first, and given back when it ends."""
         async def handle(request, context):
             try:
@@ -178,9 +179,16 @@ class Front:
             except Exception:  # call() reports it
                 proc = None
             if proc is not None and isinstance(request, pb.PredRequest):
-                owes = reply_bound(request)
-                await proc.replies.take(owes)
-                context.add_done_callback(lambda _: proc.replies.give(owes))
+                owes, key, budgets = reply_bound(request), debtor(proc), self.kernel.reply_budgets
+                budget = budgets.setdefault(key, ReplyBudget())
+                await budget.take(owes)
+
+                def ended(_) -> None:
+                    budget.give(owes)
+                    if budget.idle() and budgets.get(key) is budget:
+                        del budgets[key]
+
+                context.add_done_callback(ended)
             return await self.call("Pred", sys_pred, pb.PredReply, request,
                                    lambda: self.caller(context))
 

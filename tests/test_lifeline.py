@@ -437,6 +437,8 @@ from daemon import hog_payload
 from syscalls import session
 from syscalls import symphony_pb2 as pb
 from syscalls.client import CHANNEL_OPTIONS
+if len(sys.argv) > 2:  # as this user
+    os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[2]))
 sock = session.socket_path(None)
 life, token = session.hello(sock)
 channel = grpc.insecure_channel(session.grpc_target(sock), options=CHANNEL_OPTIONS)
@@ -485,6 +487,50 @@ def test_pred_rpcs_whose_replies_are_not_read_hold_the_kernel_to_a_budget(daemon
         finally:
             hog.kill()
             hog.wait()
+
+
+ONE_GRPC_PRED = """
+import os, sys
+sys.path.insert(0, "tests")
+from daemon import HOG
+from syscalls.client import Kernel
+os.setgroups([]); os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[1]))
+with Kernel.connect(lifeline_pred=False) as k, k.open("", os.O_RDWR) as f:
+    print(len(f.pred(**HOG)), flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_a_users_pred_rpcs_share_one_budget(daemon):
+    """The budget is the user's, all its processes together: while one process of a user
+    holds it full, another process of the same user waits for its Pred rpc, and gets its
+    answer once the first is gone; root's processes are not held back by it."""
+    import subprocess
+    import sys
+
+    uid = 60078
+    with daemon.connect("bystander") as k, k.open("", os.O_RDWR) as f:
+        hog = subprocess.Popen([sys.executable, "-c", GRPC_HOG, "300", str(uid)],
+                               env=daemon.env(), cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        other = None
+        try:
+            hog_os_pid = int(hog.stdout.readline())
+            wait_for(lambda: "T (stopped)" in Path(f"/proc/{hog_os_pid}/status").read_text(),
+                     what="the hog stopped")
+            other = subprocess.Popen([sys.executable, "-c", ONE_GRPC_PRED, str(uid)],
+                                     env=daemon.env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                     text=True)
+            with pytest.raises(subprocess.TimeoutExpired):
+                other.wait(4)  # its rpc waits for the user's budget
+            assert len(f.pred(**HOG)) == HOG_TOKENS  # root's are not held back
+            hog.kill()
+            hog.wait()
+            assert other.communicate(timeout=60)[0] == f"{HOG_TOKENS}\n"
+        finally:
+            for p in (hog, other):
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait()
 
 
 @pytest.mark.parametrize("rings", [False, True])
