@@ -192,11 +192,7 @@ class Lifeline:
         """The lifeline takes nothing now: the kernel takes no more preds of a process
         while its replies wait unread (docs/syscalls.md), so this sender reads them, unless
         another thread does; back when the lifeline may take more, or BLOCKED_SEND_WAIT."""
-        me = threading.get_ident()
-        with self._lock:
-            reading = self._reader is None and not self._closed
-            if reading:
-                self._reader = me
+        reading = self._become_reader()
         why = None
         poll = select.poll()
         poll.register(self.sock, select.POLLOUT | (select.POLLIN if reading else 0))
@@ -247,11 +243,23 @@ class Lifeline:
                     self._reader = me
                 self._read(deadline)
             except BaseException:  # KeyboardInterrupt: another waiter must take over reading
-                with self._lock:
-                    if self._reader == me:
-                        self._reader = None
-                        self._state.notify_all()
+                self._stop_reading()
                 raise
+
+    def _become_reader(self) -> bool:
+        """Make this thread the reader if no thread reads now; whether it is."""
+        with self._lock:
+            if self._reader is None and not self._closed:
+                self._reader = threading.get_ident()
+                return True
+            return False
+
+    def _stop_reading(self) -> None:
+        """This thread, interrupted, reads no more: another waiter takes over."""
+        with self._lock:
+            if self._reader == threading.get_ident():
+                self._reader = None
+                self._state.notify_all()
 
     def _take_back(self, calls: list[int]) -> None:
         """Their caller stopped waiting for `calls`: for each not answered that reached the

@@ -20,7 +20,6 @@ import errno
 import os
 import select
 import socket
-import threading
 import time
 from collections.abc import Callable
 
@@ -74,24 +73,16 @@ class RingLine(Lifeline):
         """Until fits(): the ring is full of records the kernel, rung, takes at once, but
         not while this process's replies wait unread (docs/syscalls.md): this sender reads
         them meanwhile, unless another thread does."""
-        me = threading.get_ident()
         while not fits():
             if self._closed:
                 raise errors.error(*self._closed)
-            with self._lock:
-                reading = self._reader is None
-                if reading:
-                    self._reader = me
-            if not reading:
+            if not self._become_reader():
                 time.sleep(RING_FULL_PAUSE)
                 continue
             try:
                 self._read(time.monotonic() + RING_FULL_PAUSE)  # hands reading back
-            except BaseException:  # interrupted: another waiter must take over reading
-                with self._lock:
-                    if self._reader == me:
-                        self._reader = None
-                        self._state.notify_all()
+            except BaseException:
+                self._stop_reading()
                 raise
 
     def _send_many(self, frames: list[bytes], sendings: list[Sending]) -> None:
