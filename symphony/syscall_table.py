@@ -233,7 +233,8 @@ def reply_bound(req: pb.PredRequest) -> int:
     can take, which submit_pred holds to the limit."""
     rows = 0 if req.no_outputs else len(req.outputs) or 1
     size = rows * (23 + 13 * req.sampler.top_logprobs + 5 * req.score_next)
-    return size + sum(11 + 4 * len(c.score_ids) for c in req.controls)
+    controls = req.controls
+    return size + sum(11 + 4 * len(c.score_ids) for c in controls) if controls else size
 
 
 def _tree(req: pb.PredRequest, tokens: list[int], positions: list[int] | None
@@ -332,8 +333,8 @@ def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> as
     if size > wire.MAX_PAYLOAD:
         raise FSError(errno.EMSGSIZE, f"pred: {len(rows)} output rows with {params.top_logprobs}"
                       f" top logprobs each{' and their scores' if controls else ''} may take "
-                      f"{size >> 20} MiB, over the {wire.MAX_PAYLOAD >> 20} MiB limit of a "
-                      "reply")
+                      f"{size} bytes, over the {wire.MAX_PAYLOAD >> 20} MiB limit of a reply "
+                      f"({wire.MAX_PAYLOAD} bytes)")
     if controls is not None:  # kept with their rows, which the scheduler takes sorted
         order = sorted(range(len(rows)), key=rows.__getitem__)
         rows, controls = [rows[i] for i in order], [controls[i] for i in order]
@@ -403,17 +404,18 @@ async def sys_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) ->
 # -- KV files -------------------------------------------------------------------------
 
 
-def _install(k: Kernel, proc: Process, handle: Handle) -> int:
-    """The new open file's fd. A call that waited (for a step, for pages) may find its
-    process reaped meanwhile: then the file is closed again, or nobody ever would."""
-    try:
+def _installing(proc: Process, what: str, op: Callable[[], Handle]) -> Callable[[], int]:
+    """op, which opens a file, made the fd of a live process with room for one: checked
+    right before op runs, with no wait between, so that a call that waited (for a step,
+    for pages) and finds its process reaped or its last fd taken meanwhile opens nothing,
+    and creates no name."""
+    def install() -> int:
         if not proc.alive:
             raise FSError(errno.EINTR, f"process {proc.pid} is exiting")
-        proc.fd_room("open")  # again: another call may have taken the last while this waited
-    except FSError:
-        k.fs.close(handle)
-        raise
-    return proc.add_fd(handle)
+        proc.fd_room(what)
+        return proc.add_fd(op())
+
+    return install
 
 
 async def _settle_path(k: Kernel, cred: Cred, path: str) -> None:
@@ -429,8 +431,8 @@ async def sys_open(k: Kernel, proc: Process, cred: Cred, req: pb.OpenRequest) ->
     proc.fd_room(f"open {req.path!r}")
     if req.flags & os.O_TRUNC and req.path:
         await _settle_path(k, cred, req.path)
-    handle = await _room_made(k, lambda: k.fs.open(cred, req.path, req.flags, mode))
-    return pb.FdReply(fd=_install(k, proc, handle))
+    return pb.FdReply(fd=await _room_made(k, _installing(
+        proc, f"open {req.path!r}", lambda: k.fs.open(cred, req.path, req.flags, mode))))
 
 
 async def sys_close(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.Empty:
@@ -447,8 +449,8 @@ async def sys_close(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> 
 async def sys_fork(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.FdReply:
     handle = proc.handle(req.fd)
     proc.fd_room(f"fork of fd {req.fd}")
-    clone = await _room_made(k, lambda: k.fs.fork(handle, cred))
-    return pb.FdReply(fd=_install(k, proc, clone))
+    return pb.FdReply(fd=await _room_made(k, _installing(
+        proc, f"fork of fd {req.fd}", lambda: k.fs.fork(handle, cred))))
 
 
 def sys_link(k: Kernel, proc: Process, cred: Cred, req: pb.LinkRequest) -> pb.Empty:

@@ -537,6 +537,44 @@ def test_only_a_real_sleep_costs_a_process_its_lead(model, tmp_path):
         engine.close()
 
 
+def test_an_open_that_waited_opens_nothing_once_the_fds_ran_out(model, tmp_path):
+    """An O_TRUNC open waits for the work ahead on its file; meanwhile the file is unlinked
+    and other calls take the process's last fds. The open fails with EMFILE and creates
+    no name (it made the file again, then found no fd for it, and left it)."""
+    from kvfs.errors import FSError
+    from symphony.daemon import Kernel
+    from symphony.engine_process import EngineProcess
+    from symphony.options import Options
+    from symphony.process import FD_MAX
+    from symphony.syscall_table import TABLE
+
+    engine = EngineProcess(model, kv_pages=16)
+    k = Kernel(engine, Options(socket=tmp_path / "k.sock", state_dir=tmp_path / "state"))
+    open_, made = TABLE["Open"][0], os.O_CREAT | os.O_RDWR
+
+    async def race() -> None:
+        p = k.procs.spawn(os.getpid(), 0, 0)
+        fd = (await open_(k, p, p.cred, pb.OpenRequest(path="/tmp/x.kv", flags=made))).fd
+
+        async def settle(inode) -> None:  # the wait, and what other calls did meanwhile
+            k.fs.unlink(p.cred, "/tmp/x.kv")
+            while len(p.fds) < FD_MAX:
+                p.add_fd(p.handle(fd))
+
+        k.sched.settle = settle
+        with pytest.raises(FSError) as e:
+            await open_(k, p, p.cred, pb.OpenRequest(path="/tmp/x.kv", flags=made | os.O_TRUNC))
+        assert e.value.errno == errno.EMFILE, e.value
+        with pytest.raises(FSError) as e:
+            k.fs.lookup(p.cred, "/tmp/x.kv")
+        assert e.value.errno == errno.ENOENT
+
+    try:
+        asyncio.run(race())
+    finally:
+        engine.close()
+
+
 def test_a_prefill_is_not_starved_by_decodes_that_fill_every_step(model):
     """With one sequence a step, a process decoding on four files keeps every step busy; a
     prompt of another process still gets its turn by virtual runtime."""
