@@ -132,16 +132,20 @@ def lip_main(args: argparse.Namespace) -> int:
 
 
 def alip_main(args: argparse.Namespace) -> int:
-    """The asyncio twin of the 'decode' LIP: args.sessions sessions in one process."""
+    """The asyncio twin of the 'decode' LIP: args.sessions sessions in one process, or
+    with args.one_session one session decoding as many files (the OpenAI server's shape)."""
     import asyncio
 
     from syscalls.aio import AsyncKernel
 
     async def main() -> None:
-        ks = [await AsyncKernel.connect(args.socket, name=f"bench-aio-{i}",
-                                        lifeline_pred=args.transport != "grpc",
-                                        rings=args.transport == "ring")
-              for i in range(args.sessions)]
+        async def connect(i: int) -> AsyncKernel:
+            return await AsyncKernel.connect(args.socket, name=f"bench-aio-{i}",
+                                             lifeline_pred=args.transport != "grpc",
+                                             rings=args.transport == "ring")
+
+        ks = ([await connect(0)] * args.sessions if args.one_session else
+              [await connect(i) for i in range(args.sessions)])
         vocab = (await ks[0].model_info()).vocab_size
         files = [await k.open("", os.O_RDWR) for k in ks]
         say(f"attached {ks[0].pid}")
@@ -169,7 +173,7 @@ def alip_main(args: argparse.Namespace) -> int:
                 cpu = time.process_time() - cpu
                 ids = ";".join(",".join(map(str, t)) for t in toks)
                 say(f"done {start} {max(ends)} {len(ks) * (args.tokens - 1)} 0 {cpu} {ids}")
-        for k in ks:
+        for k in set(ks):
             await k.close()
 
     asyncio.run(main())
@@ -719,10 +723,14 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
           f"in all, after a {args.prompt_len}-token prompt each, timed from a barrier), "
           f"against generate at batch N; {args.path_threads} torch thread(s) each side; "
           f"best/median of {args.repeat}")
-    groups = [(f"{n} LIP process{'es' if n > 1 else ''}", n, "decode", n) for n in counts]
-    for procs, sessions in (map(int, g.split("x")) for g in args.path_asyncio.split(",") if g):
-        groups.append((f"{procs} asyncio LIP{'s' if procs > 1 else ''}, {sessions} sessions"
-                       f"{' each' if procs > 1 else ''}", procs * sessions, "adecode", procs))
+    groups = [(f"{n} LIP process{'es' if n > 1 else ''}", n, "decode", n, False)
+              for n in counts]
+    for shapes, what in ((args.path_asyncio, "sessions"),
+                         (args.path_files, "files of one session")):
+        for procs, sessions in (map(int, g.split("x")) for g in shapes.split(",") if g):
+            groups.append((f"{procs} asyncio LIP{'s' if procs > 1 else ''}, {sessions} {what}"
+                           f"{' each' if procs > 1 else ''}", procs * sessions, "adecode", procs,
+                           what != "sessions"))
     results = []
     flags = ["--model", str(model), "--kv-pages", str(args.kv_pages),
              "--engine", args.path_engine]
@@ -731,13 +739,13 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
         print(f"# the kernel's engine: {args.path_engine}, a simulated accelerator (its tokens "
               f"are not generate's)")
     with KernelDaemon(tmp, "path", flags, {"OMP_NUM_THREADS": str(args.path_threads)}) as kd:
-        for name, n, mode, procs in groups:
+        for name, n, mode, procs, one_session in groups:
             started, tokens = time.monotonic(), args.path_preds // n + 1
             opts = {"prompt_len": args.prompt_len, "tokens": tokens,
                     "transport": args.path_transport}
             lips = (spawn(kd.socket, mode, n, **opts) if mode == "decode" else
-                    [Lip(kd.socket, mode, seed=p * (n // procs), sessions=n // procs, **opts)
-                     for p in range(procs)])
+                    [Lip(kd.socket, mode, seed=p * (n // procs), sessions=n // procs,
+                         one_session=int(one_session), **opts) for p in range(procs)])
             try:
                 p = [prompt(i, args.prompt_len, engine.config.vocab_size) for i in range(n)]
                 in_process(engine, p, tokens)  # warm-up of both sides
@@ -928,6 +936,9 @@ def main() -> int:
     ap.add_argument("--path-asyncio", default="1x32",
                     help="asyncio LIPs of the path benchmark, PROCSxSESSIONS, comma-separated "
                          "(e.g. 1x32,4x64)")
+    ap.add_argument("--path-files", default="",
+                    help="asyncio LIPs of the path benchmark with one session each, decoding "
+                         "FILES files (the OpenAI server's shape), PROCSxFILES, comma-separated")
     ap.add_argument("--path-lips", default="1,32,128",
                     help="the pred path: LIP counts (at 32, also one asyncio LIP)")
     ap.add_argument("--path-preds", type=int, default=4096,
@@ -951,6 +962,7 @@ def main() -> int:
     ap.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--inflight", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--sessions", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--one-session", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--path-transport", choices=["ring", "lifeline", "grpc"], default="ring",
                     help="how the path benchmark's LIPs send their preds")
     ap.add_argument("--transport", choices=["ring", "lifeline", "grpc"], default="ring",
