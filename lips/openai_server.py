@@ -345,14 +345,16 @@ def install_error_handlers(app: FastAPI) -> None:
         content_type = request.headers.get("content-type")
         if first.get("type") == "json_invalid":
             error = ApiError(400, f"the body is not valid JSON: {message}")
-        elif (param is None and first.get("type") != "missing"
-              and not is_json(content_type or "")):
+        elif param is None and first.get("type") == "missing":
+            # FastAPI's "Field required" of the body as a whole: no body at all
+            error = ApiError(400, "the body is not valid JSON: it is empty")
+        elif param is None and not is_json(content_type or ""):
             # FastAPI reads such a body as bytes, not JSON (curl -d sends a form's type)
             got = (f"Content-Type {content_type!r}" if content_type else "no Content-Type")
             error = ApiError(400, "the body must be JSON sent with 'Content-Type: "
                              f"application/json' (the request has {got})")
-        elif param is None:
-            error = ApiError(400, f"invalid request body: {message}")
+        elif param is None:  # JSON, but null, an array, a string or a number
+            error = ApiError(400, "the body must be a JSON object")
         else:
             error = bad_field(param, message)
         return JSONResponse(error.body(), status_code=400)

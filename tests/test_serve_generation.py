@@ -15,7 +15,9 @@ import subprocess
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import openai
 import pytest
+import torch
 from daemon import ROOT, SYMPHONY, prompt, wait_for
 from test_lip_constrained import SCHEMAS, violations
 
@@ -389,6 +391,33 @@ def test_n_choices_and_the_same_seed_twice(server):
                                               max_tokens=16, temperature=1.0, seed=43,
                                               extra_body={"ignore_eos": True})
     assert single.choices[0].text == first[1]  # choice i is seed + i
+
+
+def test_a_seed_is_any_signed_64_bit_integer_each_its_own(server):
+    """A seed outside pred's signed 64 bits is a 400 naming it (one was folded modulo 2**64:
+    2**64 gave seed 0's text); within them no two seeds share a stream: a negative seed is
+    its 64 bits read unsigned (-1 is 2**64 - 1, -2**63 is 2**63), and seed + i wraps
+    around them."""
+    name = model_name(server)
+
+    def texts(seed: int, n: int = 1) -> list[str]:
+        reply = server.client.completions.create(model=name, prompt="The quick brown", n=n,
+                                                 max_tokens=16, temperature=1.0, seed=seed,
+                                                 extra_body={"ignore_eos": True})
+        return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    for seed in (2**64, 2**64 - 1, 2**63, -(2**63) - 1):
+        with pytest.raises(openai.BadRequestError) as e:
+            texts(seed)
+        assert e.value.param == "seed"
+    edges = [0, 1, -1, 2**63 - 1, -(2**63), 2**63 - 2, -(2**63) + 1]
+    outs = {seed: texts(seed) for seed in edges}
+    assert texts(2**63 - 1, n=2) == [*outs[2**63 - 1], *outs[-(2**63)]]  # seed + 1, wrapped
+    if not torch.cuda.is_available():
+        # A CPU kernel's torch generator (mt19937) keys on a seed's low 32 bits alone (CUDA's
+        # Philox on all 64): there seeds that differ only above them share a stream.
+        edges = list({seed % 2**32: seed for seed in reversed(edges)}.values())
+    assert len({outs[seed][0] for seed in edges}) == len(edges)
 
 
 def test_stop_strings_are_cut_exactly(server):

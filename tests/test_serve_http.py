@@ -195,6 +195,18 @@ BAD_CHAT = [
     # JSON can carry a lone surrogate; UTF-8 text (the kernel's tokenizer) cannot
     ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content"),
     ({"stop": ["ok", "\udfff"]}, "stop[1]"),
+    # strict types, as OpenAI's: a string or a boolean is no number, 2.0 no integer
+    ({"temperature": True}, "temperature"),
+    ({"n": True}, "n"),
+    ({"max_tokens": "2"}, "max_tokens"),
+    ({"max_completion_tokens": 2.0}, "max_completion_tokens"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"stream": "true"}, "stream"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
+    ({"add_special_tokens": 1}, "add_special_tokens"),
+    ({"seed": 2**63}, "seed"),  # pred's seed is a signed 64-bit integer
+    ({"seed": "1"}, "seed"),
 ]
 BAD_COMPLETION = [
     ({"prompt": ""}, "prompt"),
@@ -217,6 +229,23 @@ BAD_COMPLETION = [
     ({"min_p": 2}, "min_p"),
     ({"prompt": "\ud800"}, "prompt"),
     ({"model": "m\ud800"}, "model"),
+    # strict types, as OpenAI's: a boolean is no integer (logprobs false is not 0, true not
+    # 1), a string no number or boolean, 2.0 no integer
+    ({"logprobs": False}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": "3"}, "max_tokens"),
+    ({"temperature": "0"}, "temperature"),
+    ({"top_p": False}, "top_p"),
+    ({"echo": "yes"}, "echo"),
+    ({"stream": 1}, "stream"),
+    ({"n": 2.0}, "n"),
+    ({"top_k": 1.0}, "top_k"),
+    ({"ignore_eos": 0}, "ignore_eos"),
+    ({"model": 3}, "model"),
+    ({"seed": 2**64}, "seed"),  # was folded modulo 2**64: the same text as seed 0
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"seed": 1.0}, "seed"),
 ]
 
 
@@ -247,6 +276,23 @@ def test_a_bad_completion_field_is_400_naming_it(http, server, model_name, field
     assert_alive(server, model_name)
 
 
+def test_numbers_as_clients_send_them_are_taken(http, model_name):
+    """Strict types keep what clients send: a JSON integer where a number is expected
+    (temperature 1, a logit_bias of 2), null for a field's default."""
+    body = {"model": model_name, "prompt": "Hi", "max_tokens": 2, "temperature": 1,
+            "top_p": 1, "min_p": 0, "logit_bias": {"5": 2}, "presence_penalty": 0,
+            "frequency_penalty": 0, "seed": -(2**63), "logprobs": None, "echo": None,
+            "n": None, "stream": False}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    r = http.post("/v1/chat/completions", json={
+        "model": model_name, "messages": MESSAGES, "max_completion_tokens": 2,
+        "temperature": 0, "top_p": 1, "seed": 2**63 - 1, "logprobs": False,
+        "top_logprobs": None, "stream_options": None})
+    assert r.status_code == 200, r.text
+
+
 def test_the_openai_client_sees_a_bad_field_as_bad_request(server, model_name):
     with pytest.raises(openai.BadRequestError) as e:
         server.client.chat.completions.create(model=model_name, messages=MESSAGES,
@@ -258,6 +304,18 @@ def test_a_body_that_is_not_json_is_400(http, model_name):
     r = http.post("/v1/chat/completions", content=b"{not json",
                   headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("body,says", [(b"", "the body is not valid JSON: it is empty"),
+                                       (b"null", "the body must be a JSON object")])
+def test_an_empty_or_null_body_is_400_saying_so(http, path, body, says):
+    """An empty body was "invalid request body: Field required", as if a field were missing."""
+    r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", None), error
+    assert error["message"].startswith(says), error
 
 
 @pytest.mark.parametrize("content,says", [

@@ -55,9 +55,12 @@ def _unencodable(value: Any) -> str | None:
 
 class Body(BaseModel):
     """A request body: unknown fields ignored, a null field taken as left out (clients send
-    null for "the default"), and text that is not valid Unicode a 400 naming its field."""
+    null for "the default"), and text that is not valid Unicode a 400 naming its field.
+    Types are strict, as OpenAI's: a value of another JSON type is a 400 naming its field
+    (pydantic's lax mode took "3" and true as the integers 3 and 1, 2.0 as 2, "yes" as
+    true), but for a JSON integer where a number is expected (temperature: 1)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -69,7 +72,7 @@ class Body(BaseModel):
         return data
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
@@ -83,7 +86,9 @@ class SamplingRequest(Body):
     min_p: float = Field(0.0, ge=0, le=1)  # vLLM extra
     n: int = Field(1, ge=1, le=128)
     stop: Any = ()  # a string or a list of them, as a tuple (Any: errors name "stop")
-    seed: int | None = None
+    # pred's seed, a signed 64-bit integer (a wider one was folded onto these modulo 2**64);
+    # torch's generator reads its 64 bits unsigned, -1 as 2**64 - 1.
+    seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 63) - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
