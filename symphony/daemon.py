@@ -22,6 +22,7 @@ from symphony.engine.fingerprint import fingerprint
 from symphony.engine_process import EngineProcess
 from symphony.frame_hold import FrameHold
 from symphony.options import Options
+from symphony.owed import Owed
 from symphony.process import Process, ProcessTable
 from symphony.procfs import ProcFS
 from symphony.reply_budget import ReplyBudget
@@ -58,6 +59,7 @@ class Kernel:
         self.procs = ProcessTable()
         self.lifelines: dict[int, asyncio.Transport] = {}
         self.frame_hold = FrameHold()
+        self.owed = Owed()  # lifeline and ring preds' replies in flight, by debtor
         self.reply_budgets: dict[object, ReplyBudget] = {}  # gRPC Pred replies, by debtor
         self.sched = Scheduler(engine, self.fs, lambda: self.procs,
                                opts.token_budget, opts.max_seqs, opts.decode_ahead,

@@ -17,7 +17,7 @@ from collections import deque
 
 from symphony.process import Process
 
-# A quarter of the lifeline's OWED_MAX (symphony/server.py): a reply gRPC holds costs the
+# A quarter of the lifeline's OWED_MAX (symphony/owed.py): a reply gRPC holds costs the
 # kernel about five times its bytes (400 Pred rpcs of 0.76 MB replies held 1.7 GB).
 LIMIT = 16 << 20
 

@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from kvfs.errors import FSError
 from kvfs.perm import Cred, check_ids
 from symphony.process import Process
-from symphony.read_pause import IN_FLIGHT, REPLIES, ReadPause
+from symphony.read_pause import IN_FLIGHT, OWED, REPLIES, ReadPause
 from symphony.reply_budget import ReplyBudget, debtor
 from symphony.scheduler import taken_back
 from symphony.syscall_table import TABLE, pred_reply, reply_bound, submit_pred, sys_pred
@@ -269,13 +269,9 @@ REPLIES_LOW = 1 << 20
 # thousands at a time) grew the run queue, and the kernel's memory, without end.
 IN_FLIGHT_MAX = 4096
 IN_FLIGHT_LOW = 3072
-# And the most bytes their replies could take in all (syscall_table.reply_bound): past
-# OWED_MAX the kernel takes no more until they are down to OWED_LOW. A process that sends
-# its preds in one burst had them all taken before the first reply backed up (100 preds
-# of 4 MB replies each: 420 MB). The pred that crosses the mark is taken: one alone, of
-# up to 64 MiB, always is.
-OWED_MAX = 64 << 20
-OWED_LOW = 48 << 20
+# And the most bytes their replies could take in all (syscall_table.reply_bound) is its
+# user's (symphony/owed.py): a process that sends its preds in one burst had them all
+# taken before the first reply backed up (100 preds of 4 MB replies each: 420 MB).
 
 
 def fd_limit() -> int:
@@ -342,8 +338,9 @@ class Hello(asyncio.Protocol):
         self.unread: list[tuple[int, int, bytes]] = []  # frames read, not taken yet
         self.backed_up = False  # the replies are past REPLIES_HIGH: take nothing more
         self.owes: dict[int, int] = {}  # the bound on each pred in flight's reply, by call
-        self.owed = 0  # their sum
-        self.full = False  # IN_FLIGHT_MAX preds in flight, or OWED_MAX owed: take no more
+        self.full = False  # IN_FLIGHT_MAX preds in flight: take no more
+        self.in_debt = False  # its debtor is over symphony/owed.py's bounds: take no more
+        self.debtor: object = None  # its user, or the process if root's (reply_budget.debtor)
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -364,6 +361,7 @@ class Hello(asyncio.Protocol):
             transport.close()
             return
         self.proc = self.kernel.procs.spawn(pid, uid, gid, peer_pidfd(sock, pid))
+        self.debtor = debtor(self.proc)
         self.kernel.lifelines[self.proc.pid] = transport
         transport.write(f"{self.proc.token}\n".encode())
 
@@ -409,14 +407,30 @@ class Hello(asyncio.Protocol):
         del self.unread[:taken]
 
     def held_back(self) -> bool:
-        """Whether the kernel takes no more of the process's preds for now."""
-        return self.backed_up or self.full
+        """Whether the kernel takes no more of the process's preds for now. Asked before
+        each pred is taken, so that a user over symphony/owed.py's bounds gets no more
+        taken on any of its lifelines, not one more on each."""
+        if self.backed_up or self.full or self.in_debt:
+            return True
+        if self.kernel.owed.over(self.debtor):
+            self.in_debt = True
+            self.reads.pause(OWED)
+            self.kernel.owed.hold(self.debtor, self.debt_paid)
+            return True
+        return False
+
+    def debt_paid(self) -> None:
+        """Its debtor is under the bounds again: take more."""
+        self.in_debt = False
+        self.reads.resume(OWED)
+        asyncio.get_running_loop().call_soon(self.go_on)
 
     def pause_writing(self) -> None:
         """The replies the process has not read are past REPLIES_HIGH: take no more of its
         preds (those taken are still answered) until resume_writing."""
         self.backed_up = True
         self.reads.pause(REPLIES)
+        self.kernel.owed.backs_up(self.debtor, True)
 
     def resume_writing(self) -> None:
         """The process read its replies down to REPLIES_LOW: read its lifeline again
@@ -424,6 +438,7 @@ class Hello(asyncio.Protocol):
         self.backed_up = False
         self.reads.resume(REPLIES)
         asyncio.get_running_loop().call_soon(self.go_on)
+        self.kernel.owed.backs_up(self.debtor, False)
 
     def go_on(self) -> None:
         if self.held_back() or self.transport.is_closing():
@@ -511,17 +526,19 @@ class Hello(asyncio.Protocol):
         if future is not None:
             self.calls[call] = future
             self.owes[call] = owes = reply_bound(request)
-            self.owed += owes
-            if (len(self.calls) >= IN_FLIGHT_MAX or self.owed >= OWED_MAX) and not self.full:
+            self.kernel.owed.add(self.debtor, owes)
+            if len(self.calls) >= IN_FLIGHT_MAX and not self.full:
                 self.full = True
                 self.reads.pause(IN_FLIGHT)
 
     def answered(self, call: int) -> None:
-        """call is answered, or taken back: under IN_FLIGHT_LOW in flight owing under
-        OWED_LOW, take more."""
+        """call is answered, or taken back: its debt is paid, and under IN_FLIGHT_LOW in
+        flight, take more."""
         self.calls.pop(call, None)
-        self.owed -= self.owes.pop(call, 0)
-        if self.full and len(self.calls) <= IN_FLIGHT_LOW and self.owed <= OWED_LOW:
+        owes = self.owes.pop(call, None)
+        if owes is not None:
+            self.kernel.owed.pay(self.debtor, owes)
+        if self.full and len(self.calls) <= IN_FLIGHT_LOW:
             self.full = False
             self.reads.resume(IN_FLIGHT)
             asyncio.get_running_loop().call_soon(self.go_on)
@@ -573,6 +590,12 @@ class Hello(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.proc is not None:
             self.kernel.frame_hold.forget(self.proc.uid, self.reads, self.frames.held)
+            # Its preds in flight are cancelled as it is reaped, its replies dropped.
+            self.kernel.owed.forget(self.debtor, self.debt_paid)
+            self.kernel.owed.pay(self.debtor, sum(self.owes.values()))
+            self.owes.clear()
+            if self.backed_up:
+                self.kernel.owed.backs_up(self.debtor, False)
         if self.ring is not None:
             asyncio.get_running_loop().remove_reader(self.ring.kernel_bell)
             self.ring.close()

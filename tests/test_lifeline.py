@@ -402,7 +402,7 @@ def test_preds_sent_in_one_burst_owe_the_kernel_at_most_owed_max(daemon):
     """100 preds whose replies may take 1 MB each, sent at once and never read: the kernel
     takes them until their replies could take OWED_MAX (64 MiB) in all, not every one it
     has read before the first reply backs up; once the process reads, all are answered."""
-    from symphony.server import OWED_MAX
+    from symphony.owed import OWED_MAX
     from symphony.syscall_table import reply_bound
 
     with daemon.connect("bystander") as k, k.open("", os.O_RDWR) as f:
@@ -427,6 +427,61 @@ def test_preds_sent_in_one_burst_owe_the_kernel_at_most_owed_max(daemon):
             sender.join(10)
         finally:
             life.close()
+
+
+LIFELINE_HOG = """
+import os, sys, time
+sys.path.insert(0, "tests")
+from daemon import hog_payload, raw_open
+from syscalls import session, wire
+os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[2]))
+sock = session.socket_path(None)
+life, token = session.hello(sock)
+payload = hog_payload(raw_open(sock, token))
+print(os.getpid(), flush=True)
+life.sendall(b"".join(wire.frame(wire.PRED, call, payload)
+                      for call in range(1, int(sys.argv[1]) + 1)))
+time.sleep(600)  # reads nothing
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_a_users_lifelines_back_up_together(daemon):
+    """Processes of one user send preds with large replies and read none. Once
+    BACKED_UP_MAX of its lifelines have backed up, the kernel takes no pred of another
+    process of the user (each would keep its replies in flight too: a user's 256
+    processes could make it keep 16 GiB), and goes on with root's; when one of them ends,
+    the other's preds are taken."""
+    import subprocess
+    import sys
+
+    from symphony.owed import BACKED_UP_MAX
+
+    uid, hogs = 60079, []
+
+    def hog() -> int:
+        hogs.append(subprocess.Popen([sys.executable, "-c", LIFELINE_HOG, str(HOG_PREDS),
+                                      str(uid)], env=daemon.env(), cwd=ROOT,
+                                     stdout=subprocess.PIPE, text=True))
+        os_pid = int(hogs[-1].stdout.readline())
+        return wait_for(lambda: next((p.pid for p in k.ps() if p.os_pid == os_pid), None),
+                        what=f"process {os_pid} in ps")
+
+    with daemon.connect("bystander") as k, k.open("", os.O_RDWR) as f:
+        try:
+            backed = [hog() for _ in range(BACKED_UP_MAX)]
+            answered = settled(lambda: [preds_answered(k, pid) for pid in backed], quiet=1.5)
+            assert all(0 < n < HOG_PREDS for n in answered), answered
+            late = hog()
+            assert settled(lambda: preds_answered(k, late), quiet=1.5) == 0
+            assert len(decode(f, 4)) == 4  # root's bystander is answered meanwhile
+            hogs[0].kill()
+            hogs[0].wait()
+            wait_for(lambda: preds_answered(k, late) > 0, what="the late process's preds taken")
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
 
 
 GRPC_HOG = """
