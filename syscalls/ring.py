@@ -146,7 +146,9 @@ def _records(data: bytes) -> list[tuple[int, int, bytes]]:
             raise RingError(f"a record header cut short at byte {at}")
         size, call, kind, zero = RECORD.unpack_from(data, at)
         end = at + RECORD.size + padded(size)
-        if zero or end > len(data):
+        if zero:
+            raise RingError(f"record at byte {at}: its fourth field is {zero}, not 0")
+        if end > len(data):
             raise RingError(f"record at byte {at}: {size} payload bytes, "
                             f"{len(data) - at - RECORD.size} left")
         out.append((kind, call, data[at + RECORD.size:at + RECORD.size + size]))

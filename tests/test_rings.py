@@ -81,10 +81,13 @@ def test_the_kernel_checks_its_copy_not_the_shared_memory(ends):
     assert records == [(ring.PRED, 1, b"abcdefgh")]
 
 
-@pytest.mark.parametrize("damage", ["tail past the ring", "tail behind the head",
-                                    "payload past the tail", "header cut short",
-                                    "reserved field set"])
-def test_a_ring_that_is_not_a_ring_is_refused(ends, damage):
+@pytest.mark.parametrize("damage, says", [
+    ("tail past the ring", "sq_tail 262160 with sq_head 0"),
+    ("tail behind the head", "sq_tail 0 with sq_head 32"),
+    ("payload past the tail", "record at byte 0: 1000 payload bytes, 48 left"),
+    ("header cut short", "a record header cut short at byte 0"),
+    ("reserved field set", "record at byte 0: its fourth field is 7, not 0")])
+def test_a_ring_that_is_not_a_ring_is_refused(ends, damage, says):
     kernel, proc = ends
     mem = proc.mem
     if damage == "tail past the ring":
@@ -101,7 +104,7 @@ def test_a_ring_that_is_not_a_ring_is_refused(ends, damage):
     else:
         mem.sq[:ring.RECORD.size] = ring.RECORD.pack(0, 1, ring.PRED, 7)
         mem.set(ring.SQ_TAIL, ring.RECORD.size)
-    with pytest.raises(ring.RingError):
+    with pytest.raises(ring.RingError, match=says):
         kernel.take()
 
 
