@@ -12,10 +12,13 @@ so the kernel decides access. A KV file's bytes are its canonical serialized for
   the file is closed (flush); the kernel checks the whole file, and a refused one leaves
   nothing. Over an existing file the import rewrites it in place: its inode, owner, group,
   mode and links stay, as a write on a disk leaves them.
-- A new file exists only in the mount until then. The checks the mount makes itself are
-  for such a file: whoever reaches it (the kernel checks search permission on its directory)
-  sees it, but only its writer, or root, may change or use it; removing or replacing its name
-  (unlink, rename) follows the kernel's rules for a file it has, sticky directories included.
+- A new file exists only in the mount until then; creating it is refused at once when the
+  import would be refused for want of write permission on its directory, or of an inode
+  (the user's inodes in /proc/meminfo, less the new files it is writing already: EDQUOT).
+  The checks the mount makes itself are for such a file: whoever reaches it (the kernel
+  checks search permission on its directory) sees it, but only its writer, or root, may
+  change or use it; removing or replacing its name (unlink, rename) follows the kernel's
+  rules for a file it has, sticky directories included.
 - A file whose name is removed or replaced while it is being written is gone, as on a disk:
   its writer's fd keeps working, and its close imports nothing.
 - The spool is checked as it fills, as the kernel's import stream is: the header as soon as
@@ -57,6 +60,7 @@ from kvfs.kv_header import read_header as check_header
 from syscalls import wire
 from syscalls.client import Kernel
 from syscalls.convert import CHUNK_BYTES, Stat, proc_fields
+from syscalls.users import user_name
 
 log = logging.getLogger("symphony.mount")
 
@@ -322,6 +326,15 @@ class KvFS(pyfuse3.Operations):
         if path not in self.own:
             self.own[path] = next(self.inodes)
         return self.own[path]
+
+    def inodes_left(self, uid: int) -> int | None:
+        """How many more inodes uid may own (/proc/meminfo's inodes_USER); None: no limit,
+        or it owns none yet."""
+        count = proc_fields(self.kernel.procfs("meminfo")).get(f"inodes_{user_name(uid)}")
+        if count is None or count.endswith("-"):
+            return None
+        used, limit = count.split(" / ")
+        return int(limit) - int(used)
 
     def pending(self, path: str) -> Writer | None:
         """The writer of a new file at `path` that the kernel has not seen yet, if any."""
@@ -748,10 +761,16 @@ class KvFS(pyfuse3.Operations):
         path = child(self.path_of(parent_inode), name)
         if in_proc(path):
             raise pyfuse3.FUSEError(errno.EROFS)
-        # Refuse now what the import at close would refuse for want of permission.
+        # Refuse now what the import at close would refuse for want of permission, or of an
+        # inode: cp would otherwise write the whole file, then fail to close it.
         await self.run(
             self.who(ctx.uid, ctx.gid).access, self.path_of(parent_inode), os.W_OK | os.X_OK
         )
+        left = await self.run(self.inodes_left, ctx.uid)
+        if left is not None and left <= sum(
+            not w.existed and w.uid == ctx.uid for w in self.writing.values()
+        ):
+            raise pyfuse3.FUSEError(errno.EDQUOT)
         # Nothing in the kernel yet: the file shows in the mount only, until it imports.
         w = Writer(
             path,

@@ -27,9 +27,9 @@ from functools import partial
 from itertools import chain
 from pathlib import Path
 
-from symphony.users import user_name
 from syscalls.client import Kernel
 from syscalls.convert import CHUNK_BYTES, Stat
+from syscalls.users import user_name
 
 PREFIX = "kv:"
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from kvfs.errors import FSError
 from kvfs.fs import Handle
 from kvfs.perm import Cred
-from symphony.users import user_name
 from syscalls.session import TOKEN_BYTES
+from syscalls.users import user_name
 
 FIRST_FD = 3  # an fd left at the proto default (0) is never valid
 # Fds a process may have open, as RLIMIT_NOFILE: past it open and fork fail with EMFILE.

@@ -11,7 +11,7 @@ from kvfs.perm import Cred
 from kvfs.pool import DISK, TIERS
 from symphony.process import Process
 from symphony.sched_stats import RankClock
-from symphony.users import user_name
+from syscalls.users import user_name
 
 if TYPE_CHECKING:
     from symphony.daemon import Kernel

@@ -32,10 +32,10 @@ from symphony.read_pause import IN_FLIGHT, OWED, REPLIES, ReadPause
 from symphony.reply_budget import ReplyBudget, debtor
 from symphony.scheduler import taken_back
 from symphony.syscall_table import TABLE, pred_reply, reply_bound, submit_pred, sys_pred
-from symphony.users import user_name
 from syscalls import ring, wire
 from syscalls import symphony_pb2 as pb
 from syscalls.session import AS_KEY, SESSION_KEY, refusal
+from syscalls.users import user_name
 
 if TYPE_CHECKING:
     from symphony.daemon import Kernel

@@ -7,8 +7,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from daemon import NEEDS_MOUNT, ROOT, as_user, make
@@ -109,3 +112,30 @@ def test_a_user_at_its_quota_still_reads_through_the_mount(daemon, mnt):
     read = as_user(uid, "cat", str(mnt / "tmp/readable.kv"))
     assert read.returncode == 0, read.stderr
     assert read.stdout == want
+
+
+@NEEDS_ROOT
+@NEEDS_MOUNT
+def test_cp_into_the_mount_past_the_quota_fails_creating_the_file(daemon, mnt, tmp_path):
+    """A new file written through the mount takes its inode when it imports, on close:
+    past the quota, cp fails as it creates the file ("cannot create regular file"), not
+    after writing it all ("failed to close"), and leaves nothing."""
+    uid = UID + 3
+    source = Path(tempfile.mkdtemp(dir="/tmp")) / "source.kv"  # a place the user may read
+    try:
+        with daemon.connect("root") as k:
+            make(k, "/tmp/quota-source.kv", 40)
+            source.write_bytes(k.export("/tmp/quota-source.kv"))
+        source.parent.chmod(0o755)
+        source.chmod(0o644)
+        for i in range(LIMIT - 1):
+            assert as_user(uid, "mkdir", str(mnt / f"tmp/q{i}")).returncode == 0
+        copied = as_user(uid, "cp", str(source), str(mnt / "tmp/q-last.kv"))  # the last one
+        assert copied.returncode == 0, copied.stderr
+        refused = as_user(uid, "cp", str(source), str(mnt / "tmp/q-past.kv"))
+        said = refused.stderr.decode()
+        assert refused.returncode != 0
+        assert "cannot create regular file" in said and os.strerror(errno.EDQUOT) in said, said
+        assert not (mnt / "tmp/q-past.kv").exists()
+    finally:
+        shutil.rmtree(source.parent)
