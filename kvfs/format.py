@@ -285,10 +285,12 @@ def parse(data: bytes | bytearray | memoryview, layout: Layout,
 class Incoming:
     """A serialized KV file arriving in pieces (an import stream), checked as it arrives: the
     header as soon as it is whole, then `admit` judges it before any room is made for the
-    rest, and no more bytes are kept than the header declares."""
+    rest, and no more bytes are kept than the header declares. Until then `hold` is told
+    how many bytes are kept (up to MAX_HEADER and a piece), and may refuse them."""
 
-    def __init__(self, layout: Layout, admit: Callable[[Header], None]):
-        self.layout, self.admit = layout, admit
+    def __init__(self, layout: Layout, admit: Callable[[Header], None],
+                 hold: Callable[[int], None] = lambda kept: None):
+        self.layout, self.admit, self.hold = layout, admit, hold
         self._head = bytearray()  # what came before the header was whole
         self._body: np.ndarray | None = None  # then the whole file, its declared size
         self._got = 0
@@ -297,6 +299,7 @@ class Incoming:
         if self._body is None:
             self._head += piece
             if len(self._head) < 8 or len(self._head) < 8 + header_length(self._head, None):
+                self.hold(len(self._head))
                 return
             header = parse_header(self._head, None, self.layout)
             self.admit(header)

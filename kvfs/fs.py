@@ -537,22 +537,30 @@ class FileSystem:
         """An import stream to `path` for the block's length, checked before its body is
         taken: the caller's permission now, then its header as soon as that arrives, whose
         length must fit what the file's owner could ever hold, and whose declared size must
-        keep the caller's streams in flight within their bound (kvfs/inflight.py). That
-        size counts against the caller until the block ends, however it ends."""
+        keep the caller's streams in flight within their bound (kvfs/inflight.py). The bytes
+        kept before the header is whole count too, then that size, against the caller until
+        the block ends, however it ends."""
         old = self._import_target(cred, path)[2]
         owner = cred.uid if old is None else old.uid
         if old is None:
             self.inodes.check(cred.uid, f"import {path!r}")
         taken = 0
 
+        def hold(kept: int) -> None:
+            nonlocal taken
+            if kept > taken:
+                self.importing.take(cred.uid, kept - taken, self.largest_file(), path)
+                taken = kept
+
         def admit(header: Header) -> None:
             nonlocal taken
             self._could_hold(owner, header.length, path)
-            self.importing.take(cred.uid, header.size, self.largest_file(), path)
-            taken = header.size
+            self.importing.give(cred.uid, taken)  # what it kept becomes its declared size
+            taken = 0
+            hold(header.size)
 
         try:
-            yield Incoming(self.layout, admit)
+            yield Incoming(self.layout, admit, hold)
         finally:
             self.importing.give(cred.uid, taken)
 

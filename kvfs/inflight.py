@@ -1,7 +1,8 @@
 """Bytes held by import streams in flight, per user.
 
-Each import stream is bounded by its header's declared size, but a user may open any
-number of them at once, and each keeps a buffer of that size until it ends. So a user
+Each import stream is bounded by its header's declared size (before its header is whole,
+by the bytes it kept), but a user may open any number of them at once, and each keeps a
+buffer of that size until it ends. So a user
 other than root may have at most the largest file the KV pool could hold declared by all
 its streams in flight together, as the mount bounds what a user spools in its open
 writers (kvfs/fuse.py); a stream past it is refused (EDQUOT), not kept waiting, since a

@@ -593,6 +593,34 @@ def test_an_import_stream_is_bounded_by_what_its_owner_could_hold():
     raises(errno.EFBIG, feed, ROOT, "/tmp/f", header(37))  # 10 pages
 
 
+def test_import_streams_hold_what_they_keep_before_their_header_is_whole():
+    """A stream whose header has not all come keeps what came (up to MAX_HEADER and a
+    piece): it counts against the user's bound as it comes, so streams that never finish
+    their headers cannot hold more than the largest file the pool could hold; once the
+    header is whole, its declared size counts instead."""
+    from kvfs.kv_header import MAX_HEADER
+
+    fs = make_fs(pages=9)
+    piece = MAX_HEADER.to_bytes(8, "little") + b" " * (200 << 10)
+    fit = fs.largest_file() // len(piece)
+    assert fit >= 2
+    with ExitStack() as streams:
+        for i in range(fit):
+            streams.enter_context(fs.receive(ALICE, f"/tmp/{i}")).feed(piece)
+        assert fs.importing.held[ALICE.uid] == fit * len(piece)
+        e = raises(errno.EDQUOT, fs.receive(ALICE, "/tmp/over").__enter__().feed, piece)
+        assert e.message.startswith("import '/tmp/over': ")
+        with fs.receive(ROOT, "/tmp/root") as root:  # root has no bound
+            root.feed(piece)
+    data = exported(make_fs(pages=80), list(range(20)))
+    with fs.receive(ALICE, "/tmp/halves") as incoming:
+        incoming.feed(data[:20])
+        assert fs.importing.held[ALICE.uid] == 20
+        incoming.feed(data[20:])
+        assert fs.importing.held[ALICE.uid] == len(data)
+    assert fs.importing.held == {}
+
+
 def test_import_streams_in_flight_are_bounded_per_user_until_they_end():
     """A user other than root may have at most the largest file the pool could hold declared
     by its streams in flight together: the one past it is refused at its header (EDQUOT),
