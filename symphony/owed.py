@@ -30,11 +30,11 @@ class Owed:
     def __init__(self) -> None:
         self.owed: Counter[object] = Counter()  # debtor -> bytes its preds in flight owe
         self.backed_up: Counter[object] = Counter()  # debtor -> its lifelines backed up
-        # debtor -> how to take again from each lifeline that found it over a bound
+        # Debtors that passed a bound and are not yet back under OWED_LOW and BACKED_UP_MAX:
+        # a set, since every lifeline asks before it takes each pred.
+        self.over: set[object] = set()
+        # debtor -> how to take again from each lifeline that found it over
         self._held: dict[object, set[Callable[[], None]]] = {}
-
-    def over(self, debtor: object) -> bool:
-        return self.owed[debtor] >= OWED_MAX or self.backed_up[debtor] >= BACKED_UP_MAX
 
     def hold(self, debtor: object, resume: Callable[[], None]) -> None:
         """A lifeline of the debtor takes no more until resume() is called."""
@@ -50,26 +50,31 @@ class Owed:
 
     def add(self, debtor: object, size: int) -> None:
         self.owed[debtor] += size
+        if self.owed[debtor] >= OWED_MAX:
+            self.over.add(debtor)
 
     def pay(self, debtor: object, size: int) -> None:
         """Preds of the debtor's owing `size` in all were answered or are gone."""
         self.owed[debtor] -= size
         if not self.owed[debtor]:
             del self.owed[debtor]
-        self._go_on(debtor)
+        if debtor in self.over:
+            self._go_on(debtor)
 
     def backs_up(self, debtor: object, up: bool) -> None:
         """A lifeline of the debtor passed REPLIES_HIGH (up), or read its replies down to
         REPLIES_LOW or is gone (not up)."""
         self.backed_up[debtor] += 1 if up else -1
+        if self.backed_up[debtor] >= BACKED_UP_MAX:
+            self.over.add(debtor)
         if not self.backed_up[debtor]:
             del self.backed_up[debtor]
-        if not up:
+        if not up and debtor in self.over:
             self._go_on(debtor)
 
     def _go_on(self, debtor: object) -> None:
-        """Under OWED_LOW and BACKED_UP_MAX, the debtor's held lifelines take again."""
-        if (debtor in self._held and self.owed[debtor] <= OWED_LOW
-                and self.backed_up[debtor] < BACKED_UP_MAX):
-            for resume in self._held.pop(debtor):
+        """Back under OWED_LOW and BACKED_UP_MAX: the debtor's held lifelines take again."""
+        if self.owed[debtor] <= OWED_LOW and self.backed_up[debtor] < BACKED_UP_MAX:
+            self.over.discard(debtor)
+            for resume in self._held.pop(debtor, ()):
                 resume()

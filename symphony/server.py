@@ -412,7 +412,7 @@ class Hello(asyncio.Protocol):
         taken on any of its lifelines, not one more on each."""
         if self.backed_up or self.full or self.in_debt:
             return True
-        if self.kernel.owed.over(self.debtor):
+        if self.debtor in self.kernel.owed.over:
             self.in_debt = True
             self.reads.pause(OWED)
             self.kernel.owed.hold(self.debtor, self.debt_paid)
