@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import stat
 import subprocess
 import sys
 
@@ -18,7 +20,18 @@ def cmd_mount(args: argparse.Namespace) -> int:
     target = os.path.abspath(args.dir)
     if os.geteuid() != 0:
         return fail("mount: must run as root (it acts for each user, with allow_other)")
-    if not os.path.isdir(target):
+    try:
+        is_dir = stat.S_ISDIR(os.stat(target).st_mode)
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:  # a FUSE mount whose process is gone (kill -9)
+            return fail(
+                f"mount: {target}: a dead mount is there (its mount process is gone): "
+                f"run `symphony umount {args.dir}` first"
+            )
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            return fail(f"mount: {target}: {e.strerror}")
+        is_dir = False
+    if not is_dir:
         return fail(f"mount: {target}: not a directory")
     if os.path.ismount(target):
         return fail(f"mount: {target}: already a mount point")

@@ -386,3 +386,24 @@ def test_a_file_renamed_over_one_being_rewritten_is_left_alone(k, mnt):
     finally:
         os.close(fd)  # imports nothing
     assert k.export("/tmp/r1.kv") == moved
+
+
+def test_mount_over_a_dead_mount_says_to_umount_it(model):
+    d = start_daemon(model)
+    try:
+        with mounted(d, foreground=False) as (target, _):
+            with d.connect() as k:
+                pid = next(p.os_pid for p in k.ps() if p.name == "mount")
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: errno_of(os.stat, target) == errno.ENOTCONN, what="ENOTCONN")
+            again = subprocess.run([*SYMPHONY, "mount", str(target), "--socket", str(d.socket)],
+                                   cwd=ROOT, capture_output=True, text=True, timeout=60)
+            assert again.returncode == 1, again.stderr
+            assert "dead mount" in again.stderr and f"symphony umount {target}" in again.stderr
+            umount = subprocess.run([*SYMPHONY, "umount", str(target)], cwd=ROOT)
+            assert umount.returncode == 0 and not mounted_at(target)
+            subprocess.run([*SYMPHONY, "mount", str(target), "--socket", str(d.socket)],
+                           cwd=ROOT, check=True, timeout=60)
+            assert mounted_at(target) and "tmp" in os.listdir(target)
+    finally:
+        d.stop()
