@@ -20,14 +20,20 @@ so the kernel decides access. A KV file's bytes are its canonical serialized for
   change or use it; removing or replacing its name (unlink, rename) follows the kernel's
   rules for a file it has, sticky directories included.
 - A file whose name is removed or replaced while it is being written is gone, as on a disk:
-  its writer's fd keeps working, and its close imports nothing.
+  its writer's fd keeps working, and its close imports nothing. While any fd is open on a
+  file whose name is gone, fstat answers from it (its size as that fd sees it, no links).
 - The spool is checked as it fills, as the kernel's import stream is: the header as soon as
-  the spool holds it (a bad one fails that write and every later one, EINVAL), and nothing is
-  spooled past the largest file the kernel's device pool could hold (EFBIG); nor, for a user
-  other than root, more than that in all the files the user has open for writing (EDQUOT),
-  so no user can fill root's disk through it.
+  the spool holds it, or once it starts from the file's bytes (an open without O_TRUNC); a
+  bad one fails that write and every later one, EINVAL. A write past the end of the file the
+  header lays out is EINVAL and nothing of it is kept, also one that itself completes the
+  header. Nothing is spooled past the largest file the kernel's device pool could hold
+  (EFBIG); nor, for a user other than root, more than that in all the files the user has
+  open for writing (EDQUOT), so no user can fill root's disk through it.
+- Symbolic links, FIFOs, sockets and device files cannot be made (EPERM): the kernel holds
+  KV files and directories only.
 
-DIR/proc shows the kernel's /proc texts (`procfs`), read-only. Entry and attribute caches
+DIR/proc shows the kernel's /proc texts (`procfs`), read-only; PID/ and its files are owned
+by that process's uid and gid, as its status says, as on Linux. Entry and attribute caches
 are off (timeout 0) and files are opened direct_io, bypassing the page cache, so changes
 made through syscalls show at once. direct_io also keeps reads large (as the reader asks:
 1 MiB for cp, by st_blksize) and spares a getattr (a stat) before each one, which the page
@@ -123,6 +129,12 @@ def refusal(path: str, e: OSError) -> int:
     return e.errno or errno.EIO
 
 
+def past_end(end: int, declared: int) -> FSError:
+    return FSError(
+        errno.EINVAL, f"kv file: {end} bytes, more than the {declared} its header declares"
+    )
+
+
 @dataclass(frozen=True)
 class Bounds:
     """What the kernel could ever hold, which the mount checks a spool against."""
@@ -171,8 +183,9 @@ class Reader:
     it that sequential reads consume. The bytes just behind the last read are kept (FUSE may
     send neighbouring reads out of order); older ones are dropped."""
 
-    def __init__(self, kernel: Kernel, fd: int):
+    def __init__(self, kernel: Kernel, fd: int, st: Stat, ino: int):
         self.kernel, self.fd = kernel, fd
+        self.st, self.ino = st, ino  # the file as it was at open; its FUSE inode
         self.stream: Iterator[bytes] | None = None
         self.start = self.end = 0  # the offsets `chunks` cover
         self.chunks: list[bytes] = []
@@ -237,6 +250,7 @@ class Writer:
     detached: bool = False  # its name was removed or replaced: its close imports nothing
     owner: tuple[int, int] | None = None  # (uid, gid) root gave the new file, set once imported
     born_ns: int = field(default_factory=time.time_ns)
+    st: Stat | None = None  # the kernel's file at open, if it had one
     spool: Any = field(default_factory=lambda: tempfile.SpooledTemporaryFile(SPOOL_MEMORY))
     lock: trio.Lock = field(default_factory=trio.Lock)
 
@@ -253,6 +267,16 @@ class Writer:
         return entry(
             self.ino, stat.S_IFREG | self.mode, self.size(), 1, uid, gid, (self.born_ns,) * 3
         )
+
+    def unlinked(self) -> pyfuse3.EntryAttributes:
+        """What fstat shows once its name is gone: the file as this fd sees it, no links."""
+        if self.st is None:
+            a = self.attributes()
+        else:
+            a = stat_entry(self.st, self.ino)
+            a.st_size, a.st_blocks = self.size(), -(-self.size() // 512)
+        a.st_nlink = 0
+        return a
 
     def chunks(self) -> Iterator[bytes]:
         self.spool.seek(0)
@@ -365,13 +389,24 @@ class KvFS(pyfuse3.Operations):
     async def proc_text(self, path: str, ctx: pyfuse3.RequestContext) -> str:
         return await self.run(self.who(ctx.uid, ctx.gid).procfs, path)
 
+    async def proc_owner(self, path: str, ctx: pyfuse3.RequestContext) -> tuple[int, int]:
+        """Who owns a /proc entry: PID/ and its files, that process's uid and gid (its
+        status says, to anyone), as on Linux; the rest, root."""
+        pid = path.removeprefix(PROC + "/").split("/")[0]
+        if path == PROC or not (pid.isascii() and pid.isdigit()):
+            return 0, 0
+        status = proc_fields(await self.proc_text(f"{PROC}/{pid}/status", ctx))
+        return int(status["uid"]), int(status["gid"])
+
     async def proc_entry(
         self, path: str, is_dir: bool, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
+        uid, gid = await self.proc_owner(path, ctx)
+        ino = self.own_inode(path)
         if is_dir:
-            return entry(self.own_inode(path), stat.S_IFDIR | 0o555, nlink=2)
+            return entry(ino, stat.S_IFDIR | 0o555, nlink=2, uid=uid, gid=gid)
         size = len((await self.proc_text(path, ctx)).encode())
-        return entry(self.own_inode(path), stat.S_IFREG | 0o444, size)
+        return entry(ino, stat.S_IFREG | 0o444, size, uid=uid, gid=gid)
 
     async def proc_attrs(self, path: str, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if path == PROC:
@@ -403,9 +438,32 @@ class KvFS(pyfuse3.Operations):
                 del self.own[path]
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        a = await self.attrs(self.path_of(inode), ctx)
+        try:
+            a = await self.attrs(self.path_of(inode), ctx)
+        except pyfuse3.FUSEError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            return await self.unlinked(inode)
         if a.st_ino != inode:  # the name now holds another file; this one has none
+            return await self.unlinked(inode)
+        return a
+
+    async def unlinked(self, inode: int) -> pyfuse3.EntryAttributes:
+        """A file whose name is gone (removed, or another file's now): while it is open,
+        fstat of its fd shows it as that fd sees it, with no links, as on a disk (pyfuse3
+        does not say which fd; a writer's first). ENOENT once none is."""
+        handles = sorted(
+            (h for h in self.handles.values() if isinstance(h, Writer | Reader) and h.ino == inode),
+            key=lambda h: not isinstance(h, Writer),
+        )
+        if not handles:
             raise pyfuse3.FUSEError(errno.ENOENT)
+        h = handles[0]
+        if isinstance(h, Writer):
+            return h.unlinked()
+        a = stat_entry(h.st, inode)
+        a.st_size = (await self.run(self.kernel.stat, h.fd)).size  # its snapshot's
+        a.st_blocks, a.st_nlink = -(-a.st_size // 512), 0
         return a
 
     async def setattr(
@@ -644,6 +702,23 @@ class KvFS(pyfuse3.Operations):
         await self.run(link)
         return self.remember(await self.attrs(path, ctx), path)
 
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        return await self.cannot_hold(parent_inode, name)
+
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        return await self.cannot_hold(parent_inode, name)
+
+    async def cannot_hold(self, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
+        """Symbolic links, FIFOs, sockets and device files (`ln -s`, `mkfifo`, `mknod`): the
+        kernel holds none, and a Linux file system that cannot hold a kind of file says
+        EPERM (/proc, read-only: EROFS)."""
+        read_only = in_proc(child(self.path_of(parent_inode), name))
+        raise pyfuse3.FUSEError(errno.EROFS if read_only else errno.EPERM)
+
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
         path = self.path_of(inode)
         if in_proc(path):
@@ -675,7 +750,13 @@ class KvFS(pyfuse3.Operations):
             for line in (await self.proc_text(path, ctx)).splitlines():
                 name = line.rstrip("/")
                 sub = child(path, name.encode())
-                entries.append((name, await self.proc_entry(sub, line.endswith("/"), ctx), sub))
+                try:
+                    a = await self.proc_entry(sub, line.endswith("/"), ctx)
+                except pyfuse3.FUSEError as e:
+                    if e.errno != errno.ENOENT:
+                        raise
+                    continue  # a process that exited since the listing
+                entries.append((name, a, sub))
         else:
             for name, st in await self.run(self.who(ctx.uid, ctx.gid).readdir, path):
                 if not (path == "/" and name == "proc"):  # the mount's /proc hides it
@@ -716,22 +797,24 @@ class KvFS(pyfuse3.Operations):
         k = self.who(ctx.uid, ctx.gid)
         if access == os.O_RDONLY:
 
-            def snapshot() -> int:
+            def snapshot() -> tuple[int, Stat]:
                 f = k.open(path)  # the kernel checks access here
+                st: Stat | None = None
                 try:
-                    return k.fork(f).fd  # one snapshot for every read of this open
+                    st = f.stat()  # what fstat shows once the name is gone
+                    return k.fork(f).fd, st  # one snapshot for every read of this open
                 except OSError as e:
-                    if e.errno != errno.EDQUOT:
+                    if e.errno != errno.EDQUOT or st is None:
                         raise
                     # At the reader's inode quota: the file itself, each export stream of
                     # it a snapshot of its own (export's is never refused), so reading works.
                     kept, f = f, None
-                    return kept.fd
+                    return kept.fd, st
                 finally:
                     if f is not None:
                         f.close()
 
-            reader = Reader(self.kernel, await self.run(snapshot))
+            reader = Reader(self.kernel, *await self.run(snapshot), ino=inode)
             return pyfuse3.FileInfo(fh=self.add(reader), direct_io=True)
 
         def check() -> Stat:  # access checked now; the bytes import on close
@@ -750,6 +833,7 @@ class KvFS(pyfuse3.Operations):
             base_size=st.size,
             unseeded=not trunc,
             dirty=trunc,
+            st=st,
         )
         if trunc:
             self.writing[path] = w
@@ -817,18 +901,38 @@ class KvFS(pyfuse3.Operations):
         assert isinstance(w, Writer)
         if w.refused:
             raise pyfuse3.FUSEError(w.refused)
-        await self.within(w, off, off + len(buf))
-        await self.seed(w)
+        end = off + len(buf)
+        await self.within(w, off, end)
+        header = w.header_end is None or off < w.header_end  # it may write the header
         async with w.lock:  # not while an import reads the spool
+            was = (w.length, w.front, w.header_end, w.declared)
+            # What the write covers, to put back if the header it completes or changes lays
+            # out a file that ends before it.
+            w.spool.seek(off)
+            kept = w.spool.read(max(min(end, w.length) - off, 0)) if header else b""
             w.spool.seek(off)
             w.spool.write(buf)
-            w.length = max(w.length, off + len(buf))
+            w.length = max(w.length, end)
             if off <= w.front:
-                w.front = max(w.front, off + len(buf))
+                w.front = max(w.front, end)
+        if header:
+            try:
+                await self.check_header(w)
+            except pyfuse3.FUSEError:  # a bad header: refused, with every later write
+                w.dirty = True  # and the close
+                self.track(w)
+                raise
+            if w.declared is not None and end > w.declared:
+                declared = w.declared
+                async with w.lock:
+                    w.spool.truncate(was[0])
+                    w.spool.seek(off)
+                    w.spool.write(kept)
+                    w.length, w.front, w.header_end, w.declared = was
+                self.spool_less(w, w.length)
+                raise pyfuse3.FUSEError(refusal(w.path, past_end(end, declared)))
         w.dirty = True
         self.track(w)
-        if w.header_end is None or off < w.header_end:
-            await self.check_header(w)
         return len(buf)
 
     def track(self, w: Writer) -> None:
@@ -854,17 +958,20 @@ class KvFS(pyfuse3.Operations):
     async def within(self, w: Writer, off: int, end: int) -> None:
         """Refuse to spool bytes the kernel's import would refuse for their place alone:
         past the largest file it could hold (EFBIG), or past the end of the file a checked
-        header lays out (EINVAL), unless the write changes that header."""
+        header lays out (EINVAL), unless the write changes that header. A spool that starts
+        from the file's bytes (an open without O_TRUNC) is started first: their header is
+        the one checked."""
         bounds = await self.limits()
         if end > bounds.largest:
             raise pyfuse3.FUSEError(refusal(w.path, FSError(
                 errno.EFBIG, f"{end} bytes, more than the largest file the KV pool's "
                 f"{bounds.pages} pages could hold ({bounds.largest} bytes)")))
+        if end and w.unseeded:
+            self.spool_more(w, w.size(), bounds)
+            await self.seed(w)
         if (w.declared is not None and w.header_end is not None and off >= w.header_end
                 and end > w.declared):
-            raise pyfuse3.FUSEError(refusal(w.path, FSError(
-                errno.EINVAL, f"kv file: {end} bytes, more than the {w.declared} its header "
-                "declares")))
+            raise pyfuse3.FUSEError(refusal(w.path, past_end(end, w.declared)))
         self.spool_more(w, max(end, w.size()), bounds)
 
     def spool_more(self, w: Writer, reach: int, bounds: Bounds) -> None:
@@ -905,13 +1012,14 @@ class KvFS(pyfuse3.Operations):
             except OSError as e:
                 w.refused = refusal(w.path, e)
                 raise pyfuse3.FUSEError(w.refused) from None
-        if got is not None:
-            w.header_end, w.declared = got
+            # Not all there (a write changed its length): checked again once it is.
+            w.header_end, w.declared = got or (None, None)
 
     async def seed(self, w: Writer) -> None:
         """Start the spool from the file's current bytes (an open without O_TRUNC). The
         mount's own session reads them: the opener may write but not read the file. Not
         once its name is gone: the path may hold another file by then."""
+        bounds = await self.limits()
         async with w.lock:
             if w.detached:
                 w.unseeded = False
@@ -923,6 +1031,13 @@ class KvFS(pyfuse3.Operations):
                     w.spool.write(chunk)
                     w.length += len(chunk)
                 w.front = w.length
+                # The file's header is the spool's: checked, so that a write past the end
+                # it lays out is refused as one after a written header is.
+                try:
+                    got = read_header(w.spool, w.front, bounds)
+                except OSError:  # refused by the import too: the next write finds it so
+                    got = None
+                w.header_end, w.declared = got or (None, None)
 
             try:
                 await self.run(copy)
@@ -930,6 +1045,7 @@ class KvFS(pyfuse3.Operations):
                 w.spool.seek(0)  # start over next time
                 w.spool.truncate()
                 w.length = w.front = 0
+                w.header_end = w.declared = None
                 raise
             w.unseeded = False
 

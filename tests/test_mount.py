@@ -388,6 +388,107 @@ def test_a_file_renamed_over_one_being_rewritten_is_left_alone(k, mnt):
     assert k.export("/tmp/r1.kv") == moved
 
 
+def test_a_write_past_the_end_is_refused_without_o_trunc(k, mnt):
+    # The spool starts from the file's bytes, whose header is checked as a written one is:
+    # a write past the end it lays out is EINVAL at once, and nothing of it is kept.
+    make(k, "/tmp/ap.kv", 5)
+    blob = k.export("/tmp/ap.kv")
+    path = mnt / "tmp/ap.kv"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        assert errno_of(os.write, fd, b"abcdefgh") == errno.EINVAL
+    finally:
+        os.close(fd)  # nothing was kept: nothing to import
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        assert errno_of(os.pwrite, fd, b"x" * 16, len(blob)) == errno.EINVAL
+        assert errno_of(os.ftruncate, fd, len(blob) + 10) == errno.EINVAL
+        assert os.fstat(fd).st_size == len(blob)
+        assert os.pwrite(fd, blob[-4:], len(blob) - 4) == 4  # inside the file: kept
+    finally:
+        os.close(fd)
+    assert k.export("/tmp/ap.kv") == blob
+    # bash ignores an error on close, not one on write.
+    echo = subprocess.run(["bash", "-c", f"echo x >> {path}"], capture_output=True, text=True)
+    assert echo.returncode != 0 and "Invalid argument" in echo.stderr, echo.stderr
+    assert k.export("/tmp/ap.kv") == blob
+
+
+def test_one_write_of_a_header_and_bytes_past_its_end_is_refused_whole(k, mnt, tmp_path):
+    make(k, "/tmp/dbl-src.kv", 7)
+    blob = k.export("/tmp/dbl-src.kv")
+    mem = proc_fields(k.procfs("meminfo"))
+    rows, page_size = int(mem["device_total"]) * int(mem["page_size_tokens"]), int(
+        mem["page_size_tokens"])
+    largest = 8 + (1 << 20) + rows * (int(mem["page_bytes"]) // page_size + 32)
+    (tmp_path / "dbl.kv").write_bytes(blob + blob)
+    cp = subprocess.run(["cp", tmp_path / "dbl.kv", mnt / "tmp/dbl.kv"], capture_output=True,
+                        text=True)
+    assert cp.returncode != 0 and "error writing" in cp.stderr, cp.stderr  # not only at close
+    assert "Invalid argument" in cp.stderr, cp.stderr
+    assert errno_of(k.stat, "/tmp/dbl.kv") == errno.ENOENT
+    fd = os.open(mnt / "tmp/dbl.kv", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        assert errno_of(os.write, fd, blob + blob) == errno.EINVAL
+        # Larger than one FUSE write: its first part is refused, not a short write.
+        more = min(3 << 20, largest - len(blob))
+        assert errno_of(os.write, fd, blob + bytes(more)) == errno.EINVAL
+        assert os.fstat(fd).st_size == 0  # nothing of them was kept
+        assert os.write(fd, blob) == len(blob)
+    finally:
+        os.close(fd)
+    assert k.export("/tmp/dbl.kv") == blob
+
+
+def test_fstat_of_a_file_whose_name_is_gone_answers_from_its_fd(k, mnt):
+    make(k, "/tmp/gone.kv", 6)
+    blob, ino = k.export("/tmp/gone.kv"), k.stat("/tmp/gone.kv").ino
+    path = mnt / "tmp/gone.kv"
+    r = os.open(path, os.O_RDONLY)
+    try:
+        os.unlink(path)
+        st = os.fstat(r)
+        assert (st.st_ino, st.st_size, st.st_nlink, st.st_mode) == (
+            ino, len(blob), 0, stat.S_IFREG | 0o644)
+        assert os.read(r, len(blob) + 1) == blob
+    finally:
+        os.close(r)
+    make(k, "/tmp/gone.kv", 6)
+    ino = k.stat("/tmp/gone.kv").ino
+    w = os.open(path, os.O_WRONLY | os.O_TRUNC)
+    try:
+        assert os.write(w, blob[:100]) == 100
+        os.unlink(path)
+        st = os.fstat(w)
+        assert (st.st_ino, st.st_size, st.st_nlink) == (ino, 100, 0)
+        assert os.write(w, blob[100:]) == len(blob) - 100
+        assert os.fstat(w).st_size == len(blob)
+    finally:
+        os.close(w)  # imports nothing
+    # A new file, never imported.
+    w = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        assert os.write(w, blob[:50]) == 50
+        os.unlink(path)
+        st = os.fstat(w)
+        assert (st.st_size, st.st_nlink, stat.S_IMODE(st.st_mode)) == (50, 0, 0o600)
+    finally:
+        os.close(w)
+    assert errno_of(os.stat, path) == errno.ENOENT
+    assert errno_of(k.stat, "/tmp/gone.kv") == errno.ENOENT
+
+
+def test_symlinks_fifos_and_device_files_are_eperm(k, mnt):
+    assert errno_of(os.symlink, "target", mnt / "tmp/link") == errno.EPERM
+    assert errno_of(os.mkfifo, mnt / "tmp/fifo") == errno.EPERM
+    assert errno_of(os.mknod, mnt / "tmp/null", stat.S_IFCHR | 0o666, os.makedev(1, 3)) == (
+        errno.EPERM)
+    ln = subprocess.run(["ln", "-s", "target", mnt / "tmp/link"], capture_output=True, text=True)
+    assert ln.returncode != 0 and "Operation not permitted" in ln.stderr, ln.stderr
+    assert errno_of(os.symlink, "target", mnt / "proc/link") == errno.EROFS
+    assert not {"link", "fifo", "null"} & set(os.listdir(mnt / "tmp"))
+
+
 def test_mount_over_a_dead_mount_says_to_umount_it(model):
     d = start_daemon(model)
     try:

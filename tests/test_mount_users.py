@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from daemon import NEEDS_MOUNT, as_user, errno_of, make, world_dir
+from daemon import NEEDS_MOUNT, ROOT, as_user, errno_of, make, world_dir
 
 from syscalls.convert import proc_fields
 
@@ -289,3 +289,41 @@ def test_a_user_spools_no_more_than_the_largest_file_in_all(k, mnt):
     finally:
         for fd in fds:
             assert errno_of(os.close, fd) == errno.EINVAL
+
+
+# A session of the user's own (argv[1]), a process in the kernel's table, until stdin closes.
+SESSION = """
+import os, sys
+from syscalls.client import Kernel
+os.setgroups([])
+os.setgid(int(sys.argv[1]))
+os.setuid(int(sys.argv[1]))
+with Kernel.connect(name="owned") as k:
+    print(k.pid, flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_proc_pid_belongs_to_the_processs_user(daemon, k, mnt):
+    """As on Linux, /proc/PID and its files are owned by the process's uid and gid."""
+    session = subprocess.Popen([sys.executable, "-c", SESSION, str(A)], env=daemon.env(),
+                               cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    try:
+        pid = int(session.stdout.readline() or 0)
+        assert pid, session.stderr.read()
+        d = mnt / f"proc/{pid}"
+        assert (os.stat(d).st_uid, os.stat(d).st_gid) == (A, A)
+        assert sorted(os.listdir(d)) == ["fds", "status", "syscalls"]
+        for name in os.listdir(d):
+            assert (os.stat(d / name).st_uid, os.stat(d / name).st_gid) == (A, A), name
+        ls = subprocess.run(["ls", "-ln", mnt / "proc"], capture_output=True, text=True,
+                            check=True).stdout.splitlines()
+        line = next(x for x in ls if x.endswith(f" {pid}"))
+        assert line.split()[2:4] == [str(A), str(A)], line
+        assert as_user(B, "stat", "-c", "%u %g", str(d / "status")).stdout == b"%d %d\n" % (A, A)
+        assert os.stat(mnt / f"proc/{k.pid}").st_uid == 0
+        assert os.stat(mnt / "proc/meminfo").st_uid == 0
+    finally:
+        session.communicate(timeout=60)
+    assert session.returncode == 0
