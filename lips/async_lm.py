@@ -65,7 +65,6 @@ from syscalls.flags import (
     add_prompt_flags,
     add_sampling_flags,
     alip_main,
-    at_least_one,
     kv_path,
     sampling_kwargs,
 )
@@ -361,7 +360,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse what cannot run, before any kernel is asked (argparse's exit 2)."""
-    at_least_one(p, args, "max_new_tokens")
     if args.answer_tokens < 0:
         p.error(f"--answer-tokens must be >= 0, got {args.answer_tokens}")
     if not (math.isfinite(args.timeout) and args.timeout > 0):

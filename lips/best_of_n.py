@@ -24,6 +24,7 @@ from syscalls.flags import (
     add_sampling_flags,
     alip_main,
     check_flags,
+    number,
     sampling_kwargs,
 )
 
@@ -38,7 +39,8 @@ class Candidate:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="best_of_n", description=__doc__.split("\n")[0])
     add_prompt_flags(p)
-    p.add_argument("--n", type=int, default=4, help="continuations to sample (default 4)")
+    p.add_argument("--n", type=number(int, 1), default=4,
+                   help="continuations to sample (default 4)")
     add_sampling_flags(p)
     p.set_defaults(temperature=1.0)
     p.add_argument("--json", action="store_true", help="all candidates, their scores, the pick")
@@ -60,8 +62,6 @@ async def decode(branch: AsyncContext, max_new_tokens: int, sampling: dict) -> C
 
 
 async def run(k: AsyncKernel, args: argparse.Namespace) -> int:
-    if args.n < 1:
-        raise ValueError(f"--n must be >= 1, got {args.n}")
     info = await k.model_info()
     check_flags(args, info.has_tokenizer)
     if args.prompt is None:

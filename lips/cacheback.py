@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The drafting flags, checked (exit 2 with a message when out of range), as
     args.config."""
-    at_least_one(p, args, "max_new_tokens", "max_depth", "width", "ngram", "table_size")
+    at_least_one(p, args, "max_depth", "width", "ngram", "table_size")
     args.config = Config(ngram=args.ngram, width=args.width, max_depth=args.max_depth,
                          start_depth=min(Config.start_depth, args.max_depth),
                          table_size=args.table_size)

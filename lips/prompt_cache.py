@@ -39,7 +39,6 @@ from syscalls.convert import proc_fields
 from syscalls.flags import (
     add_sampling_flags,
     add_text_flags,
-    at_least_one,
     kv_path,
     lip_main,
     sampling_kwargs,
@@ -280,7 +279,6 @@ def build_parser() -> argparse.ArgumentParser:
 def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse flags of the other mode, and schemas and prompts the markup does not allow,
     before the kernel is asked."""
-    at_least_one(p, args, "max_new_tokens")
     if args.schema is None:
         if args.prompt:
             p.error("--prompt goes with --schema; --document takes --question")

@@ -25,7 +25,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from syscalls.client import File, Kernel
@@ -34,7 +34,7 @@ from syscalls.convert import LogitControl, PredOutput
 from syscalls.flags import (
     add_sampling_flags,
     add_text_flags,
-    at_least_one,
+    number,
     parse_ids,
     prompt_of,
     report,
@@ -164,19 +164,6 @@ class Sink:
                 "max_entries": self.max_entries, "end_entries": self.length}
 
 
-def at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sink", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -187,14 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the prompt as token ids: 1,2,3")
     src.add_argument("--stream", type=text_file, metavar="FILE",
                      help="score this text file through the sink and print its perplexity")
-    p.add_argument("--sinks", type=at_least(0), default=SINKS,
+    p.add_argument("--sinks", type=number(int, 0), default=SINKS,
                    help=f"first tokens always kept (default {SINKS})")
-    p.add_argument("--window", type=at_least(1),
+    p.add_argument("--window", type=number(int, 1),
                    help="latest tokens kept besides the sinks (default: context - sinks)")
-    p.add_argument("--slide", type=at_least(1),
+    p.add_argument("--slide", type=number(int, 1),
                    help=f"tokens evicted at once, and per pred with --stream (default "
                         f"{SLIDE}, at most the window)")
-    p.add_argument("--limit", type=at_least(2), metavar="N",
+    p.add_argument("--limit", type=number(int, 2), metavar="N",
                    help="--stream: only the first N tokens of the file")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     add_sampling_flags(p)
@@ -276,7 +263,6 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    at_least_one(parser, args, "max_new_tokens")
     try:
         with Kernel.connect() as k:
             return run(k, args)

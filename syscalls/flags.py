@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -18,14 +19,38 @@ if TYPE_CHECKING:
     from syscalls.client import Kernel
 
 
+def number(kind: type, low: float, high: float | None = None) -> Callable[[str], Any]:
+    """An argparse type: a `kind` (int or float) in [low, high] (no bound above when high
+    is None), finite, else the flag's usage error (exit status 2) saying the range."""
+    def parse(text: str) -> Any:
+        value = kind(text)  # a ValueError is argparse's "invalid int value: ..."
+        if (kind is float and not math.isfinite(value) or value < low
+                or high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=64, help="default %(default)s")
+    """The sampling flags, each checked as the kernel checks it (but top-k against the
+    vocabulary, which only the kernel knows): a bad value is a usage error, exit status 2,
+    before the kernel is asked."""
+    p.add_argument("--max-new-tokens", type=number(int, 1), default=64,
+                   help="default %(default)s")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
-    p.add_argument("--temperature", type=float, help="sample at this temperature")
-    p.add_argument("--top-k", type=int, default=0, help="default %(default)s: no limit")
-    p.add_argument("--top-p", type=float, default=1.0, help="default %(default)s: no limit")
-    p.add_argument("--min-p", type=float, default=0.0, help="default %(default)s: no limit")
-    p.add_argument("--seed", type=int, help="a reproducible sample (default: none)")
+    p.add_argument("--temperature", type=number(float, 0),
+                   help="sample at this temperature")
+    p.add_argument("--top-k", type=number(int, 0), default=0,
+                   help="default %(default)s: no limit")
+    p.add_argument("--top-p", type=number(float, 0, 1), default=1.0,
+                   help="default %(default)s: no limit")
+    p.add_argument("--min-p", type=number(float, 0, 1), default=0.0,
+                   help="default %(default)s: no limit")
+    p.add_argument("--seed", type=number(int, -(1 << 63), (1 << 63) - 1),
+                   help="a reproducible sample (default: none)")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,10 +76,8 @@ def at_least_one(p: argparse.ArgumentParser, args: argparse.Namespace, *names: s
 
 
 def check_flags(args: argparse.Namespace, has_tokenizer: bool) -> None:
-    """Refuse what cannot run: no new tokens, or a text prompt for a model without a
-    tokenizer (as `symphony generate` does)."""
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    """Refuse what cannot run: a text prompt for a model without a tokenizer (as
+    `symphony generate` does)."""
     if getattr(args, "prompt", None) is not None and not has_tokenizer:
         raise ValueError("the model has no tokenizer; use --prompt-ids")
 
@@ -116,7 +139,8 @@ def report(prog: str, e: BaseException) -> int:
     if isinstance(e, OSError) and e.strerror:
         # Kernel messages often name only the object ("'/home/u/x'"): add what went wrong.
         reason = os.strerror(e.errno) if e.errno else ""
-        message = e.strerror if reason in e.strerror else f"{e.strerror}: {reason}"
+        said = e.strerror.lower()
+        message = e.strerror if reason.lower() in said else f"{e.strerror}: {reason}"
         # A local file's error names it (open("-") says only "No such file or directory").
         if e.filename is not None and str(e.filename) not in message:
             message = f"{e.filename}: {message}"

@@ -149,7 +149,7 @@ def check_file(daemon, r: dict, name: str) -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
     (["--answer-tokens", "-1"], "--answer-tokens must be >= 0"),
     (["--timeout", "0"], "--timeout must be a positive number"),
     (["--timeout", "nan"], "--timeout must be a positive number"),

@@ -153,7 +153,7 @@ def test_bad_arguments_get_a_message_and_no_traceback(daemon):
     for args, status, message in [
         (["--prompt-ids", "1,2", "--width", "0"], 2, "--width must be >= 1, got 0"),
         (["--prompt-ids", "1,2", "--max-depth", "-1"], 2, "--max-depth must be >= 1"),
-        (["--prompt-ids", "1,2", "--max-new-tokens", "0"], 2, "--max-new-tokens must be >= 1"),
+        (["--prompt-ids", "1,2", "--max-new-tokens", "0"], 2, "--max-new-tokens: must be >= 1"),
         (["--prompt-ids", "1,x"], 2, "--prompt-ids wants integers"),
         (["--width", "2"], 2, "one of the arguments"),
         (["--prompt-ids", "1,999999"], 1, "token 999999 is outside [0, 320)"),

@@ -404,6 +404,8 @@ def test_parse_ids_and_kv_paths():
 def test_report_says_what_went_wrong(capsys):
     assert report("chat", FileNotFoundError(errno.ENOENT, "'/home/u/x'")) == 1
     assert capsys.readouterr().err == "chat: '/home/u/x': No such file or directory\n"
+    report("kv", PermissionError(errno.EACCES, "open '/home/root/x': permission denied"))
+    assert capsys.readouterr().err == "kv: open '/home/root/x': permission denied\n"  # once
     report("chat", ValueError("empty prompt"))
     assert capsys.readouterr().err == "chat: empty prompt\n"
     report("symphony", FileNotFoundError(errno.ENOENT, "No such file or directory", "-"))
@@ -427,6 +429,40 @@ def test_lips_report_a_missing_kernel(lip, argv, tmp_path, monkeypatch, capsys):
     module = __import__(f"lips.{lip}", fromlist=["main"])
     assert module.main(argv) == 1
     assert capsys.readouterr().err.startswith(f"{lip}: no Symphony kernel at {tmp_path}")
+
+
+LIP_ARGV = {"complete": ["--prompt", "x"], "chat": ["--message", "hi"],
+            "best_of_n": ["--prompt-ids", "1,2"], "constrained": ["--prompt", "x", "--regex", "a"],
+            "cacheback": ["--prompt", "x"], "sink": ["--prompt", "x"],
+            "async_lm": ["--prompt", "x"], "agent": ["--question", "t"],
+            "prompt_cache": ["--document", "d.txt", "--cache", "c", "--question", "q"]}
+
+
+@pytest.mark.parametrize("lip", sorted(LIP_ARGV))
+@pytest.mark.parametrize("flag, value", [
+    ("--temperature", "-1"), ("--temperature", "nan"), ("--top-p", "2"), ("--top-k", "-5"),
+    ("--min-p", "-0.5"), ("--max-new-tokens", "0"), ("--seed", str(1 << 63))])
+def test_a_bad_sampling_flag_is_a_usage_error_before_any_kernel(lip, flag, value, tmp_path,
+                                                                monkeypatch, capsys):
+    """Every program that takes the sampling flags refuses a value the kernel would refuse
+    with exit status 2 and the flag's name (docs/programs.md), not once the kernel was
+    asked (a prompt cache had built its modules by then)."""
+    monkeypatch.setenv("SYMPHONY_SOCKET", str(tmp_path / "k.sock"))
+    module = __import__(f"lips.{lip}", fromlist=["main"])
+    with pytest.raises(SystemExit) as e:
+        module.main([*LIP_ARGV[lip], flag, value])
+    assert e.value.code == 2
+    assert f"argument {flag}: " in capsys.readouterr().err
+    good = "1" if flag in ("--max-new-tokens", "--seed") else "0"
+    assert module.main([*LIP_ARGV[lip], flag, good]) == 1  # the flags parse: no kernel
+
+
+def test_best_of_n_needs_one_continuation(capsys):
+    from lips import best_of_n
+
+    with pytest.raises(SystemExit) as e:
+        best_of_n.main(["--prompt", "x", "--n", "0"])
+    assert e.value.code == 2 and "argument --n: must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("build", [
