@@ -18,15 +18,20 @@ so the kernel decides access. A KV file's bytes are its canonical serialized for
   The checks the mount makes itself are for such a file: whoever reaches it (the kernel
   checks search permission on its directory) sees it, but only its writer, or root, may
   change or use it; removing or replacing its name (unlink, rename) follows the kernel's
-  rules for a file it has, sticky directories included.
+  rules for a file it has, sticky directories included. Opened for writing again (by them),
+  it shares its spool, as a disk shares a file; the close of the last open imports it.
 - A file whose name is removed or replaced while it is being written is gone, as on a disk:
   its writer's fd keeps working, and its close imports nothing. While any fd is open on a
   file whose name is gone, fstat answers from it (its size as that fd sees it, no links).
 - The spool is checked as it fills, as the kernel's import stream is: the header as soon as
-  the spool holds it, or once it starts from the file's bytes (an open without O_TRUNC); a
-  bad one fails that write and every later one, EINVAL. A write past the end of the file the
-  header lays out is EINVAL and nothing of it is kept, also one that itself completes the
-  header. Nothing is spooled past the largest file the kernel's device pool could hold
+  the spool holds it from byte 0 (in any order), or once it starts from the file's bytes (an
+  open without O_TRUNC); a bad one fails that write and every later one, EINVAL. A header
+  already whole is checked again at each write within it, one left bad for now kept (a
+  header rewritten in small pieces); while it is bad, a write past it and the close fail. A
+  write past the end of the file the header lays out is EINVAL and nothing of it is kept,
+  also one that itself completes the header (FUSE hands writes of at most 1 MiB: of a larger
+  write(2), the pieces before the one past the end are kept). Nothing is spooled past the
+  largest file the kernel's device pool could hold
   (EFBIG); nor, for a user other than root, more than that in all the files the user has
   open for writing (EDQUOT), so no user can fill root's disk through it.
 - Symbolic links, FIFOs, sockets and device files cannot be made (EPERM): the kernel holds
@@ -243,9 +248,16 @@ class Writer:
     dirty: bool = False
     length: int = 0  # of the spool (not asked of the spool: an import may be reading it)
     front: int = 0  # the spool's bytes [0, front) are all written (no hole): the header is there
+    pieces: list[tuple[int, int]] = field(default_factory=list)  # written past front, merged
     header_end: int | None = None  # where the checked header ends; None: not checked yet
     declared: int | None = None  # the file's size as its checked header lays it out
     refused: int = 0  # errno of a bad header: every later write and the close fail with it
+    # A whole header rewritten in place in writes within it (dd bs=512 conv=notrunc): bad
+    # for now (its errno), checked again at the next write into it; bytes past its end
+    # (`bad_end`, as its length field says) are refused until then, and so is the close.
+    bad: int = 0
+    bad_end: int = 0
+    opens: int = 1  # the FUSE opens sharing it: a new file opened again by its writer or root
     spooled: int = 0  # bytes its spool may reach, counted against its writer's spool limit
     detached: bool = False  # its name was removed or replaced: its close imports nothing
     owner: tuple[int, int] | None = None  # (uid, gid) root gave the new file, set once imported
@@ -277,6 +289,24 @@ class Writer:
             a.st_size, a.st_blocks = self.size(), -(-self.size() // 512)
         a.st_nlink = 0
         return a
+
+    def wrote(self, off: int, end: int) -> None:
+        """Bytes [off, end) are written: `front` moves over every piece it now reaches, also
+        those written before it, past a hole this write fills."""
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted([*self.pieces, (off, end)]):
+            if a <= self.front:
+                self.front = max(self.front, b)
+            elif merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        self.pieces = merged
+
+    def cut(self, size: int) -> None:
+        """The spool now ends at `size`."""
+        self.front = min(self.front, size)
+        self.pieces = [(a, min(b, size)) for a, b in self.pieces if a < size]
 
     def chunks(self) -> Iterator[bytes]:
         self.spool.seek(0)
@@ -555,6 +585,8 @@ class KvFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(w.refused)
         # Growing is writing zeros at the end: held to the same bounds as a write there.
         await self.within(w, min(size, w.size()), size)
+        if w.bad and size > w.bad_end:  # growing past a bad header being rewritten
+            raise pyfuse3.FUSEError(w.bad)
         if size:
             await self.seed(w)
         async with w.lock:  # a cut to nothing needs none of the old bytes
@@ -565,9 +597,11 @@ class KvFS(pyfuse3.Operations):
                 w.spool.write(b"\0")
             w.length = size
             self.spool_less(w, size)
-            w.front = min(w.front, size)
+            w.cut(size)
             if w.header_end is not None and size < w.header_end:
                 w.header_end = w.declared = None  # checked again once written again
+            if w.bad and size < w.bad_end:
+                w.bad = 0  # not all there: checked again once written again
         w.dirty = True
         self.track(w)
 
@@ -657,10 +691,10 @@ class KvFS(pyfuse3.Operations):
         self.detach(new)  # what was written at `new` has lost its name
         for inode, path in list(self.paths.items()):
             self.paths[inode] = moved(path, old, new)
-        # Files being written follow their names, so that they import where they now are.
-        for h in self.handles.values():
-            if isinstance(h, Writer):
-                h.path = moved(h.path, old, new)
+        # Files being written follow their names, so that they import where they now are
+        # (a Writer that several opens share, once).
+        for h in {id(h): h for h in self.handles.values() if isinstance(h, Writer)}.values():
+            h.path = moved(h.path, old, new)
         self.writing = {w.path: w for w in self.writing.values()}
 
     async def kernel_has(self, k: Kernel, path: str) -> Stat | None:
@@ -794,6 +828,15 @@ class KvFS(pyfuse3.Operations):
         w = self.pending(path)
         if w is not None and ctx.uid not in (0, w.uid):  # only its writer may use it yet
             raise pyfuse3.FUSEError(errno.EACCES)
+        if w is not None and access != os.O_RDONLY:
+            # Its writer (or root) opens it for writing again (`cat > f`, `cp` over it): the
+            # open shares its spool, as a second open of a file on a disk shares the file;
+            # O_TRUNC cuts it. The close of the last of them imports it.
+            await self.search(path, ctx)
+            if flags & os.O_TRUNC:
+                await self.resize(w, path, 0, ctx)
+            w.opens += 1
+            return pyfuse3.FileInfo(fh=self.add(w), direct_io=True)
         k = self.who(ctx.uid, ctx.gid)
         if access == os.O_RDONLY:
 
@@ -905,7 +948,8 @@ class KvFS(pyfuse3.Operations):
         await self.within(w, off, end)
         header = w.header_end is None or off < w.header_end  # it may write the header
         async with w.lock:  # not while an import reads the spool
-            was = (w.length, w.front, w.header_end, w.declared)
+            was = (w.length, w.front, w.pieces, w.header_end, w.declared, w.bad, w.bad_end)
+            whole = w.header_end is not None or bool(w.bad)  # the header was all there
             # What the write covers, to put back if the header it completes or changes lays
             # out a file that ends before it.
             w.spool.seek(off)
@@ -913,11 +957,10 @@ class KvFS(pyfuse3.Operations):
             w.spool.seek(off)
             w.spool.write(buf)
             w.length = max(w.length, end)
-            if off <= w.front:
-                w.front = max(w.front, end)
+            w.wrote(off, end)
         if header:
             try:
-                await self.check_header(w)
+                await self.check_header(w, end if whole else None)
             except pyfuse3.FUSEError:  # a bad header: refused, with every later write
                 w.dirty = True  # and the close
                 self.track(w)
@@ -928,7 +971,7 @@ class KvFS(pyfuse3.Operations):
                     w.spool.truncate(was[0])
                     w.spool.seek(off)
                     w.spool.write(kept)
-                    w.length, w.front, w.header_end, w.declared = was
+                    w.length, w.front, w.pieces, w.header_end, w.declared, w.bad, w.bad_end = was
                 self.spool_less(w, w.length)
                 raise pyfuse3.FUSEError(refusal(w.path, past_end(end, declared)))
         w.dirty = True
@@ -972,6 +1015,9 @@ class KvFS(pyfuse3.Operations):
         if (w.declared is not None and w.header_end is not None and off >= w.header_end
                 and end > w.declared):
             raise pyfuse3.FUSEError(refusal(w.path, past_end(end, w.declared)))
+        if w.bad and off >= w.bad_end:  # past a header being rewritten that is bad for now
+            w.refused = w.bad
+            raise pyfuse3.FUSEError(w.refused)
         self.spool_more(w, max(end, w.size()), bounds)
 
     def spool_more(self, w: Writer, reach: int, bounds: Bounds) -> None:
@@ -998,18 +1044,32 @@ class KvFS(pyfuse3.Operations):
             if not self.spooled[w.uid]:
                 del self.spooled[w.uid]
 
-    async def check_header(self, w: Writer) -> None:
+    async def check_header(self, w: Writer, rewrite: int | None = None) -> None:
         """Check the header as soon as the spool holds it whole (written, no hole), with the
         kernel's own parser, as its import checks a stream as it arrives: a bad one fails
         this write and every later one, and the close (EINVAL); one declaring more entries
-        than the device pool holds, EFBIG."""
+        than the device pool holds, EFBIG. Unless the header was whole before a write that
+        ends at `rewrite`, within the header as its length field now says: a header being
+        rewritten in pieces is bad for now (`w.bad`), and checked again at the next write."""
         bounds = await self.limits()
         async with w.lock:
+            w.bad = 0
             if w.front < 8:
                 return
             try:
                 got = await trio.to_thread.run_sync(read_header, w.spool, w.front, bounds)
             except OSError as e:
+                if rewrite is not None:
+                    w.spool.seek(0)
+                    try:
+                        extent = 8 + header_length(w.spool.read(8), None)
+                    except OSError:
+                        extent = 8
+                    if rewrite <= extent:
+                        log.info("write %s: header bad for now: %s", w.path, e)
+                        w.bad, w.bad_end = e.errno or errno.EINVAL, extent
+                        w.header_end = w.declared = None
+                        return
                 w.refused = refusal(w.path, e)
                 raise pyfuse3.FUSEError(w.refused) from None
             # Not all there (a write changed its length): checked again once it is.
@@ -1030,7 +1090,7 @@ class KvFS(pyfuse3.Operations):
                 for chunk in self.kernel.export_iter(w.path):
                     w.spool.write(chunk)
                     w.length += len(chunk)
-                w.front = w.length
+                w.front, w.pieces = w.length, []
                 # The file's header is the spool's: checked, so that a write past the end
                 # it lays out is refused as one after a written header is.
                 try:
@@ -1045,6 +1105,7 @@ class KvFS(pyfuse3.Operations):
                 w.spool.seek(0)  # start over next time
                 w.spool.truncate()
                 w.length = w.front = 0
+                w.pieces = []
                 w.header_end = w.declared = None
                 raise
             w.unseeded = False
@@ -1059,6 +1120,8 @@ class KvFS(pyfuse3.Operations):
         w.dirty = False
         if self.writing.get(w.path) is w:
             del self.writing[w.path]  # imported or refused: from now on the kernel answers
+        if w.bad and not w.refused:  # a header rewritten in pieces left bad
+            w.refused = w.bad
         if w.refused:
             raise pyfuse3.FUSEError(w.refused)
         k = self.who(w.uid, w.gid)
@@ -1071,7 +1134,7 @@ class KvFS(pyfuse3.Operations):
         # close(2) returns what flush says: a refused import is cp's error. No bytes are no
         # KV file; the file stays open, as when a shell closes the fd it dup'ed to stdout.
         w = self.handles[fh]
-        if isinstance(w, Writer) and w.dirty:
+        if isinstance(w, Writer) and w.dirty and w.opens == 1:  # the last open imports
             if not w.size() and not w.detached:
                 raise pyfuse3.FUSEError(errno.EINVAL)
             await self.publish(w)
@@ -1085,6 +1148,9 @@ class KvFS(pyfuse3.Operations):
             h.close()
             await self.run(self.kernel.close, h.fd)
         elif isinstance(h, Writer):
+            h.opens -= 1
+            if h.opens:  # another open shares it: its close imports
+                return
             try:
                 if h.dirty and h.size():  # written after its last flush
                     await self.publish(h)

@@ -11,6 +11,7 @@ import signal
 import stat
 import struct
 import subprocess
+import sys
 
 import pytest
 from daemon import (
@@ -150,11 +151,51 @@ def test_writing_into_a_file_changes_those_bytes(k, mnt):
         os.close(fd)
     assert k.export("/tmp/patch.kv") == blob
     fd = os.open(mnt / "tmp/patch.kv", os.O_WRONLY)
-    # Into the header: no KV file any more, refused at once, and the close imports nothing.
-    assert errno_of(os.pwrite, fd, b"X", 8) == errno.EINVAL
+    # Into the whole header: kept, bad for now; a write past it is refused at once, so is
+    # every later one and the close, which imports nothing.
+    assert os.pwrite(fd, b"X", 8) == 1
+    assert errno_of(os.pwrite, fd, blob[-4:], off) == errno.EINVAL
     assert errno_of(os.pwrite, fd, b"{", 8) == errno.EINVAL  # from then on
     assert errno_of(os.close, fd) == errno.EINVAL
     assert k.export("/tmp/patch.kv") == blob
+    fd = os.open(mnt / "tmp/patch.kv", os.O_WRONLY)
+    assert os.pwrite(fd, b"X", 8) == 1
+    assert errno_of(os.close, fd) == errno.EINVAL  # a header left bad: nothing imported
+    assert k.export("/tmp/patch.kv") == blob
+    fd = os.open(mnt / "tmp/patch.kv", os.O_WRONLY)
+    try:
+        assert os.pwrite(fd, b"X", 8) == 1
+        assert os.pwrite(fd, b"{", 8) == 1  # put back: checked again, and good
+        assert os.pwrite(fd, blob[-4:], off) == 4
+    finally:
+        os.close(fd)
+    assert k.export("/tmp/patch.kv") == blob
+
+
+def test_a_header_rewritten_in_place_in_small_writes_is_checked_again(k, mnt, tmp_path):
+    # dd bs=512 conv=notrunc over a file with another header: each write of a part of the
+    # header leaves a mix of old and new, bad until the last part is written.
+    make(k, "/tmp/dd.kv", 5)
+    make(k, "/tmp/dd-new.kv", 9, salt=3)
+    new = k.export("/tmp/dd-new.kv")
+    (length,) = struct.unpack("<Q", new[:8])
+    assert 8 + length > 512
+    (tmp_path / "new.kv").write_bytes(new)
+    dd = subprocess.run(["dd", f"if={tmp_path / 'new.kv'}", f"of={mnt / 'tmp/dd.kv'}",
+                         "bs=512", "conv=notrunc"], capture_output=True, text=True)
+    assert dd.returncode == 0, dd.stderr
+    assert k.export("/tmp/dd.kv") == new
+    # In 100-byte pieces, then cut to nothing and written whole: what counts is the last.
+    make(k, "/tmp/dd2.kv", 5)
+    fd = os.open(mnt / "tmp/dd2.kv", os.O_WRONLY)
+    try:
+        for i in range(0, 8 + length, 100):
+            assert os.pwrite(fd, new[i : i + 100], i) == len(new[i : i + 100])
+        os.ftruncate(fd, 0)
+        assert os.pwrite(fd, new, 0) == len(new)
+    finally:
+        os.close(fd)
+    assert k.export("/tmp/dd2.kv") == new
 
 
 ITEM_BYTES = {"I64": 8, "F32": 4, "F16": 2, "BF16": 2}
@@ -438,6 +479,81 @@ def test_one_write_of_a_header_and_bytes_past_its_end_is_refused_whole(k, mnt, t
     finally:
         os.close(fd)
     assert k.export("/tmp/dbl.kv") == blob
+
+
+def test_a_header_written_out_of_order_is_checked_once_whole(k, mnt):
+    make(k, "/tmp/ooo-src.kv", 6)
+    blob = k.export("/tmp/ooo-src.kv")
+    n = 8 + struct.unpack("<Q", blob[:8])[0]
+    fd = os.open(mnt / "tmp/ooo.kv", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        assert os.pwrite(fd, blob[8:n], 8) == n - 8
+        assert os.pwrite(fd, blob[:8], 0) == 8  # fills the hole: the header is whole
+        assert errno_of(os.pwrite, fd, b"x", len(blob)) == errno.EINVAL
+        assert os.pwrite(fd, blob[n:], n) == len(blob) - n
+    finally:
+        os.close(fd)
+    assert k.export("/tmp/ooo.kv") == blob
+    # A bad header written body first: refused at the write that makes it whole, and the
+    # body after it is never spooled.
+    fingerprint = k.model_info().fingerprint.encode()
+    bad = blob.replace(fingerprint, b"0" * len(fingerprint), 1)
+    fd = os.open(mnt / "tmp/ooo-bad.kv", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    assert os.pwrite(fd, bad[8:n], 8) == n - 8
+    assert errno_of(os.pwrite, fd, bad[:8], 0) == errno.EINVAL
+    assert errno_of(os.pwrite, fd, bytes(1 << 20), n) == errno.EINVAL
+    assert errno_of(os.close, fd) == errno.EINVAL
+    assert errno_of(k.stat, "/tmp/ooo-bad.kv") == errno.ENOENT
+
+
+HOLD_NEW = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+with open(sys.argv[2], "rb") as f:
+    os.write(fd, f.read(100))
+print("open", flush=True)
+sys.stdin.readline()
+os.close(fd)
+"""
+
+
+def test_a_new_file_being_written_opens_again_for_writing_by_its_writer(k, mnt, tmp_path):
+    # The opens share one spool, as on a disk; the close of the last imports it.
+    make(k, "/tmp/busy-src.kv", 6)
+    blob = k.export("/tmp/busy-src.kv")
+    (tmp_path / "busy.kv").write_bytes(blob)
+    path = mnt / "tmp/busy.kv"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        assert os.write(fd, blob[:100]) == 100
+        for flags in (os.O_WRONLY, os.O_WRONLY | os.O_CREAT, os.O_RDWR,
+                      os.O_WRONLY | os.O_APPEND):
+            os.close(os.open(path, flags))  # not the last close: nothing imported
+        assert errno_of(os.open, path, os.O_RDONLY) == errno.ENOENT  # not in the kernel
+        fd2 = os.open(path, os.O_RDWR)
+        assert os.pread(fd2, 200, 0) == blob[:100]
+        assert os.pwrite(fd2, blob[100:], 100) == len(blob) - 100
+        os.close(fd2)
+        assert errno_of(k.stat, "/tmp/busy.kv") == errno.ENOENT
+        assert os.fstat(fd).st_size == len(blob)
+    finally:
+        os.close(fd)
+    assert k.export("/tmp/busy.kv") == blob
+    # cp and a shell's > over a new file another process of the writer holds open.
+    hold = subprocess.Popen([sys.executable, "-c", HOLD_NEW, mnt / "tmp/busy2.kv",
+                             tmp_path / "busy.kv"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert hold.stdout.readline() == b"open\n"
+        for cmd in (f"cp {tmp_path / 'busy.kv'} {mnt / 'tmp/busy2.kv'}",
+                    f"cat {tmp_path / 'busy.kv'} > {mnt / 'tmp/busy2.kv'}"):
+            run = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True)
+            assert run.returncode == 0, (cmd, run.stderr)
+            assert errno_of(k.stat, "/tmp/busy2.kv") == errno.ENOENT, cmd
+    finally:
+        _, err = hold.communicate(b"\n", timeout=60)
+    assert hold.returncode == 0, err
+    assert k.export("/tmp/busy2.kv") == blob
 
 
 def test_fstat_of_a_file_whose_name_is_gone_answers_from_its_fd(k, mnt):
