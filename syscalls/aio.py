@@ -10,6 +10,7 @@ Calls from many tasks run concurrently on one session; the kernel batches their 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -210,8 +211,12 @@ class AsyncFile(AsyncFileCalls, OpenFile):
     async def __aenter__(self) -> AsyncFile:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    async def __aexit__(self, failed: type | None, *exc: object) -> None:
+        if failed is None:
+            await self.close()
+            return
+        with contextlib.suppress(OSError):  # the block's own error stands (File.__exit__)
+            await self.close()
 
     async def pred(
         self,

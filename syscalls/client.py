@@ -411,8 +411,14 @@ class File(FileCalls, OpenFile):
     def __enter__(self) -> File:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, failed: type | None, *exc: object) -> None:
+        if failed is None:
+            self.close()
+            return
+        # The block's own error stands: a close that fails too (the kernel died with the
+        # pred that raised) must not take its place.
+        with contextlib.suppress(OSError):
+            self.close()
 
     def pred(
         self,

@@ -59,8 +59,8 @@ class Context:
     def __enter__(self) -> Context:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, *exc: Any) -> None:
+        self.file.__exit__(*exc)
 
     @property
     def tokens(self) -> list[int]:
@@ -178,8 +178,8 @@ class AsyncContext:
     async def __aenter__(self) -> AsyncContext:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.file.__aexit__(*exc)
 
     async def tokens(self) -> list[int]:
         return (await self.file.read())[0] + self.pending

@@ -146,6 +146,40 @@ def test_calls_on_a_closed_session_raise_ebadf_without_a_kernel(tmp_path):
     asyncio.run(calls())
 
 
+def test_a_with_blocks_own_error_is_not_replaced_by_its_close(tmp_path):
+    """A with block that raises (a pred's EIO when the kernel died) keeps its error when
+    the close on the way out fails too; a block that ends well still reports its close's
+    failure."""
+    sock = tmp_path / "k.sock"
+    lifeline, _ = socket.socketpair()
+    k = Kernel(sock, lifeline, "token", grpc.insecure_channel(session.grpc_target(sock)))
+    k.close()  # every call now fails, the files' closes too
+    with pytest.raises(LookupError, match="the block's"):
+        with File(k, 3):
+            raise LookupError("the block's")
+    with pytest.raises(LookupError, match="the block's"):
+        with Context(k, File(k, 3)):
+            raise LookupError("the block's")
+    with pytest.raises(OSError) as e:
+        with File(k, 3):
+            pass
+    assert e.value.errno == errno.EBADF
+
+    async def blocks() -> None:
+        lifeline, _ = socket.socketpair()
+        ak = AsyncKernel(sock, lifeline, "token", grpc.aio.insecure_channel(
+            session.grpc_target(sock)))
+        await ak.close()
+        with pytest.raises(LookupError, match="the block's"):
+            async with AsyncFile(ak, 3):
+                raise LookupError("the block's")
+        with pytest.raises(OSError):
+            async with AsyncFile(ak, 3):
+                pass
+
+    asyncio.run(blocks())
+
+
 # -- requests -----------------------------------------------------------------------------
 
 
