@@ -160,6 +160,7 @@ class Kernel:
             self.engine_lost = engine_exit.done() or scheduler.done()
             if self.engine_lost:
                 log.critical("shutting down: %s", self.engine.deaths())
+                await self._fail_in_flight(scheduler)
             else:
                 log.info("shutting down")
             engine_exit.cancel()
@@ -175,6 +176,19 @@ class Kernel:
             finally:  # whatever failed, no socket or pid file outlives the kernel
                 for path in (sock, hello_path(sock), pid_path(sock)):
                     path.unlink(missing_ok=True)
+
+
+    async def _fail_in_flight(self, scheduler: asyncio.Task) -> None:
+        """A rank died: the preds of the steps in flight get EIO before the processes are
+        reaped. Rank 0's death fails them at once; another rank's would leave them waiting
+        for rank 0, which a dead peer's collective ends only later, and their processes
+        would see their lifelines close instead of the error."""
+        if self.sched.running:
+            self.engine.fail_steps()
+            await asyncio.wait([scheduler], timeout=1.0)  # it fails their preds, then ends
+        if scheduler.done() and not scheduler.cancelled():
+            scheduler.exception()  # the EngineDied logged above: seen, so asyncio logs none
+        await asyncio.sleep(0)  # the replies' bells, rung on the next turn
 
 
 def _answers(path: Path) -> bool:

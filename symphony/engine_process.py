@@ -428,6 +428,11 @@ class EngineProcess(HasSettings):
             raise value
         return value
 
+    def fail_steps(self) -> None:
+        """A rank died while rank 0 may still wait in a collective: the steps in flight
+        fail now, with EIO naming the ranks gone (EngineDied)."""
+        self._fail_all(self._died())
+
     def _died(self) -> EngineDied:
         try:
             self._procs[0].wait(timeout=1.0)

@@ -370,6 +370,9 @@ class Scheduler:
     def _fail_in_flight(self, answers: list[asyncio.Future], err: Exception) -> None:
         for plan in list(self.running):
             self.fail_step(plan, err)
+        for answer in answers:  # each failed with the engine: seen, so asyncio logs none
+            if answer.done() and not answer.cancelled():
+                answer.exception()
         answers.clear()
 
     async def _hold_for(self, served: list[Process], last_step: float) -> None:

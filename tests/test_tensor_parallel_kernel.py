@@ -4,11 +4,14 @@ rank (greedy tokens of 8 concurrent LIPs), two ranks meeting over TCP as two mac
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from daemon import ROOT, alive, prompt, sched, start_daemon, wait_for
@@ -208,6 +211,9 @@ def test_a_killed_kernel_takes_every_rank_with_it(two_ranks):
 
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_dead_rank_stops_the_kernel_and_loses_no_saved_file(model, victim):
+    """The pred in flight when a rank dies gets EIO naming it, whichever rank it was (a
+    follower's death left it waiting on rank 0, and its process saw its lifeline close:
+    EPIPE), and the kernel stops, it does not hang."""
     d = start_daemon(model, None, *FLAGS, "--tensor-parallel", "2")
     try:
         with d.connect() as k:
@@ -216,12 +222,25 @@ def test_a_dead_rank_stops_the_kernel_and_loses_no_saved_file(model, victim):
                 f.pred(prompt(40), no_outputs=True)
                 f.fsync()
             ranks = {r: int(f["pid"]) for r, f in ranks_of(sched(k)).items()}
-            os.kill(ranks[victim], signal.SIGKILL)
-            # The pred in flight, or the next, fails: the kernel stops, it does not hang.
-            with pytest.raises(OSError), k.open(x, os.O_RDWR) as f:
-                for _ in range(100):
+            f = k.open(x, os.O_RDWR)
+            os.kill(ranks[victim], signal.SIGSTOP)  # the next step waits for it
+            failed: list[OSError] = []
+
+            def pred() -> None:
+                try:
                     f.pred([7], no_outputs=True)
+                except OSError as e:
+                    failed.append(e)
+
+            waiting = threading.Thread(target=pred)
+            waiting.start()
+            time.sleep(0.5)  # the pred's step is in flight, stuck on the stopped rank
+            os.kill(ranks[victim], signal.SIGKILL)
+            waiting.join(30)
+        assert [e.errno for e in failed] == [errno.EIO], failed
+        assert f"rank {victim} (pid {ranks[victim]}) exited with status -9" in str(failed[0])
         assert d.process.wait(30) == 1, d.log_text()
+        assert "exception was never retrieved" not in d.log_text()
         assert f"rank {victim} (pid {ranks[victim]}) exited with status -9" in d.log_text()
         assert not d.socket.exists() and not pid_path(d.socket).exists()
         for pid in ranks.values():  # the other rank went too
