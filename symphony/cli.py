@@ -11,7 +11,7 @@ from pathlib import Path
 
 from symphony import kv, mount, top
 from symphony.engine.errors import ModelError
-from symphony.options import Options
+from symphony.options import RENDEZVOUS_SECONDS, Options
 from syscalls.flags import add_prompt_flags, add_sampling_flags, report, sampling_kwargs
 
 
@@ -79,6 +79,10 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     if rendezvous.node_rank != 0:
         raise ValueError(f"--node-rank {rendezvous.node_rank}: the kernel lives on node 0; "
                          "start the ranks of other nodes with `symphony rank`")
+    if rendezvous.nnodes > 1:
+        logging.getLogger("symphony.kernel").info(
+            "waiting up to %.0f s for the ranks of the other %d node(s) at %s",
+            RENDEZVOUS_SECONDS, rendezvous.nnodes - 1, rendezvous.init_method)
     engine = EngineProcess(
         args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages,
         host_pages=args.host_pages if args.host_pages is not None else args.kv_pages or 0,

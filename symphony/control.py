@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from symphony.options import RENDEZVOUS_SECONDS
 from syscalls.client import Kernel
 from syscalls.session import socket_path
 
@@ -41,6 +42,13 @@ def kernel_pid(sock: Path) -> int | None:
         probe.close()
 
 
+def start_wait(args: argparse.Namespace) -> float:
+    """How long `symphony start` waits for its kernel to answer: the ranks of other nodes
+    may come up to RENDEZVOUS_SECONDS after it."""
+    nodes = args.nnodes or int(os.environ.get("NNODES") or 1)
+    return START_TIMEOUT + (RENDEZVOUS_SECONDS if nodes > 1 else 0.0)
+
+
 def cmd_start(args: argparse.Namespace, kernel_argv: list[str]) -> int:
     sock = socket_path(args.socket)
     pid = kernel_pid(sock)
@@ -54,7 +62,8 @@ def cmd_start(args: argparse.Namespace, kernel_argv: list[str]) -> int:
             [sys.executable, "-m", "symphony.cli", "kernel", "--socket", str(sock),
              *kernel_argv],
             stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
-    deadline = time.monotonic() + START_TIMEOUT
+    wait = start_wait(args)
+    deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if child.poll() is not None:
             tail = log.read_text(errors="replace").splitlines()[-20:]
@@ -71,7 +80,7 @@ def cmd_start(args: argparse.Namespace, kernel_argv: list[str]) -> int:
         print(f"kernel {child.pid} serves {info.name} on {sock} (log: {log})")
         return 0
     child.terminate()
-    print(f"symphony: the kernel did not answer within {START_TIMEOUT:.0f} s (log: {log})",
+    print(f"symphony: the kernel did not answer within {wait:.0f} s (log: {log})",
           file=sys.stderr)
     return 1
 

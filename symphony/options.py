@@ -8,6 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+# How long the ranks of a kernel's engine wait for one another to come (symphony/ranks.py),
+# the nodes of a multi-node kernel started in either order.
+RENDEZVOUS_SECONDS = 600.0
+
 
 @dataclass
 class Options:

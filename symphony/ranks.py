@@ -49,10 +49,11 @@ from symphony.engine.config import ModelConfig
 from symphony.engine.engine import Batch, Engine
 from symphony.engine.errors import ModelError
 from symphony.engine.tensor_parallel import Group, shard_of
+from symphony.options import RENDEZVOUS_SECONDS
 
 # How long a rank waits for the others to join, and for a collective: a rank that died
 # mid-collective is seen at once (its sockets close); this bounds a rank that hangs.
-TIMEOUT = timedelta(minutes=10)
+TIMEOUT = timedelta(seconds=RENDEZVOUS_SECONDS)
 DEFAULT_PORT = 29500  # torchrun's
 
 
@@ -162,9 +163,14 @@ def join(rdv: Rendezvous, rank: int, device: torch.device) -> dist.ProcessGroup 
         torch.cuda.set_device(device)
     else:  # the node's cores shared out: threads of ranks that outnumber them stall
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // rdv.per_node))
-    dist.init_process_group(
-        backend, init_method=rdv.init_method, rank=rank, world_size=rdv.world, timeout=TIMEOUT
-    )
+    try:
+        dist.init_process_group(
+            backend, init_method=rdv.init_method, rank=rank, world_size=rdv.world,
+            timeout=TIMEOUT)
+    except dist.DistError as e:  # a node that never came, a wrong port: said in one line
+        raise ModelError(f"rank {rank}: the {rdv.world} ranks did not all meet at "
+                         f"{rdv.init_method} within {TIMEOUT.total_seconds():.0f} s: "
+                         f"{str(e).splitlines()[0]}") from e
     return dist.new_group(backend="gloo", timeout=TIMEOUT) if backend == "nccl" else None
 
 

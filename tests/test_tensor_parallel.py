@@ -252,3 +252,36 @@ def test_the_kernel_refuses_what_ranks_cannot_run(model, capsys):
         EngineProcess(model, kv_pages=4, sleep_ms=1, rendezvous=Rendezvous(2))
     with pytest.raises(ModelError, match="attention heads \\(8\\) do not divide by 3"):
         EngineProcess(model, kv_pages=4, rendezvous=Rendezvous(3))
+
+
+def test_ranks_that_do_not_all_meet_fail_in_one_line_naming_where(monkeypatch):
+    """A node that never comes (or a wrong --master-port): rank 0's wait ends in a
+    ModelError naming the rendezvous and the wait, which `symphony kernel` prints as one
+    line, not torch's DistStoreError traceback."""
+    from datetime import timedelta
+
+    from symphony import ranks
+
+    monkeypatch.setattr(ranks, "TIMEOUT", timedelta(seconds=2))
+    rdv = Rendezvous(world=2, nnodes=2, master_port=free_port())
+    with pytest.raises(ModelError) as e:
+        ranks.join(rdv, 0, torch.device("cpu"))
+    said = str(e.value)
+    assert said.startswith(f"rank 0: the 2 ranks did not all meet at {rdv.init_method} "
+                           "within 2 s: "), said
+    assert "\n" not in said and not dist.is_initialized()
+
+
+def test_symphony_start_waits_for_the_other_nodes_ranks(monkeypatch):
+    """`symphony start` of a kernel whose ranks span nodes waits as long as they may take
+    to come, on top of its start: 300 s alone was shorter than the ranks' own wait."""
+    import argparse
+
+    from symphony.control import START_TIMEOUT, start_wait
+    from symphony.options import RENDEZVOUS_SECONDS
+
+    monkeypatch.delenv("NNODES", raising=False)
+    assert start_wait(argparse.Namespace(nnodes=None)) == START_TIMEOUT
+    assert start_wait(argparse.Namespace(nnodes=2)) == START_TIMEOUT + RENDEZVOUS_SECONDS
+    monkeypatch.setenv("NNODES", "3")
+    assert start_wait(argparse.Namespace(nnodes=None)) == START_TIMEOUT + RENDEZVOUS_SECONDS
