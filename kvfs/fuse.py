@@ -82,6 +82,7 @@ PROC = "/proc"
 OWN_INODES = 1 << 62
 SLACK = 4 << 20  # how far a read may land behind or ahead of the last and reuse the stream
 BLKSIZE = 1 << 20  # st_blksize: tools size their buffers by it
+TIERS = ("device", "host", "disk")  # the pool's, as /proc/meminfo names them
 SPOOL_MEMORY = 8 << 20  # a file being written moves from memory to a temporary file past this
 XATTR_PREFIX = b"user.symphony."
 XATTRS = tuple(XATTR_PREFIX + n for n in (b"tokens", b"pages", b"text", b"model"))
@@ -770,9 +771,15 @@ class KvFS(pyfuse3.Operations):
         return True
 
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        """The KV pool as df shows it: its pages on every tier, and those free, in blocks
+        of a page (/proc/meminfo)."""
         s = pyfuse3.StatvfsData()
-        s.f_bsize = s.f_frsize = BLKSIZE
+        s.f_bsize = BLKSIZE
         s.f_namemax = 255
+        fields = proc_fields(await self.proc_text("meminfo", ctx))
+        s.f_frsize = int(fields["page_bytes"])
+        s.f_blocks = sum(int(fields[f"{tier}_total"]) for tier in TIERS)
+        s.f_bfree = s.f_bavail = sum(int(fields[f"{tier}_free"]) for tier in TIERS)
         return s
 
     # -- directories ----------------------------------------------------------------------

@@ -60,6 +60,18 @@ def test_ls_and_stat_show_the_kernels_files(k, mnt):
     assert line.split()[:5] == ["-rw-r-----", "1", "0", "0", str(ks.size)]
 
 
+def test_df_shows_the_kv_pool(k, mnt):
+    """statfs: the pool's pages on every tier, and those free, in blocks of a page (df
+    showed a size of 0)."""
+    fields = proc_fields(k.procfs("meminfo"))
+    total = sum(int(fields[f"{tier}_total"]) for tier in ("device", "host", "disk"))
+    st = os.statvfs(mnt)
+    assert st.f_frsize == int(fields["page_bytes"]) and st.f_blocks == total > 0
+    assert 0 < st.f_bfree == st.f_bavail <= total
+    df = subprocess.run(["df", "-B1", str(mnt)], capture_output=True, text=True)
+    assert df.returncode == 0 and str(total * st.f_frsize) in df.stdout, df.stdout
+
+
 def test_cat_and_cp_out_give_the_export(daemon, k, mnt, tmp_path):
     # Longer than the read stream's slack, so that reads reuse, restart and bypass it.
     with k.open("", os.O_RDWR) as block, k.open("/tmp/big.kv", os.O_CREAT | os.O_RDWR) as f:
