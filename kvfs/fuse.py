@@ -31,14 +31,15 @@ so the kernel decides access. A KV file's bytes are its canonical serialized for
   write past the end of the file the header lays out is EINVAL and nothing of it is kept,
   also one that itself completes the header (FUSE hands writes of at most 1 MiB: of a larger
   write(2), the pieces before the one past the end are kept). Nothing is spooled past the
-  largest file the kernel's device pool could hold
-  (EFBIG); nor, for a user other than root, more than that in all the files the user has
-  open for writing (EDQUOT), so no user can fill root's disk through it.
+  largest file the kernel's device pool could hold (EFBIG); nor, for a user other than
+  root, more than that in all the files the user has open for writing (EDQUOT), so no user
+  can fill root's disk through it.
 - Symbolic links, FIFOs, sockets and device files cannot be made (EPERM): the kernel holds
   KV files and directories only.
 
 DIR/proc shows the kernel's /proc texts (`procfs`), read-only; PID/ and its files are owned
-by that process's uid and gid, as its status says, as on Linux. Entry and attribute caches
+by that process's uid and gid, as its status says, as on Linux. statfs (df) shows the KV
+pool, in blocks of a page. Entry and attribute caches
 are off (timeout 0) and files are opened direct_io, bypassing the page cache, so changes
 made through syscalls show at once. direct_io also keeps reads large (as the reader asks:
 1 MiB for cp, by st_blksize) and spares a getattr (a stat) before each one, which the page
