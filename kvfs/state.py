@@ -24,6 +24,7 @@ at stop); only fsync reports it (EIO), as a disk's fsync would.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -44,6 +45,24 @@ JOURNAL_MIN = 1024  # lines the journal may reach before the namespace is writte
 log = logging.getLogger("kvfs.state")
 
 CHUNK = 8 << 20
+
+
+def hold(path: Path) -> int:
+    """Take the state directory for this process's life (an flock on STATE/lock, which goes
+    with the process however it ends), or EBUSY naming the kernel that has it: two kernels on
+    one directory write the same swap file, files and namespace, and the last to save loses
+    the other's names. Returns the lock's fd, to keep open."""
+    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise FSError(errno.EBUSY, f"state directory {path}: another kernel uses it (pid "
+                      f"{holder})") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
 
 
 def atomic_write(path: Path, chunks: Iterable[bytes]) -> None:

@@ -17,7 +17,7 @@ import grpc
 from kvfs.fs import FileSystem
 from kvfs.pages import PageStore
 from kvfs.perm import Cred
-from kvfs.state import StateDir
+from kvfs.state import StateDir, hold
 from symphony.engine.fingerprint import fingerprint
 from symphony.engine_process import EngineProcess
 from symphony.frame_hold import FrameHold
@@ -50,6 +50,7 @@ class Kernel:
         self.model_name = engine.model_dir.name
         self.fingerprint = fingerprint(engine.model_dir)
         opts.state_dir.mkdir(parents=True, exist_ok=True)
+        self.state_lock = hold(opts.state_dir)  # before the swap file is opened
         store = PageStore(engine.pool, opts.state_dir / "swap", opts.disk_pages,
                           default_quota=opts.quota)
         self.fs = FileSystem(store, self.fingerprint, engine.config.vocab_size,

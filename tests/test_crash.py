@@ -277,3 +277,32 @@ def test_the_engine_process_leaves_stopping_to_its_kernel(model):
         wait_for(lambda: not alive(engine), timeout=10, what="the engine process to exit")
     finally:
         d.stop()
+
+
+def test_a_second_kernel_on_a_state_directory_in_use_is_refused(model, tmp_path):
+    """Two kernels on one state directory both started, and the last to save lost the
+    other's names; the second now exits 1 naming the directory and the kernel that has it,
+    touching nothing, and one may start there once the first has stopped."""
+    first = start_daemon(model)
+    try:
+        with first.connect() as k:
+            with k.open(k.home + "/kept.kv", os.O_CREAT | os.O_RDWR) as f:
+                f.pred(prompt(8), no_outputs=True)
+        second = subprocess.run(
+            [sys.executable, "-m", "symphony.cli", "kernel", "--model", str(model), "--socket",
+             str(tmp_path / "second.sock"), "--state-dir", str(first.state)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1, second.stderr
+        assert (f"state directory {first.state}: another kernel uses it "
+                f"(pid {first.process.pid})") in second.stderr, second.stderr
+        assert not (tmp_path / "second.sock").exists()
+        with first.connect() as k:
+            assert k.stat(k.home + "/kept.kv").tokens == 8
+    finally:
+        assert first.stop() == 0, first.log_text()
+    again = start_daemon(model, first.state.parent)
+    try:
+        with again.connect() as k:
+            assert k.stat(k.home + "/kept.kv").tokens == 8
+    finally:
+        again.stop()
