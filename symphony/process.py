@@ -143,6 +143,10 @@ class Process:
         self.fds[fd] = handle
         return fd
 
+    def fd_of(self, handle: Handle) -> int | None:
+        """The fd of an open file of the process's (None once it is closed)."""
+        return next((fd for fd, h in self.fds.items() if h is handle), None)
+
     def handle(self, fd: int) -> Handle:
         try:
             return self.fds[fd]

@@ -510,6 +510,8 @@ class Scheduler:
             res = self.relief.reserve(handle, len(spec.tokens), cut=cut, others=others,
                                       give_way=lambda: self.ahead.drop_all(self.running))
         except FSError as e:
+            if not e.message.startswith("pred"):  # the pool's or the quota's: name the file
+                e = FSError(e.errno, f"pred on fd {proc.fd_of(handle)}: {e.message}")
             self._fail(job, e)
             return False
         if res is None:  # others are running: they may go idle and give up their pages

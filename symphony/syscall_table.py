@@ -45,12 +45,23 @@ def einval(message: str) -> FSError:
     return FSError(errno.EINVAL, message)
 
 
-async def _room_made(k: Kernel, op: Callable[[], T]) -> T:
+async def _room_made(k: Kernel, what: str, op: Callable[[], T]) -> T:
     """op, tried again if it was short of pages: once guesses of the scheduler's have given
     theirs back (decoding ahead must never cost a call its memory), and once the pages it
     was short of have moved down as for a pred (symphony/relief.py: files nobody has open,
     then idle processes'). kvfs checks before it changes anything, so a failed try left
-    everything as it was."""
+    everything as it was. A refusal for want of room names the call (`what`: "splice to
+    fd 4"), where the pool's or the quota's message does not."""
+    try:
+        return await _with_room(k, op)
+    except FSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) and not e.message.startswith(
+                what.split()[0]):
+            raise FSError(e.errno, f"{what}: {e.message}") from e
+        raise
+
+
+async def _with_room(k: Kernel, op: Callable[[], T]) -> T:
     try:
         return op()
     except FSError as e:
@@ -431,8 +442,9 @@ async def sys_open(k: Kernel, proc: Process, cred: Cred, req: pb.OpenRequest) ->
     proc.fd_room(f"open {req.path!r}")
     if req.flags & os.O_TRUNC and req.path:
         await _settle_path(k, cred, req.path)
-    return pb.FdReply(fd=await _room_made(k, _installing(
-        proc, f"open {req.path!r}", lambda: k.fs.open(cred, req.path, req.flags, mode))))
+    what = f"open {req.path!r}"
+    return pb.FdReply(fd=await _room_made(k, what, _installing(
+        proc, what, lambda: k.fs.open(cred, req.path, req.flags, mode))))
 
 
 async def sys_close(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.Empty:
@@ -449,8 +461,9 @@ async def sys_close(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> 
 async def sys_fork(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.FdReply:
     handle = proc.handle(req.fd)
     proc.fd_room(f"fork of fd {req.fd}")
-    return pb.FdReply(fd=await _room_made(k, _installing(
-        proc, f"fork of fd {req.fd}", lambda: k.fs.fork(handle, cred))))
+    what = f"fork of fd {req.fd}"
+    return pb.FdReply(fd=await _room_made(k, what, _installing(
+        proc, what, lambda: k.fs.fork(handle, cred))))
 
 
 def sys_link(k: Kernel, proc: Process, cred: Cred, req: pb.LinkRequest) -> pb.Empty:
@@ -466,7 +479,8 @@ def sys_read(k: Kernel, proc: Process, cred: Cred, req: pb.ReadRequest) -> pb.Re
 async def sys_splice(k: Kernel, proc: Process, cred: Cred, req: pb.SpliceRequest) -> pb.Empty:
     src, dst = proc.handle(req.src_fd), proc.handle(req.dst_fd)
     await k.sched.settle(dst.inode)
-    await _room_made(k, lambda: k.fs.splice(src, req.start, req.end, dst))
+    await _room_made(k, f"splice to fd {req.dst_fd}",
+                     lambda: k.fs.splice(src, req.start, req.end, dst))
     return pb.Empty()
 
 
@@ -474,7 +488,7 @@ async def sys_truncate(k: Kernel, proc: Process, cred: Cred,
                        req: pb.TruncateRequest) -> pb.Empty:
     handle = proc.handle(req.fd)
     await k.sched.settle(handle.inode)
-    await _room_made(k, lambda: k.fs.truncate(handle, req.length))
+    await _room_made(k, f"truncate fd {req.fd}", lambda: k.fs.truncate(handle, req.length))
     k.sched.poke()
     return pb.Empty()
 
@@ -482,7 +496,7 @@ async def sys_truncate(k: Kernel, proc: Process, cred: Cred,
 async def sys_keep(k: Kernel, proc: Process, cred: Cred, req: pb.KeepRequest) -> pb.Empty:
     handle = proc.handle(req.fd)
     await k.sched.settle(handle.inode)
-    await _room_made(k, lambda: k.fs.keep(handle, req.start, req.entries[:]))
+    await _room_made(k, f"keep fd {req.fd}", lambda: k.fs.keep(handle, req.start, req.entries[:]))
     k.sched.poke()  # pages past the new end were freed
     return pb.Empty()
 
@@ -495,9 +509,10 @@ async def sys_shift(k: Kernel, proc: Process, cred: Cred, req: pb.ShiftRequest) 
     # shared pages are made private first), and kvfs's state and every other change of the
     # pool are the loop's alone, in order. In the engine process the rotation would wait
     # for the step, with fs.shift half done.
-    await _room_made(k, lambda: k.fs.shift(handle, req.start, req.end, req.delta,
-                                           k.engine.config.max_position_embeddings,
-                                           k.engine.rotate_keys))
+    await _room_made(k, f"shift fd {req.fd}",
+                     lambda: k.fs.shift(handle, req.start, req.end, req.delta,
+                                        k.engine.config.max_position_embeddings,
+                                        k.engine.rotate_keys))
     return pb.Empty()
 
 
@@ -591,7 +606,7 @@ async def sys_export(k: Kernel, proc: Process, cred: Cred,
     by_fd = req.WhichOneof("target") == "fd"
     src = proc.handle(req.fd) if by_fd else k.fs.open(cred, req.path, os.O_RDONLY)
     try:
-        snap = await _room_made(k, lambda: k.fs.fork(src, cred, snapshot=True))
+        snap = await _with_room(k, lambda: k.fs.fork(src, cred, snapshot=True))
     except FSError as e:  # the fork's refusal, said as export's
         what = f"fd {req.fd}" if by_fd else repr(req.path)
         raise FSError(e.errno, f"export {what}: its snapshot: "
@@ -627,7 +642,8 @@ async def sys_import(k: Kernel, proc: Process, cred: Cred,
             async for chunk in chunks:
                 incoming.feed(chunk.data)
             await _settle_path(k, cred, path)
-            await _room_made(k, lambda: k.fs.import_file(cred, path, incoming.data(), mode))
+            await _room_made(k, f"import {path!r}",
+                             lambda: k.fs.import_file(cred, path, incoming.data(), mode))
     except FSError as e:  # the format's checks name no file: say which
         if repr(path) in e.message:
             raise

@@ -347,8 +347,16 @@ def test_idle_process_is_swapped_out_and_back_and_enospc_only_when_nothing_helps
                 with pytest.raises(OSError) as e:
                     fc.pred(prompt(25 * 16), no_outputs=True)
                 assert e.value.errno == errno.ENOSPC
+                assert f"pred on fd {fc.fd}: kv pool: " in str(e.value)  # names the file
                 assert c.stat(fc).tokens == 0
             assert meminfo(c) == before
+            with c.open("", os.O_RDWR) as src, c.open("", os.O_RDWR) as fc:
+                src.pred(prompt(8 * 16), no_outputs=True)
+                with pytest.raises(OSError) as e:  # copies (unaligned): past both tiers
+                    for _ in range(12):
+                        c.splice(src, 1, 8 * 16, fc)
+                assert e.value.errno == errno.ENOSPC
+                assert f"splice to fd {fc.fd}: kv pool: " in str(e.value)
     finally:
         assert d.stop() == 0, d.log_text()
 
