@@ -178,7 +178,6 @@ class Kernel:
                 for path in (sock, hello_path(sock), pid_path(sock)):
                     path.unlink(missing_ok=True)
 
-
     async def _fail_in_flight(self, scheduler: asyncio.Task) -> None:
         """A rank died: the preds of the steps in flight get EIO before the processes are
         reaped. Rank 0's death fails them at once; another rank's would leave them waiting
