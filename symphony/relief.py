@@ -2,10 +2,13 @@
 
 A pred reserves every page its file needs on the device when it is admitted. When they are
 not free, guesses (decoding ahead) give theirs back first; then pages move down (host
-tier, then the swap file), first of files nobody has open, then of idle processes, lowest
-priority and longest idle first. Pages a process with queued work uses never move, and
-nothing moves unless enough can. Failing that the pred waits while others run (they may
-go idle and free theirs), and fails with ENOSPC only when nothing else is running.
+tier, then the swap file), first of files nobody has open, then of idle processes, then of
+processes whose preds only wait in the run queue (preempted: they come back when admitted),
+lowest priority and longest idle first. Pages never move that the asking process uses, or
+a process with work admitted or in a step, or that a step in flight may write (a file with
+a reservation open: a dropped guess is rolled back only when its step ends); and nothing
+moves unless enough can. Failing that the pred waits while others run (they may go idle
+and free theirs), and fails with ENOSPC only when nothing else is running.
 """
 
 from __future__ import annotations
@@ -23,24 +26,27 @@ from symphony.sched_stats import SchedStats
 
 class Relief:
     def __init__(self, fs: FileSystem, procs: Callable[[], Iterable[Process]],
-                 stats: SchedStats):
-        self.fs, self.procs, self.stats = fs, procs, stats
+                 working: Callable[[], set[Process]], stats: SchedStats):
+        """`working`: the processes with work admitted or in a step."""
+        self.fs, self.procs, self.working, self.stats = fs, procs, working, stats
 
     def reserve(self, handle: Handle, count: int, *, cut: int | None = None,
-                give_way: Callable[[], bool], others: bool) -> Reservation | None:
+                give_way: Callable[[], bool], others: bool,
+                asker: Process | None = None) -> Reservation | None:
         """Room for `count` entries (after the first `cut`: fs.reserve), made if need be.
         `give_way` drops every guess and says whether there were any; `others`: whether
-        other work is admitted or running. None: it must wait for them. Raises the FSError
-        that fails the pred."""
+        other work is admitted or running; `asker`: whose pred it is (its pages stay). None:
+        it must wait for them. Raises the FSError that fails the pred."""
         fs = self.fs
         try:
             return fs.reserve(handle, count, cut=cut)
         except FSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT) and give_way():
-                return self.reserve(handle, count, cut=cut, give_way=give_way, others=others)
+                return self.reserve(handle, count, cut=cut, give_way=give_way,
+                                    others=others, asker=asker)
             if e.errno != errno.ENOSPC:
                 raise
-        self.relieve(self.device_need(handle.inode, count))
+        self.relieve(self.device_need(handle.inode, count), asker)
         try:
             return fs.reserve(handle, count, cut=cut)
         except FSError as e:
@@ -56,18 +62,19 @@ class Relief:
         down = sum(p is not None and p.tier != DEVICE for p in inode.pages)
         return max(0, new + down - self.fs.store.pool.free_in(DEVICE))
 
-    def relieve(self, need: int) -> None:
+    def relieve(self, need: int, asker: Process | None = None) -> None:
         """Move `need` device pages down, or none if that many cannot move."""
         if need <= 0:
             return
         procs = list(self.procs())
-        protected = {id(page) for p in procs if p.pending for h in p.fds.values()
-                     for page in h.inode.pages if page is not None}
-        idle = sorted((p for p in procs if not p.pending),
-                      key=lambda p: (-p.nice, p.last_active))
-        groups: list[tuple[Process | None, list[Inode]]] = [
-            (None, [i for i in self.fs.files() if i.opens == 0])]
-        groups += [(p, [h.inode for h in p.fds.values()]) for p in idle]
+        kept = self.working() | ({asker} if asker is not None else set())
+        unopened = [i for i in self.fs.files() if i.opens == 0]
+        protected = {id(page) for p in procs for h in p.fds.values()
+                     if p in kept or h.inode.busy for page in h.inode.pages if page is not None}
+        order = sorted((p for p in procs if p not in kept),
+                       key=lambda p: (p.pending > 0, -p.nice, p.last_active))
+        groups: list[tuple[Process | None, list[Inode]]] = [(None, unopened)]
+        groups += [(p, [h.inode for h in p.fds.values()]) for p in order]
         victims: list[tuple[Process | None, list[Page]]] = []
         seen: set[int] = set(protected)
         for proc, inodes in groups:

@@ -25,7 +25,7 @@ class StepRecord:
 class SchedStats:
     steps: int = 0
     tokens: int = 0
-    preemptions: int = 0  # idle processes whose pages were moved down
+    preemptions: int = 0  # idle or waiting processes whose pages were moved down
     pages_swapped_out: int = 0
     waits: int = 0  # admissions deferred for want of KV memory
     ahead: int = 0  # preds guessed (decoding ahead), one token each

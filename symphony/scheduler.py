@@ -116,7 +116,7 @@ class Scheduler:
                                  eos=set(engine.eos_ids()), context=self.context,
                                  device=engine.device, seq=self._seqs.__next__,
                                  pipelined=pipeline)
-        self.relief = Relief(fs, procs, self.stats)
+        self.relief = Relief(fs, procs, self._working, self.stats)
         self._masked: list[PredJob] = []  # guesses taken by masked preds, to sample (_take)
         self._wake = asyncio.Event()
         self._step_end = asyncio.Event()  # set, and replaced, each time a step ends
@@ -484,6 +484,10 @@ class Scheduler:
             chunks.append(Chunk(guess, 0, 1))
         return chunks
 
+    def _working(self) -> set[Process]:
+        """Processes with work admitted or in a step: their pages never move."""
+        return {j.proc for j in self.queue if j.state is not JobState.QUEUED}
+
     def _admitted(self) -> bool:
         return any(j.state is JobState.ADMITTED for j in self.queue)
 
@@ -508,7 +512,8 @@ class Scheduler:
                               f"the model's context ({self.context})")
             # Guesses give way to preds: a guess never costs a pred its pages.
             res = self.relief.reserve(handle, len(spec.tokens), cut=cut, others=others,
-                                      give_way=lambda: self.ahead.drop_all(self.running))
+                                      give_way=lambda: self.ahead.drop_all(self.running),
+                                      asker=proc)
         except FSError as e:
             if not e.message.startswith("pred"):  # the pool's or the quota's: name the file
                 e = FSError(e.errno, f"pred on fd {proc.fd_of(handle)}: {e.message}")

@@ -21,6 +21,7 @@ from daemon import ROOT, meminfo, prompt, run_script, sched, start_daemon, wait_
 
 from symphony.engine_process import DRIVER_NICE
 from syscalls import symphony_pb2 as pb
+from syscalls.aio import AsyncKernel
 from syscalls.convert import proc_fields
 from syscalls.session import SESSION_KEY, grpc_target, hello
 
@@ -357,6 +358,37 @@ def test_idle_process_is_swapped_out_and_back_and_enospc_only_when_nothing_helps
                         c.splice(src, 1, 8 * 16, fc)
                 assert e.value.errno == errno.ENOSPC
                 assert f"splice to fd {fc.fd}: kv pool: " in str(e.value)
+    finally:
+        assert d.stop() == 0, d.log_text()
+
+
+def test_two_decoders_filling_the_device_take_turns_through_the_host(model, alone):
+    """Two processes decode at once on files that together fill the device, their preds
+    arriving together: each new page one needs comes from preempting the other (its pred
+    only queued), and both get their greedy tokens; before, one got ENOSPC although the
+    host tier had room."""
+    prompts = [prompt(11 * 16 - 1, salt=1), prompt(11 * 16 - 1, salt=2)]
+    expected = [alone(ids, 24) for ids in prompts]
+    d = start_daemon(model, None, "--kv-pages", "24", "--host-pages", "64",
+                     "--decode-ahead", "off")
+
+    async def decode(ids: list[int]) -> list[int]:
+        async with await AsyncKernel.connect(d.socket, rings=True) as k:
+            f = await k.open()
+            await f.pred(ids[:-1], no_outputs=True)
+            tokens, last = [], ids[-1]
+            for _ in range(24):
+                (out,) = await f.pred([last])
+                tokens.append(last := out.token)
+            return tokens
+
+    async def both() -> list[list[int]]:
+        return list(await asyncio.gather(*(decode(ids) for ids in prompts)))
+
+    try:
+        assert asyncio.run(both()) == expected
+        with d.connect() as k:
+            assert int(sched(k)["preemptions"]) > 0
     finally:
         assert d.stop() == 0, d.log_text()
 

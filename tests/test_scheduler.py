@@ -280,6 +280,43 @@ async def test_pages_a_process_with_queued_work_uses_never_move():
 
 
 @in_loop
+async def test_two_decoders_on_a_full_pool_take_turns_through_the_host_tier():
+    """Both files fill the device and both preds need a page: the one whose pred is only
+    queued is preempted (its pages move down) and comes back when its turn comes; nobody
+    gets ENOSPC while the host tier has room."""
+    w = World(budget=16, pages=4, host=8)
+    (a, fa), (b, fb) = w.process(), w.process()
+    w.pred(a, fa, list(range(1, 9)))
+    w.pred(b, fb, list(range(1, 9)))
+    w.step()
+    assert w.free == 0
+    b.vruntime = a.vruntime + 1  # a goes first
+    first, second = w.pred(a, fa, [9]), w.pred(b, fb, [9])
+    assert sizes(w.step()) == [(a, 1)] and b.swapped and b.waiting
+    assert sizes(w.step()) == [(b, 1)] and a.swapped
+    assert first.result() and second.result()
+    assert fa.inode.length == fb.inode.length == 9
+    assert all(page.tier == DEVICE for page in fb.inode.pages)
+
+
+@in_loop
+async def test_pages_of_a_file_a_step_in_flight_writes_never_move():
+    """An idle process's guess the running step computes was dropped to make room, but
+    its rollback waits for the step: its file's pages stay where the step writes them."""
+    w = World(ahead=True, budget=16, pages=4, host=8)
+    (p, f), (q, g) = w.process(), w.process()
+    await decoding(w, p, f)  # p's file: 4 entries, and a page for its guess's 5th
+    plan = w.sched.schedule()  # computes the guess: p is idle, its file busy
+    assert p.pending == 0 and f.inode.busy and w.free == 2
+    answer = w.pred(q, g, list(range(1, 13)))  # three pages: two are free
+    w.sched.schedule()
+    assert all(page.tier == DEVICE for page in f.inode.pages)
+    w.sched.finish(plan, result(plan))
+    assert not f.inode.busy
+    assert sizes(w.step()) == [(q, 12)] and answer.done()
+
+
+@in_loop
 async def test_enospc_only_when_nothing_can_help():
     """No host tier: the idle process's pages cannot move, and nothing else runs."""
     w = World(budget=16, pages=4, host=0)
