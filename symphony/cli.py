@@ -221,17 +221,17 @@ def add_kernel_flags(k: argparse.ArgumentParser) -> None:
     k.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     k.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                    help="weights and KV (default: float32 on cpu, bfloat16 on cuda)")
-    k.add_argument("--kv-pages", type=int, help="device KV pages (default: 25%% of the "
+    k.add_argument("--kv-pages", type=positive, help="device KV pages (default: 25%% of the "
                    "device's free memory)")
-    k.add_argument("--host-pages", type=int, help="host-tier pages (default: --kv-pages when "
-                   "it is given, else 0: no host tier)")
-    k.add_argument("--disk-pages", type=int, default=Options.disk_pages,
+    k.add_argument("--host-pages", type=non_negative, help="host-tier pages (default: "
+                   "--kv-pages when it is given, else 0: no host tier)")
+    k.add_argument("--disk-pages", type=non_negative, default=Options.disk_pages,
                    help="swap-file pages (default %(default)s: no disk tier)")
     k.add_argument("--token-budget", type=positive, default=Options.token_budget,
                    help="tokens per forward pass (default %(default)s)")
     k.add_argument("--max-seqs", type=positive, default=Options.max_seqs,
                    help="sequences per forward pass (default %(default)s)")
-    k.add_argument("--quota", type=int, help="pages per user (root has no quota)")
+    k.add_argument("--quota", type=non_negative, help="pages per user (root has no quota)")
     k.add_argument("--inode-quota", type=non_negative, default=Options.inode_quota, metavar="N",
                    help="inodes (files, directories, anonymous files, forks) per user; "
                    "past it a call that would make one fails with EDQUOT (root has no "

@@ -28,3 +28,21 @@ def test_weights_are_quantized_unless_float_is_asked(capsys, command):
         parser.parse_args(args + ["--weights", "int8"])
     assert e.value.code == 2 and "--weights" in capsys.readouterr().err
     assert "weights" in KERNEL_OPTIONS  # start passes it on to the kernel
+
+
+@pytest.mark.parametrize("flag,least", [("--kv-pages", 1), ("--host-pages", 0),
+                                        ("--disk-pages", 0), ("--quota", 0)])
+@pytest.mark.parametrize("command", ["kernel", "start"])
+def test_the_kernels_pools_and_quota_are_refused_below_their_least(capsys, command, flag,
+                                                                    least):
+    """A negative page quota was taken (every pred of a user then failed EDQUOT "page quota
+    -3"), and a pool's size below its least failed only once the kernel built it, exit 1
+    without the flag's name ("symphony: Invalid argument")."""
+    parser = build_parser()
+    dest = flag[2:].replace("-", "_")
+    for good in (least, 7):
+        assert getattr(parser.parse_args([command, flag, str(good)]), dest) == good
+    for bad in (str(least - 1), "-3", "x"):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args([command, flag, bad])
+        assert e.value.code == 2 and flag in capsys.readouterr().err
