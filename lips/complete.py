@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.prompt_ids == []:
+        p.error("argument --prompt-ids: no token ids (the prompt would be empty)")
+
+
 def run(k: Kernel, args: argparse.Namespace) -> int:
     info = k.model_info()
     check_flags(args, info.has_tokenizer)
@@ -43,14 +48,24 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
     stream = None
     if info.has_tokenizer and not args.json:
         stream = TextStream(k)
-        print(args.prompt or "", end="", flush=True)
     out = []
-    with Context(k, stop=info.eos_ids) as ctx:
-        ctx.fill(prompt)
-        for token in ctx.generate(args.max_new_tokens, **sampling_kwargs(args)):
-            out.append(token)
-            if stream:
-                print(stream.push(token), end="", flush=True)
+    shown = ""  # the end of the text streamed so far: an error first ends its line
+    try:
+        if stream:
+            shown = args.prompt or ""
+            print(shown, end="", flush=True)
+        with Context(k, stop=info.eos_ids) as ctx:
+            ctx.fill(prompt)
+            for token in ctx.generate(args.max_new_tokens, **sampling_kwargs(args)):
+                out.append(token)
+                if stream:
+                    piece = stream.push(token)
+                    shown = (shown + piece)[-1:]
+                    print(piece, end="", flush=True)
+    except BaseException:
+        if shown and not shown.endswith("\n"):
+            print(flush=True)
+        raise
     if stream:
         print(stream.finish())
     elif args.json:
@@ -64,7 +79,7 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return lip_main("complete", build_parser(), run, argv)
+    return lip_main("complete", build_parser(), run, argv, check)
 
 
 if __name__ == "__main__":

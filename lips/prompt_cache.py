@@ -29,7 +29,6 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from lips.pml import Module, Parameter, PMLError, Prompt, Schema, parse_prompt, parse_schema
@@ -261,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--schema", type=text_file, metavar="FILE", help="a Prompt Markup Language schema (XML)"
     )
-    source.add_argument("--document", type=Path, help="a text file")
+    source.add_argument("--document", type=text_file, metavar="FILE", help="a text file")
     p.add_argument(
         "--cache",
         metavar="PATH",
@@ -334,7 +333,7 @@ def run_document(k: Kernel, args: argparse.Namespace) -> int:
     if not args.question:
         raise ValueError("no question: give --question or --question-file")
     path = kv_path(k.home, args.cache)
-    document = k.tokenize(args.document.read_text(), add_special=True)
+    document = k.tokenize(args.document, add_special=True)
     start = time.perf_counter()
     built = ensure_cache(k, path, document)
     result = {

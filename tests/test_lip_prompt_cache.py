@@ -316,3 +316,25 @@ def test_a_bad_schema_file_exits_2_before_the_kernel_is_asked(tmp_path):
     )
     assert out.returncode == 2
     assert "module 'a': <parameter name='p'> needs len" in out.stderr
+
+
+def test_a_missing_document_exits_2_naming_the_flag(tmp_path):
+    """--document of no file was `prompt_cache: ...`, exit 1, once the kernel was asked; the
+    other file flags (--schema, --prompt-file) are usage errors."""
+    from lips import prompt_cache
+
+    missing = str(tmp_path / "nonexistent")
+    out = subprocess.run(
+        [sys.executable, "lips/prompt_cache.py", "--document", missing, "--cache", "x.kv",
+         "--question", "q"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SYMPHONY_SOCKET": str(tmp_path / "none")},
+    )
+    assert out.returncode == 2
+    assert f"argument --document: {missing}: No such file or directory" in out.stderr
+    args = prompt_cache.build_parser().parse_args(
+        ["--document", __file__, "--cache", "x.kv", "--question", "q"])
+    assert args.document == open(__file__).read()  # the flag gives the document's text

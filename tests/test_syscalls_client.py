@@ -455,7 +455,7 @@ def test_report_says_what_went_wrong(capsys):
         ("complete", ["--prompt", "x"]),
         ("chat", ["--message", "hi"]),
         ("best_of_n", ["--prompt-ids", "1,2"]),
-        ("prompt_cache", ["--document", "d.txt", "--cache", "c", "--question", "q"]),
+        ("prompt_cache", ["--document", __file__, "--cache", "c", "--question", "q"]),
     ],
 )
 def test_lips_report_a_missing_kernel(lip, argv, tmp_path, monkeypatch, capsys):
@@ -469,7 +469,7 @@ LIP_ARGV = {"complete": ["--prompt", "x"], "chat": ["--message", "hi"],
             "best_of_n": ["--prompt-ids", "1,2"], "constrained": ["--prompt", "x", "--regex", "a"],
             "cacheback": ["--prompt", "x"], "sink": ["--prompt", "x"],
             "async_lm": ["--prompt", "x"], "agent": ["--question", "t"],
-            "prompt_cache": ["--document", "d.txt", "--cache", "c", "--question", "q"]}
+            "prompt_cache": ["--document", __file__, "--cache", "c", "--question", "q"]}
 
 
 @pytest.mark.parametrize("lip", sorted(LIP_ARGV))
@@ -489,6 +489,54 @@ def test_a_bad_sampling_flag_is_a_usage_error_before_any_kernel(lip, flag, value
     assert f"argument {flag}: " in capsys.readouterr().err
     good = "1" if flag in ("--max-new-tokens", "--seed") else "0"
     assert module.main([*LIP_ARGV[lip], flag, good]) == 1  # the flags parse: no kernel
+
+
+@pytest.mark.parametrize("ids", ["", " ", ","])
+def test_complete_refuses_no_prompt_ids_as_a_usage_error(ids, tmp_path, monkeypatch, capsys):
+    """`--prompt-ids ""` was `complete: empty prompt`, exit 1, once the kernel was asked."""
+    from lips import complete
+
+    monkeypatch.setenv("SYMPHONY_SOCKET", str(tmp_path / "k.sock"))
+    with pytest.raises(SystemExit) as e:
+        complete.main(["--prompt-ids", ids])
+    assert e.value.code == 2 and "--prompt-ids" in capsys.readouterr().err
+
+
+def test_complete_ends_the_echoed_prompt_before_an_error(monkeypatch, capsys):
+    """The echoed prompt had no newline, so the error followed it on its line
+    ("xcomplete: pred: ...")."""
+    from types import SimpleNamespace
+
+    from lips import complete
+
+    class FakeKernel:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def model_info(self):
+            return SimpleNamespace(has_tokenizer=True, eos_ids=[0])
+
+        def tokenize(self, text, add_special=False):
+            return [1, 2]
+
+    class FailingContext:
+        def __init__(self, k, **kw):
+            pass
+
+        def __enter__(self):
+            raise OSError(errno.EINVAL, "pred: top_k 999999 is past the vocabulary")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(Kernel, "connect", classmethod(lambda cls, *a, **kw: FakeKernel()))
+    monkeypatch.setattr(complete, "Context", FailingContext)
+    assert complete.main(["--prompt", "x", "--top-k", "999999"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "x\n" and err.startswith("complete: pred: top_k 999999")
 
 
 def test_best_of_n_needs_one_continuation(capsys):
