@@ -88,16 +88,17 @@ class Kernel:
 
     async def _reap(self, proc: Process) -> None:
         """A process is gone: cancel its calls, close its fds (anonymous files and private
-        pages go with them), forget it."""
+        pages go with them), forget it. Until its files are closed it is `exiting` in ps."""
         if not proc.alive:
             return  # reaped already
         proc.alive = False
-        self.procs.remove(proc)
+        self.procs.end_session(proc)
         self.sched.cancel_process(proc)
         await self.sched.quiesce()  # a running step may still write into its files
         for handle in proc.fds.values():
             self.fs.close(handle)
         proc.fds.clear()
+        self.procs.remove(proc)
         lifeline = self.lifelines.pop(proc.pid, None)
         if lifeline is not None:
             lifeline.close()

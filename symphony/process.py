@@ -107,6 +107,8 @@ class Process:
 
     @property
     def state(self) -> str:
+        if not self.alive:
+            return "exiting"
         if self.waiting:
             return "waiting"
         if self.pending:
@@ -175,11 +177,16 @@ class ProcessTable:
         self.per_uid[uid] += 1
         return proc
 
+    def end_session(self, proc: Process) -> None:
+        """Its token takes no more calls, and it no longer counts against its user's
+        processes; it stays in the table (`exiting`) until remove."""
+        if self.by_token.pop(proc.token, None) is not None:
+            self.per_uid[proc.uid] -= 1
+
     def remove(self, proc: Process) -> None:
+        self.end_session(proc)
         if self.by_pid.pop(proc.pid, None) is None:
             return
-        self.by_token.pop(proc.token, None)
-        self.per_uid[proc.uid] -= 1
         if proc.pidfd is not None:
             os.close(proc.pidfd)
             proc.pidfd = None

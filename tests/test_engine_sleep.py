@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 import torch
-from daemon import prompt, sched
+from daemon import ROOT, meminfo, prompt, sched, start_daemon, wait_for
 
 from symphony.cli import build_parser, parse_engine
 from symphony.engine.config import ModelConfig
@@ -143,3 +146,42 @@ def test_masked_preds_get_an_allowed_token(daemon, model, k):
     assert out.token in (100, 200)
     assert np.isfinite(out.model_logprob)
 
+
+
+VICTIM = """
+import os
+from syscalls.client import Kernel
+k = Kernel.connect(name="victim")
+f = k.open("", os.O_RDWR)
+print(k.pid, flush=True)
+f.pred(list(range(5, 45)), no_outputs=True)
+"""
+
+
+def test_a_killed_lip_is_exiting_in_ps_until_its_pages_are_freed(model):
+    """Its pred's step is in flight (1.5 s) when it is killed: its pages wait for the step,
+    and meanwhile ps shows it `exiting` with them, not gone."""
+    d = start_daemon(model, None, "--kv-pages", "64", "--engine", "sleep:1500")
+    try:
+        with d.connect() as k:
+            baseline = int(meminfo(k)["device_used"])
+            lip = subprocess.Popen([sys.executable, "-c", VICTIM], env=d.env(), cwd=ROOT,
+                                   stdout=subprocess.PIPE, text=True)
+            pid = int(lip.stdout.readline())
+            wait_for(lambda: int(meminfo(k)["device_used"]) > baseline,
+                     what="the pred's step to hold pages")
+            lip.kill()
+            assert lip.wait(30) == -signal.SIGKILL
+            seen = []
+            while True:
+                procs = {p.pid: p for p in k.ps()}
+                used = int(meminfo(k)["device_used"])
+                if pid not in procs:
+                    break
+                seen.append((procs[pid].state, procs[pid].pages))
+            assert used == baseline  # gone from ps: its pages are free
+            while seen and seen[0][0] == "running":  # before the kernel saw its lifeline end
+                seen.pop(0)
+            assert seen and all(state == "exiting" and pages > 0 for state, pages in seen)
+    finally:
+        assert d.stop() == 0, d.log_text()
