@@ -36,11 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.prompt_ids == []:
-        p.error("argument --prompt-ids: no token ids (the prompt would be empty)")
-
-
 def run(k: Kernel, args: argparse.Namespace) -> int:
     info = k.model_info()
     check_flags(args, info.has_tokenizer)
@@ -79,7 +74,7 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return lip_main("complete", build_parser(), run, argv, check)
+    return lip_main("complete", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

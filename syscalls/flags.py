@@ -93,9 +93,12 @@ def prompt_of(k: Kernel, args: argparse.Namespace) -> list[int]:
 
 def parse_ids(text: str) -> list[int]:
     try:
-        return [int(t) for t in text.replace(",", " ").split()]
+        ids = [int(t) for t in text.replace(",", " ").split()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"--prompt-ids wants integers: {e}") from e
+    if not ids:
+        raise argparse.ArgumentTypeError("no token ids (the prompt would be empty)")
+    return ids
 
 
 def text_arg(value: str) -> str:

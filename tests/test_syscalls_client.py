@@ -492,14 +492,15 @@ def test_a_bad_sampling_flag_is_a_usage_error_before_any_kernel(lip, flag, value
 
 
 @pytest.mark.parametrize("ids", ["", " ", ","])
-def test_complete_refuses_no_prompt_ids_as_a_usage_error(ids, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("lip", ["complete", "best_of_n", "sink"])
+def test_no_prompt_ids_is_a_usage_error(lip, ids, tmp_path, monkeypatch, capsys):
     """`--prompt-ids ""` was `complete: empty prompt`, exit 1, once the kernel was asked."""
-    from lips import complete
-
+    module = __import__(f"lips.{lip}", fromlist=["main"])
     monkeypatch.setenv("SYMPHONY_SOCKET", str(tmp_path / "k.sock"))
     with pytest.raises(SystemExit) as e:
-        complete.main(["--prompt-ids", ids])
-    assert e.value.code == 2 and "--prompt-ids" in capsys.readouterr().err
+        module.main(["--prompt-ids", ids])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --prompt-ids: no token ids" in err
 
 
 def test_complete_ends_the_echoed_prompt_before_an_error(monkeypatch, capsys):
