@@ -144,7 +144,8 @@ class Front:
         """A pred from the lifeline, as call() would do it but with no task: checked and
         queued at once, then answer(reply) from its future's callback (a task, its steps
         and its coroutines cost the loop 3 to 4 us a pred). Returns the future, for a
-        CANCEL frame to take back; None when it failed at once (answered already)."""
+        CANCEL frame to take back; None when it was answered at once: it failed, or took
+        a guess already computed (decoding ahead), whose answer needs no callback's turn."""
         start, proc = time.perf_counter(), None
         try:
             proc, cred = self.admit("Pred", request, who)
@@ -152,6 +153,9 @@ class Front:
         except Exception as e:
             answer(error_reply(pb.PredReply, e))
             self._account(proc, "Pred", start)
+            return None
+        if future.done():
+            self._answer(proc, start, answer, future)
             return None
         future.add_done_callback(functools.partial(self._answer, proc, start, answer))
         return future
