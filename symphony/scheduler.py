@@ -446,7 +446,20 @@ class Scheduler:
         nothing), and a seeded pred's next chunk waits for its generator to come back."""
         chunks: list[Chunk] = []
         budget = self.token_budget
-        answered = min((c.job.proc.vruntime for plan in self.running for c in plan.chunks
+        # Behind a step in flight, each process counts with what that step will charge it
+        # (finish charges it): else the process whose turn it was also got the step behind,
+        # two steps a turn (three each, two at nice 0), whatever the step in flight gave it.
+        owed: dict[Process, float] = {}
+        for plan in self.running:
+            for c in plan.chunks:
+                if c.job.state not in (JobState.AHEAD, JobState.DROPPED):
+                    owed[c.job.proc] = (owed.get(c.job.proc, 0.0)
+                                        + c.size * 1024 / c.job.proc.weight)
+
+        def vruntime(p: Process) -> float:
+            return p.vruntime + owed.get(p, 0.0)
+
+        answered = min((vruntime(c.job.proc) for plan in self.running for c in plan.chunks
                         if c.job.state is JobState.ADMITTED
                         and c.end == len(c.job.spec.tokens)), default=float("inf"))
         decodes = sum(j.unplanned == 1 for j in self.queue)
@@ -456,12 +469,12 @@ class Scheduler:
                 key = id(j.handle.inode)
                 first[key] = min(first.get(key, j.seq), j.seq)
         patient = time.monotonic() - PREFILL_PATIENCE
-        for job in sorted(self.queue, key=lambda j: (j.proc.vruntime,
+        for job in sorted(self.queue, key=lambda j: (vruntime(j.proc),
                                                      j.unplanned > 1 and j.enqueued > patient,
                                                      j.seq)):
             if job.unplanned == 0 or job.state is JobState.CANCELLED:
                 continue  # in flight, or a masked pred's computed guess sampled soon
-            if self.running and (job.proc.vruntime > answered or (
+            if self.running and (vruntime(job.proc) > answered or (
                     job.generator is not None and self._computing(job))):
                 continue
             if budget == 0 or len(chunks) == self.max_seqs:

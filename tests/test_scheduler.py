@@ -1284,21 +1284,43 @@ async def test_a_pred_that_took_a_guess_in_flight_and_is_cancelled_goes_after_it
 
 @in_loop
 async def test_behind_a_step_a_pred_goes_only_before_the_processes_that_step_answers():
-    """a's pred is in flight; b (ahead of a in virtual runtime only when a has run more)
-    is planned behind it only then: otherwise a, back with its next pred, goes first."""
+    """a's pred is in flight; b (ahead of a in virtual runtime, a counted with the two
+    tokens that step charges it, only when a has run more) is planned behind it only then:
+    otherwise a, back with its next pred, goes first."""
     w = World(pipeline=True)
     a, fa = w.process()
     b, fb = w.process(nice=10)
     w.pred(a, fa, [1, 2])
     computing = w.sched.schedule()
     w.pred(b, fb, [3, 4])
-    b.vruntime = a.vruntime + 1
+    b.vruntime = a.vruntime + 2 + 1
     assert w.sched.schedule() is None
-    b.vruntime = a.vruntime
+    b.vruntime = a.vruntime + 2
     behind = w.sched.schedule()
     assert sizes(behind) == [(b, 2)]
     w.sched.finish(computing, result(computing))
     w.sched.finish(behind, result(behind))
+
+
+@in_loop
+async def test_behind_a_step_its_processes_count_with_what_it_charges_them():
+    """Two processes at nice 0, each with two budget-sized preds queued: the step behind
+    the one in flight goes to the other process, as it would once that step is charged.
+    Ordered on the virtual runtimes before the step in flight's charge, the process whose
+    turn it was got the step behind too: each turn two steps or more, whatever the nice
+    (with nice 19 against nice 0, 1,024 tokens a turn instead of 512)."""
+    w = World(budget=8, pipeline=True)
+    (a, _), (b, _) = w.process(), w.process()
+    for p in (a, a, b, b):
+        f = w.fs.open(p.cred, "", os.O_RDWR)
+        p.add_fd(f)
+        w.pred(p, f, list(range(1, 9)))
+    first = w.sched.schedule()
+    behind = w.sched.schedule()
+    assert sizes(first) == [(a, 8)] and sizes(behind) == [(b, 8)]
+    w.sched.finish(first, result(first))
+    w.sched.finish(behind, result(behind))
+    assert a.vruntime == b.vruntime == 8.0
 
 
 @in_loop
