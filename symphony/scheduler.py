@@ -243,11 +243,16 @@ class Scheduler:
 
     async def cancel(self, future: asyncio.Future) -> None:
         """The caller took the pred back: it fails with ECANCELED, and its file is as it was
-        when this returns (a pred the running step computes is rolled back when it ends)."""
+        when this returns (a pred a step in flight computes is rolled back when the last
+        such step ends, after the guesses stacked on it; a step that does not compute it is
+        not waited for)."""
+        steps = list(self.running)  # what computes it, or the guesses stacked on it
         for job in [j for j in self.queue if j.future is future]:
             self._cancel(job, taken_back())
-            if job.state is JobState.CANCELLED:
-                await self.quiesce()
+            inode = job.handle.inode
+            while ((job.state is JobState.CANCELLED or self.ahead.dropping(inode))
+                   and any(s is p for s in steps for p in self.running)):
+                await self._step_end.wait()
 
     def cancel_process(self, proc: Process) -> None:
         """Its preds fail with EINTR; a pred in the running step is rolled back after it."""

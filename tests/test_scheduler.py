@@ -433,6 +433,24 @@ async def test_a_pred_cancelled_in_the_running_step_is_rolled_back_after_it():
 
 
 @in_loop
+async def test_a_cancel_waits_for_the_step_computing_the_pred_not_the_one_behind_it():
+    w = World(pipeline=True, budget=16)
+    (p, f), (q, g) = w.process(), w.process()
+    answer = w.pred(p, f, [1, 2, 3, 4, 5, 6])
+    computing = w.sched.schedule()
+    w.pred(q, g, [1, 2, 3])
+    behind = w.sched.schedule()
+    assert sizes(computing) == [(p, 6)] and sizes(behind) == [(q, 3)]
+    cancelling = asyncio.create_task(w.sched.cancel(answer))
+    await asyncio.sleep(0)
+    assert not cancelling.done()
+    w.sched.finish(computing, result(computing))
+    await asyncio.wait_for(cancelling, 1)  # the step behind is still in flight
+    assert w.sched.running == [behind] and answer.exception().errno == errno.ECANCELED
+    assert f.inode.length == 0 and not f.inode.busy
+
+
+@in_loop
 async def test_a_pred_whose_call_was_cancelled_during_its_step_is_rolled_back_not_committed():
     """Cancelling sys_pred's task cancels the future at once; the step may end before
     sys_pred runs again to cancel the pred."""
