@@ -329,6 +329,30 @@ class Listing:
     entries: list[tuple[bytes, pyfuse3.EntryAttributes, str]]
 
 
+def _fails_alone(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """A request handler whose unexpected exception fails its request with EIO, logged:
+    raised to pyfuse3 it would end the mount, for every user, on one user's request."""
+    @functools.wraps(handler)
+    async def run(self: KvFS, *args: Any) -> Any:
+        try:
+            return await handler(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception:
+            log.exception("%s%r failed", handler.__name__, args[:2])
+            raise pyfuse3.FUSEError(errno.EIO) from None
+    return run
+
+
+def requests_fail_alone(cls: type) -> type:
+    """Every pyfuse3 request handler of cls wrapped in _fails_alone."""
+    for name, handler in list(vars(cls).items()):
+        if name in vars(pyfuse3.Operations) and callable(handler):
+            setattr(cls, name, _fails_alone(handler))
+    return cls
+
+
+@requests_fail_alone
 class KvFS(pyfuse3.Operations):
     """The FUSE operations; one instance per mount."""
 

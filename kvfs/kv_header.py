@@ -101,10 +101,23 @@ def _no_constant(name: str):
     raise bad(f"header JSON has non-standard constant {name}")
 
 
+# Digits of an integer the header may hold: an int64's. Python refuses to convert more
+# than 4300 digits (ValueError), which would otherwise escape the checks.
+MAX_DIGITS = 19
+
+
+def _json_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise bad(f"header JSON has an integer of {len(text)} characters, past an int64")
+    return int(text)
+
+
 def _count(meta: dict, key: str) -> int:
     value = meta[key]
-    if not (value.isascii() and value.isdigit()) or str(int(value)) != value or int(value) < 1:
-        raise bad(f"metadata {key} {value!r} is not a positive integer")
+    if (not (value.isascii() and value.isdigit()) or len(value) > MAX_DIGITS
+            or str(int(value)) != value or int(value) < 1):
+        shown = value if len(value) <= 40 else f"{value[:20]}... ({len(value)} characters)"
+        raise bad(f"metadata {key} {shown!r} is not a positive integer")
     return int(value)
 
 
@@ -122,7 +135,8 @@ def read_header(prefix: bytes, file_size: int | None, want: Shape | None = None)
         raise bad(f"truncated: header needs {8 + n_head} bytes, got {len(prefix)}")
     try:
         head = json.loads(bytes(prefix[8:8 + n_head]).decode("utf-8"),
-                          object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+                          object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+                          parse_int=_json_int)
     except UnicodeDecodeError as e:
         raise bad(f"header is not UTF-8 ({e.reason})") from None
     except json.JSONDecodeError as e:

@@ -351,6 +351,24 @@ def test_bad_metadata(key, value, match):
     refused(*mutated(lambda h: h["__metadata__"].__setitem__(key, value)), match)
 
 
+@pytest.mark.parametrize("where", ["layers", "page_size", "shape", "offset"])
+def test_an_integer_of_thousands_of_digits_is_einval(where):
+    """Python converts at most 4300 digits to an int; past that its ValueError escaped the
+    checks: EIO from the kernel, and a mount that died for every user."""
+    digits = "9" * 5000
+    if where in ("layers", "page_size"):
+        data, layout = mutated(lambda h: h["__metadata__"].__setitem__(where, digits))
+        refused(data, layout, f"metadata {where} '99999.*5000 characters.*not a positive")
+        return
+    data, layout = good()
+    head, body = split(data)
+    text = json.dumps(head).replace('"shape": [23]' if where == "shape"
+                                    else '"data_offsets": [0,', {
+        "shape": f'"shape": [{digits}]', "offset": f'"data_offsets": [{digits},'}[where], 1)
+    assert digits in text
+    refused(join(None, body, text.encode()), layout, "integer of 5000 characters")
+
+
 def test_missing_metadata_key():
     refused(*mutated(lambda h: h["__metadata__"].pop("head_dim")), "no head_dim")
 

@@ -13,7 +13,9 @@ import struct
 import subprocess
 import sys
 
+import pyfuse3
 import pytest
+import trio
 from daemon import (
     NEEDS_MOUNT,
     ROOT,
@@ -29,7 +31,7 @@ from daemon import (
     wait_for,
 )
 
-from kvfs.fuse import SLACK
+from kvfs.fuse import SLACK, KvFS, requests_fail_alone
 from syscalls.convert import proc_fields
 
 OWNER, OTHER = 60001, 60002
@@ -127,12 +129,18 @@ def test_cp_in_imports_and_a_bad_file_leaves_nothing(k, mnt, tmp_path):
     assert k.export("/tmp/in.kv") == good
     assert stat.S_IMODE(k.stat("/tmp/in.kv").mode) == 0o644 & ~current_umask()
     fingerprint = k.model_info().fingerprint.encode()
+    (n,) = struct.unpack("<Q", good[:8])
+    head = json.loads(good[8:8 + n])
+    head["__metadata__"]["layers"] = "9" * 5000  # past what Python converts to an int
+    text = json.dumps(head).encode()
     bad = {
         "garbage": b"not a kv file at all",
         "truncated": good[:-8],
         "foreign": good.replace(fingerprint, b"0" * len(fingerprint), 1),
         "empty": b"",
+        "digits": struct.pack("<Q", len(text)) + text + good[8 + n:],
     }
+    assert errno_of(k.import_file, "/tmp/digits.kv", bad["digits"]) == errno.EINVAL
     for name, data in bad.items():
         (tmp_path / name).write_bytes(data)
         cp = subprocess.run(
@@ -636,3 +644,16 @@ def test_mount_over_a_dead_mount_says_to_umount_it(model):
             assert mounted_at(target) and "tmp" in os.listdir(target)
     finally:
         d.stop()
+
+
+def test_an_unexpected_error_fails_its_request_alone():
+    """Raised to pyfuse3 it would end the mount for every user: its request gets EIO."""
+    @requests_fail_alone
+    class Broken(pyfuse3.Operations):
+        async def getattr(self, inode, ctx=None):
+            raise ValueError("a bug")
+
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        trio.run(Broken().getattr, 1)
+    assert e.value.errno == errno.EIO
+    assert all(hasattr(getattr(KvFS, name), "__wrapped__") for name in ("write", "release"))
