@@ -31,7 +31,14 @@ from symphony.process import Process
 from symphony.read_pause import IN_FLIGHT, OWED, REPLIES, ReadPause
 from symphony.reply_budget import ReplyBudget, debtor
 from symphony.scheduler import taken_back
-from symphony.syscall_table import TABLE, pred_reply, reply_bound, submit_pred, sys_pred
+from symphony.syscall_table import (
+    TABLE,
+    einval,
+    pred_reply,
+    reply_bound,
+    submit_pred,
+    sys_pred,
+)
 from syscalls import ring, wire
 from syscalls import symphony_pb2 as pb
 from syscalls.session import AS_KEY, SESSION_KEY, refusal
@@ -395,7 +402,7 @@ class Hello(asyncio.Protocol):
             if kind == wire.CANCEL:
                 self.cancel(call)
             elif kind == wire.RING_SETUP:
-                self.setup_ring()
+                self.setup_ring(call, payload)
             elif kind == wire.PRED and self.ring is not None:
                 # Its FRAMED record was written before it was sent: take the ring up to it.
                 self.framed[call] = payload
@@ -455,19 +462,21 @@ class Hello(asyncio.Protocol):
         log.warning("pid %d: %s", self.proc.pid, why)
         self.transport.close()
 
-    def setup_ring(self) -> None:
+    def setup_ring(self, call: int, payload: bytes) -> None:
         """RING_SETUP: make the rings and send their memfd and bells (SCM_RIGHTS) in a RING
-        frame; the error in a REPLY frame of call id 0 when they cannot be made."""
-        if self.ring is not None or self.transport.get_write_buffer_size():
-            why = ("the process has its rings already" if self.ring is not None else
-                   "the lifeline has replies waiting to be sent")
-            self.reply(0, pb.PredReply(error=pb.Error(errno=errno.EINVAL,
-                                                      message=f"ring setup: {why}")))
+        frame; the error in a REPLY of call id 0 when they cannot be made."""
+        why = ("the process has its rings already" if self.ring is not None else
+               f"its call id is {call}, not 0" if call else
+               f"it has {len(payload)} bytes of payload, not none" if payload else
+               "the lifeline has replies waiting to be sent"
+               if self.transport.get_write_buffer_size() else None)
+        if why is not None:
+            self.send_reply(0, error_reply(pb.PredReply, einval(f"ring setup: {why}")))
             return
         try:
             made = ring.KernelRing()
         except OSError as e:
-            self.reply(0, error_reply(pb.PredReply, e))
+            self.send_reply(0, error_reply(pb.PredReply, e))
             return
         sock = self.transport.get_extra_info("socket")
         data = wire.frame(wire.RING, 0, ring.GEOMETRY.pack(made.mem.sq_bytes, made.mem.cq_bytes))
@@ -523,6 +532,11 @@ class Hello(asyncio.Protocol):
         return self.held_back()
 
     def pred(self, kind: int, call: int, payload: bytes) -> None:
+        if call in self.calls:  # a reply would be that pred's as much as this one's
+            self.send_reply(call, error_reply(pb.PredReply, einval(
+                f"pred: call id {call} has a pred in flight; a call id may be used again "
+                "once its reply has come")))
+            return
         request = (pred_request(payload) if kind == wire.PRED
                    else Malformed(ValueError(f"frame kind {kind} is not a pred")))
         future = self.front.lifeline_pred(request, self.caller,
@@ -563,8 +577,12 @@ class Hello(asyncio.Protocol):
         self.reply(call, error_reply(pb.PredReply, taken_back()))
 
     def reply(self, call: int, reply: pb.PredReply) -> None:
-        """On the ring when it has room, else as a frame on the lifeline."""
+        """The pred of `call` is answered: its reply goes (send_reply)."""
         self.answered(call)  # the client may use the call id again
+        self.send_reply(call, reply)
+
+    def send_reply(self, call: int, reply: pb.PredReply) -> None:
+        """On the ring when it has room, else as a frame on the lifeline."""
         if self.transport.is_closing():
             return
         payload = reply.SerializeToString()

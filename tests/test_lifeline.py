@@ -23,6 +23,7 @@ from daemon import (
     hog_payload,
     meminfo,
     preds_answered,
+    prompt,
     raw_open,
     sched,
     send_while_taken,
@@ -298,6 +299,47 @@ def test_bad_frames_get_einval_and_garbage_ends_the_process(daemon):
         wait_for(lambda: meminfo(k)["device_free"] == free, what="its pages freed")
         life.close()
         channel.close()
+
+
+def test_a_call_id_in_flight_used_again_gets_einval_and_the_first_pred_goes_on(daemon):
+    """Both replies would carry one call id, and a CANCEL would name either."""
+    life, token = session.hello(daemon.socket)
+    try:
+        fd = raw_open(daemon.socket, token)
+        request = pb.PredRequest(fd=fd, tokens=prompt(200), no_outputs=True)
+        life.sendall(wire.frame(wire.PRED, 7, request.SerializeToString()) * 2)
+        life.settimeout(60)
+        frames, got = wire.Frames(), []
+        while len(got) < 2:
+            got += frames.feed(life.recv(4096))
+        assert [(kind, call) for kind, call, _ in got] == [(wire.REPLY, 7)] * 2
+        again, first = (pb.PredReply.FromString(payload) for _, _, payload in got)
+        assert again.error.errno == errno.EINVAL
+        assert "call id 7 has a pred in flight" in again.error.message
+        assert not first.HasField("error")
+        # Answered: the id is free again.
+        assert not raw_call(life, frames, wire.PRED, pb.PredRequest(
+            fd=fd, tokens=[5]).SerializeToString()).HasField("error")
+    finally:
+        life.close()
+
+
+def test_a_ring_setup_other_than_call_id_0_and_no_payload_is_einval(daemon):
+    life, _ = session.hello(daemon.socket)
+    try:
+        life.settimeout(60)
+        frames = wire.Frames()
+        for call, payload, why in ((5, b"", "its call id is 5, not 0"),
+                                   (0, b"xyz", "it has 3 bytes of payload, not none")):
+            life.sendall(wire.frame(wire.RING_SETUP, call, payload))
+            while not (got := frames.feed(life.recv(4096))):
+                pass
+            ((kind, call_id, data),) = got
+            error = pb.PredReply.FromString(data).error
+            assert (kind, call_id, error.errno) == (wire.REPLY, 0, errno.EINVAL)
+            assert error.message == f"ring setup: {why}"
+    finally:
+        life.close()
 
 
 def test_a_forked_child_closing_the_session_leaves_the_parent_attached(daemon):
