@@ -604,7 +604,8 @@ async def sys_export(k: Kernel, proc: Process, cred: Cred,
     if req.offset < 0 or req.length < 0:
         raise einval(f"export: bad range offset {req.offset}, length {req.length}")
     by_fd = req.WhichOneof("target") == "fd"
-    src = proc.handle(req.fd) if by_fd else k.fs.open(cred, req.path, os.O_RDONLY)
+    src = proc.handle(req.fd) if by_fd else await _room_made(
+        k, f"export {req.path!r}", lambda: k.fs.open(cred, req.path, os.O_RDONLY))
     try:
         snap = await _with_room(k, lambda: k.fs.fork(src, cred, snapshot=True))
     except FSError as e:  # the fork's refusal, said as export's

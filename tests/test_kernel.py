@@ -454,6 +454,27 @@ def test_stop_persists_named_files_and_start_brings_them_back(model):
         assert again.stop() == 0, again.log_text()
 
 
+def test_restored_files_export_by_path_moving_others_down_for_room(model):
+    """After a restart each file's pages load on its first open: an export by path that
+    loads one moves files nobody has open down for room, as an open does (it was ENOSPC)."""
+    flags = ("--kv-pages", "8", "--host-pages", "8")
+    d = start_daemon(model, None, *flags)
+    with d.connect() as k:
+        exported = {}
+        for i in range(3):  # three pages each: more than the device holds together
+            path = f"{k.home}/s{i}"
+            with k.open(path, os.O_CREAT | os.O_RDWR) as f:
+                f.pred(prompt(40, salt=i), no_outputs=True)
+            exported[path] = k.export(path)
+    assert d.stop() == 0, d.log_text()
+    again = start_daemon(model, d.socket.parent, *flags)
+    try:
+        with again.connect() as k:
+            assert {path: k.export(path) for path in exported} == exported
+    finally:
+        assert again.stop() == 0, again.log_text()
+
+
 # -- /proc ------------------------------------------------------------------------------
 
 
