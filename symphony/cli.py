@@ -121,7 +121,14 @@ def cmd_rank(args: argparse.Namespace) -> int:
     # The ranks die with this process (PR_SET_PDEATHSIG): a Ctrl-C here ends them.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     try:
-        return 0 if all(p.wait() == 0 for p in procs) else 1
+        status = 0
+        for rank, p in zip(rendezvous.local_ranks(), procs, strict=True):
+            code = p.wait()
+            if code:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited {code}"
+                print(f"symphony rank: rank {rank} (pid {p.pid}) {how}", file=sys.stderr)
+                status = 1
+        return status
     except KeyboardInterrupt:
         return 1
 

@@ -169,8 +169,8 @@ def join(rdv: Rendezvous, rank: int, device: torch.device) -> dist.ProcessGroup 
             timeout=TIMEOUT)
     except dist.DistError as e:  # a node that never came, a wrong port: said in one line
         raise ModelError(f"rank {rank}: the {rdv.world} ranks did not all meet at "
-                         f"{rdv.init_method} within {TIMEOUT.total_seconds():.0f} s: "
-                         f"{str(e).splitlines()[0]}") from e
+                         f"{rdv.init_method} (waiting {TIMEOUT.total_seconds():.0f} s at "
+                         f"most): {str(e).splitlines()[0]}") from e
     return dist.new_group(backend="gloo", timeout=TIMEOUT) if backend == "nccl" else None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,6 +176,7 @@ def test_two_nodes_meet_over_tcp_and_the_kernel_keeps_node_1s_kv(model, two_rank
 
 def test_a_rank_that_cannot_start_fails_the_kernels_start_naming_it(model, tmp_path):
     rendezvous = two_nodes()
+    log = open(tmp_path / "node1.log", "wb")
     node1 = subprocess.Popen(
         [
             *SYMPHONY,
@@ -188,8 +190,8 @@ def test_a_rank_that_cannot_start_fails_the_kernels_start_naming_it(model, tmp_p
             *rendezvous,
         ],
         cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
     )
     with pytest.raises(
         RuntimeError,
@@ -198,6 +200,8 @@ def test_a_rank_that_cannot_start_fails_the_kernels_start_naming_it(model, tmp_p
     ):
         start_daemon(model, None, *FLAGS, "--node-rank", "0", *rendezvous)
     assert node1.wait(30) == 1
+    said = (tmp_path / "node1.log").read_text()  # `symphony rank` says which rank ended how
+    assert re.search(r"symphony rank: rank 1 \(pid \d+\) exited 1", said), said
 
 
 def test_a_killed_kernel_takes_every_rank_with_it(two_ranks):
