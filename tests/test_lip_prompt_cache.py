@@ -296,24 +296,17 @@ def test_a_bad_prompt_is_refused_naming_the_element(prompt, message):
     assert message in str(e.value)
 
 
+def without_kernel(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """lips/prompt_cache.py run with `args` and no kernel at its socket."""
+    return subprocess.run(
+        [sys.executable, "lips/prompt_cache.py", *args], cwd=ROOT, capture_output=True,
+        text=True, timeout=60, env={**os.environ, "SYMPHONY_SOCKET": str(tmp_path / "none")})
+
+
 def test_a_bad_schema_file_exits_2_before_the_kernel_is_asked(tmp_path):
     bad = tmp_path / "bad.xml"
     bad.write_text("<schema name='s'><module name='a'>x<parameter name='p'/></module></schema>")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "lips/prompt_cache.py",
-            "--schema",
-            str(bad),
-            "--prompt",
-            "<prompt>Hi</prompt>",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "SYMPHONY_SOCKET": str(tmp_path / "none")},
-    )
+    out = without_kernel(tmp_path, "--schema", str(bad), "--prompt", "<prompt>Hi</prompt>")
     assert out.returncode == 2
     assert "module 'a': <parameter name='p'> needs len" in out.stderr
 
@@ -324,15 +317,7 @@ def test_a_missing_document_exits_2_naming_the_flag(tmp_path):
     from lips import prompt_cache
 
     missing = str(tmp_path / "nonexistent")
-    out = subprocess.run(
-        [sys.executable, "lips/prompt_cache.py", "--document", missing, "--cache", "x.kv",
-         "--question", "q"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "SYMPHONY_SOCKET": str(tmp_path / "none")},
-    )
+    out = without_kernel(tmp_path, "--document", missing, "--cache", "x.kv", "--question", "q")
     assert out.returncode == 2
     assert f"argument --document: {missing}: No such file or directory" in out.stderr
     args = prompt_cache.build_parser().parse_args(
