@@ -48,6 +48,7 @@ import platform
 import queue
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -1018,4 +1019,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # A SIGTERM (timeout, pkill) unwinds as an exit: each kernel this started is stopped on
+    # the way out, not left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())
