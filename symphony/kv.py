@@ -131,8 +131,16 @@ def source(kernels: Kernels, arg: str) -> tuple[str, int, Iterator[bytes]]:
 
 
 def write_local(path: Path, chunks: Iterable[bytes], mode: int) -> None:
-    """Whole or not at all, as import is: the bytes go to a temporary file beside `path`,
-    renamed over it once they have all arrived."""
+    """Whole or not at all, as import is: the bytes go to a temporary file beside the file
+    `path` names (through symlinks), renamed over it once they have all arrived. Into what
+    is not a regular file (/dev/null, a FIFO, a terminal) they are written as they come, as
+    cp(1) does: renaming over it would replace a device with a file."""
+    if path.exists() and not path.is_file():
+        with open(path, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+        return
+    path = path.resolve()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:

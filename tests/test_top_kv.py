@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 
 import pytest
@@ -127,6 +129,26 @@ def test_kv_cp_round_trips_through_a_local_file(daemon, doc, tmp_path):
         ok(kv(daemon, "rm", "back.kv", "/tmp/back.kv"))
         assert "back.kv" not in [n for n, _ in k.readdir(k.home)]
         assert "back.kv" not in [n for n, _ in k.readdir("/tmp")]
+
+
+def test_kv_cp_writes_into_a_fifo_or_through_a_symlink_as_cp_does(daemon, doc, tmp_path):
+    """The copy was renamed over its destination: `kv cp kv:doc.kv /dev/null`, as root,
+    replaced the system's /dev/null with a file (here a FIFO stands for it)."""
+    with daemon.connect() as k:
+        exported = k.export(doc)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    ok(kv(daemon, "cp", "kv:doc.kv", str(fifo)))
+    reader.join(30)
+    assert got == [exported] and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    target, link = tmp_path / "target.kv", tmp_path / "link.kv"
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    ok(kv(daemon, "cp", "kv:doc.kv", str(link)))
+    assert link.is_symlink() and target.read_bytes() == exported
 
 
 def test_kv_cp_copies_between_two_kernels_each_named_by_its_socket(daemon, doc, model):
