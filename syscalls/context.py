@@ -6,7 +6,10 @@ only for rows it computes, so the token to sample after must go in with the pred
 samples. fill() only adds to the pending tokens; each generation step sends them all in one
 pred that samples after the last, and keeps the sampled token pending for the next. So a
 prompt or a question costs one forward pass, not a prefill and then a one-token pred. A
-fork first writes all pending tokens but the last, so that branches share them.
+fork first writes all pending tokens but the last, so that branches share them. A step,
+flush or fork interrupted (a timeout, a cancelled task, Ctrl-C) leaves `tokens` as it was:
+if the pred's entries stood (its answer came first), the tokens it wrote leave the pending
+ones (the sample is lost; with nothing pending the next step computes the last entry again).
 
     with Context(k) as ctx:
         ctx.fill(k.tokenize("def f", add_special=True))
@@ -53,9 +56,29 @@ class Context:
         self.file = kernel.open() if file is None else file
         self.pending = list(pending)
         self._stop = None if stop is None else tuple(stop)
+        self._written = 0 if file is None else None  # the file's length, when known
 
     def close(self) -> None:
         self.file.close()
+
+    def _append(self, sent: list[int], **kwargs: Any) -> list[PredOutput]:
+        """pred of `sent`, the first pending tokens; interrupted after its entries stood,
+        they leave the pending ones."""
+        if self._written is None:
+            self._written = self.file.stat().tokens
+        try:
+            outs = self.file.pred(sent, **kwargs)
+        except BaseException:
+            try:
+                n = self.file.stat().tokens
+            except OSError:  # no session, or no kernel: the context is done with
+                n = None
+            if n is not None and n == self._written + len(sent):
+                del self.pending[: len(sent)]
+            self._written = n
+            raise
+        self._written += len(sent)
+        return outs
 
     def __enter__(self) -> Context:
         return self
@@ -84,13 +107,13 @@ class Context:
 
     def _write_all_but_last(self) -> None:
         if len(self.pending) > 1:
-            self.file.pred(self.pending[:-1], no_outputs=True)
+            self._append(self.pending[:-1], no_outputs=True)
             del self.pending[:-1]
 
     def flush(self) -> None:
         """Write the pending tokens into the file."""
         if self.pending:
-            self.file.pred(self.pending, no_outputs=True)
+            self._append(self.pending, no_outputs=True)
             self.pending.clear()
 
     def step(self, **sampling: Any) -> PredOutput:
@@ -98,13 +121,14 @@ class Context:
         nothing pending, the file's last entry is computed again, at its own position (one
         pred that cuts it and writes it back), to sample after it."""
         if self.pending:
-            (out,) = self.file.pred(self.pending, **sampling)
+            (out,) = self._append(self.pending, **sampling)
         else:
             n = self.file.stat().tokens
             if n == 0:
                 raise ValueError("context: nothing to predict from")
             tokens, positions = self.file.read(n - 1, 1)
             (out,) = self.file.pred(tokens, positions=positions, truncate=n - 1, **sampling)
+            self._written = n
         self.pending = [out.token]
         return out
 
@@ -131,7 +155,9 @@ class Context:
         """A copy-on-write branch: a forked file and the same pending tokens (all but the
         last written first, so that the branches share their pages)."""
         self._write_all_but_last()
-        return Context(self.kernel, self.file.fork(), self.pending, self._stop)
+        branch = Context(self.kernel, self.file.fork(), self.pending, self._stop)
+        branch._written = self._written
+        return branch
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens."""
@@ -139,6 +165,7 @@ class Context:
         if length < written:
             self.file.truncate(length)
         self.pending = _kept(self.pending, written, length)
+        self._written = min(written, length)
 
     def save(self, path: KvPath) -> None:
         """Give the file, pending tokens written, a name."""
@@ -199,6 +226,7 @@ class AsyncContext:
         self.pending = list(pending)
         self._stop = None if stop is None else tuple(stop)
         self._forking = _Turns()  # concurrent forks write the pending tokens once
+        self._written: int | None = None  # the file's length, when known
 
     @classmethod
     async def create(
@@ -209,10 +237,30 @@ class AsyncContext:
         stop: Iterable[int] | None = None,
     ) -> AsyncContext:
         """A context over `file`, or over a new anonymous file."""
-        return cls(kernel, await kernel.open() if file is None else file, pending, stop)
+        context = cls(kernel, await kernel.open() if file is None else file, pending, stop)
+        context._written = 0 if file is None else None
+        return context
 
     async def close(self) -> None:
         await self.file.close()
+
+    async def _append(self, sent: list[int], **kwargs: Any) -> list[PredOutput]:
+        """Context._append's, awaited."""
+        if self._written is None:
+            self._written = (await self.file.stat()).tokens
+        try:
+            outs = await self.file.pred(sent, **kwargs)
+        except BaseException:
+            try:
+                n = (await self.file.stat()).tokens
+            except OSError:
+                n = None
+            if n is not None and n == self._written + len(sent):
+                del self.pending[: len(sent)]
+            self._written = n
+            raise
+        self._written += len(sent)
+        return outs
 
     async def __aenter__(self) -> AsyncContext:
         return self
@@ -235,17 +283,17 @@ class AsyncContext:
 
     async def _write_all_but_last(self) -> None:
         if len(self.pending) > 1:
-            await self.file.pred(self.pending[:-1], no_outputs=True)
+            await self._append(self.pending[:-1], no_outputs=True)
             del self.pending[:-1]
 
     async def flush(self) -> None:
         if self.pending:
-            await self.file.pred(self.pending, no_outputs=True)
+            await self._append(self.pending, no_outputs=True)
             self.pending.clear()
 
     async def step(self, **sampling: Any) -> PredOutput:
         if self.pending:
-            (out,) = await self.file.pred(self.pending, **sampling)
+            (out,) = await self._append(self.pending, **sampling)
         else:
             n = (await self.file.stat()).tokens
             if n == 0:
@@ -253,6 +301,7 @@ class AsyncContext:
             tokens, positions = await self.file.read(n - 1, 1)
             (out,) = await self.file.pred(tokens, positions=positions, truncate=n - 1,
                                           **sampling)
+            self._written = n
         self.pending = [out.token]
         return out
 
@@ -276,13 +325,16 @@ class AsyncContext:
         async with self._forking:
             await self._write_all_but_last()
             branch = await self.file.fork()
-        return AsyncContext(self.kernel, branch, self.pending, self._stop)
+        context = AsyncContext(self.kernel, branch, self.pending, self._stop)
+        context._written = self._written
+        return context
 
     async def truncate(self, length: int) -> None:
         written = (await self.file.stat()).tokens
         if length < written:
             await self.file.truncate(length)
         self.pending = _kept(self.pending, written, length)
+        self._written = min(written, length)
 
     async def save(self, path: KvPath) -> None:
         await self.flush()

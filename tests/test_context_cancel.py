@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+from types import SimpleNamespace
 
 import pytest
 
@@ -37,6 +38,9 @@ class File:
         await asyncio.sleep(0)
         self.counts["preds"] += 1
         return []
+
+    async def stat(self) -> SimpleNamespace:
+        return SimpleNamespace(tokens=0)
 
     async def fork(self) -> File:
         await asyncio.sleep(0)
