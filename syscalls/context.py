@@ -42,6 +42,15 @@ def _kept(pending: list[int], written: int, length: int) -> list[int]:
     return pending[: max(0, length - written)]
 
 
+def _interrupted(pending: list[int], sent: int, written: int, now: int | None) -> int | None:
+    """A pred of the first `sent` pending tokens of a file of `written` entries was
+    interrupted, and the file has `now` (None: unknown): if its entries stood, those tokens
+    leave `pending`. The file's length."""
+    if now is not None and now == written + sent:
+        del pending[:sent]
+    return now
+
+
 class Context:
     """A KV file (anonymous unless given; the context closes it) and its pending tokens."""
 
@@ -70,12 +79,10 @@ class Context:
             outs = self.file.pred(sent, **kwargs)
         except BaseException:
             try:
-                n = self.file.stat().tokens
+                now = self.file.stat().tokens
             except OSError:  # no session, or no kernel: the context is done with
-                n = None
-            if n is not None and n == self._written + len(sent):
-                del self.pending[: len(sent)]
-            self._written = n
+                now = None
+            self._written = _interrupted(self.pending, len(sent), self._written, now)
             raise
         self._written += len(sent)
         return outs
@@ -252,12 +259,10 @@ class AsyncContext:
             outs = await self.file.pred(sent, **kwargs)
         except BaseException:
             try:
-                n = (await self.file.stat()).tokens
+                now = (await self.file.stat()).tokens
             except OSError:
-                n = None
-            if n is not None and n == self._written + len(sent):
-                del self.pending[: len(sent)]
-            self._written = n
+                now = None
+            self._written = _interrupted(self.pending, len(sent), self._written, now)
             raise
         self._written += len(sent)
         return outs
