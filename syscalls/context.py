@@ -347,26 +347,47 @@ class AsyncContext:
 
 
 class TextStream:
-    """The text of a growing list of tokens, piece by piece. Each push decodes the whole
-    list, since a token alone may be part of a character; an incomplete character at the
-    end waits for the tokens that complete it."""
+    """The text of a growing list of tokens, piece by piece, as `detokenize` of the whole
+    list gives it. Each push decodes a window of the last tokens (at most WINDOW), not the
+    whole list, so a stream of any length costs the same a token: a token's text is what
+    decoding the window with it adds to decoding the window without it (a token alone may
+    be part of a character, and a tokenizer may strip the text's first space; both decodes
+    start at the same token, so they agree). An incomplete character at the end waits for
+    the tokens that complete it."""
+
+    WINDOW = 64  # tokens a push decodes at most, before the window moves up
+    CONTEXT = 8  # tokens already shown that a moved window starts with
 
     def __init__(self, kernel: Kernel):
         self.kernel = kernel
-        self.ids: list[int] = []
-        self.text = ""
+        self.text = ""  # every piece so far
+        self._ids: list[int] = []  # the window: tokens from its start on
+        self._shown = ""  # the window's text up to the last piece
 
     def push(self, token: int) -> str:
         """The text that `token` adds."""
-        self.ids.append(token)
-        text = self.kernel.detokenize(self.ids)
+        self._ids.append(token)
+        text = self.kernel.detokenize(self._ids)
         if text.endswith("\ufffd"):
             return ""
-        new, self.text = text[len(self.text) :], text
+        new, self._shown = text[len(self._shown):], text
+        self.text += new
+        if len(self._ids) > self.WINDOW:
+            self._move_window()
         return new
+
+    def _move_window(self) -> None:
+        """Start the window CONTEXT tokens before the end, everything in it shown; not
+        while those tokens have no text (specials): a window starting with a text-less run
+        decodes as the start of a text, where a tokenizer may strip a space."""
+        ids = self._ids[-self.CONTEXT:]
+        shown = self.kernel.detokenize(ids)
+        if shown:
+            self._ids, self._shown = ids, shown
 
     def finish(self) -> str:
         """What is still held back (an incomplete character at the very end)."""
-        text = self.kernel.detokenize(self.ids)
-        new, self.text = text[len(self.text) :], text
+        text = self.kernel.detokenize(self._ids)
+        new, self._shown = text[len(self._shown):], text
+        self.text += new
         return new
