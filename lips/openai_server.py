@@ -187,7 +187,7 @@ class Service:
         streaming = False
         try:
             if not stream:
-                body = await self._watch(request, collect(gen, reply))
+                body = await watch(request.receive, collect(gen, reply))
                 if self.stopping and any(c.finish_reason is None for c in reply.choices):
                     raise shutting_down()
                 return JSONResponse(body)
@@ -195,7 +195,7 @@ class Service:
             # headers, so that a request the kernel refuses (out of KV memory), in any of
             # its prompts or choices, gets its status, not a 200 and an error event.
             deltas = aiter(gen)
-            firsts = await self._watch(request, first_deltas(deltas, len(reply.choices)))
+            firsts = await watch(request.receive, first_deltas(deltas, len(reply.choices)))
             if not firsts:
                 raise shutting_down()
             streaming = True
@@ -209,20 +209,6 @@ class Service:
     async def close(self, gen: Batch) -> None:
         self.open.discard(gen)
         await gen.aclose()
-
-    async def _watch(self, request: Request, work: Awaitable[T]) -> T:
-        """What `work` gives, unless the client disconnects first (ClientGone)."""
-        task = asyncio.ensure_future(work)
-        gone = asyncio.ensure_future(disconnected(request))
-        try:
-            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not task.done():
-                task.cancel()
-        if task not in done:
-            raise ClientGone
-        return task.result()
 
     def stop(self) -> Awaitable[Any]:
         """SIGTERM: refuse new requests from now on and end the running ones: their
@@ -240,11 +226,27 @@ def shutting_down() -> ApiError:
     return ApiError(503, "the server is shutting down", type="overloaded_error")
 
 
-async def disconnected(request: Request) -> None:
+async def disconnected(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
     """Returns when the client has gone (the body is already read: the next message is
     the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def watch(receive: Callable[[], Awaitable[dict[str, Any]]], work: Awaitable[T]) -> T:
+    """What `work` gives, unless the client disconnects first (ClientGone: `work` is
+    cancelled)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(receive))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise ClientGone
+    return task.result()
 
 
 async def collect(gen: Batch, reply: Reply) -> dict[str, Any]:
@@ -298,7 +300,10 @@ async def events(reply: Reply, gen: Batch, deltas: AsyncIterator[Delta], firsts:
 class EventStream(StreamingResponse):
     """A server-sent event stream that runs `on_close` however it ends: also when the
     client goes away before the first event is written (the events' own clean-up would
-    never run then)."""
+    never run then). The client's going is watched for (http.disconnect) all along, not
+    left to the next write failing: a stream may write nothing for long (text held back
+    for a stop string, a slow step), and Starlette's StreamingResponse listens only under
+    an ASGI server older than spec 2.4."""
 
     media_type = "text/event-stream"
 
@@ -308,7 +313,9 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await watch(receive, self.stream_response(send))
+        except (ClientGone, OSError):  # gone (an ASGI 2.4 server's send raises OSError)
+            pass  # nobody reads the rest
         finally:
             await self.on_close()
 

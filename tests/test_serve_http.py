@@ -6,6 +6,7 @@ concurrency) is tests/test_serve_generation.py's.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import select
 import signal
@@ -13,12 +14,15 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx2 as httpx
 import openai
 import pytest
 from daemon import ROOT, SYMPHONY, start_daemon, start_server, wait_for
+
+from lips.openai_server import EventStream
 
 KEY = "test-key"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -463,6 +467,57 @@ def test_a_client_gone_mid_request_has_its_generation_freed(server, model_name, 
         wait_for(lambda: held(k, server)[0] > before[0], what="the request's pages")
     wait_for(lambda: held(k, server) == before, what="the pages freed")
     assert_alive(server, model_name)
+
+
+def generated_tokens(server) -> float:
+    """The server's symphony:generation_tokens_total."""
+    (line,) = [line for line in httpx.get(server.url + "/metrics").text.splitlines()
+               if line.startswith("symphony:generation_tokens_total")]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_client_gone_from_a_silent_stream_has_its_generation_cancelled(server, model_name,
+                                                                         k):
+    """A stream that writes no event (its every token held back as the start of a stop
+    string) still notices its client going: the generation is cancelled long before its
+    max_tokens, not when it ends and its last event cannot be written."""
+    (a,) = k.tokenize("a")
+    longest = k.model_info().context_length - 8
+    before, tokens = held(k, server), generated_tokens(server)
+    body = {"prompt": "x", "max_tokens": longest, "ignore_eos": True, "stream": True,
+            "temperature": 0, "logit_bias": {str(a): 100}, "stop": ["a" * (longest + 1)]}
+    with send_completion(server.url, body):
+        wait_for(lambda: held(k, server)[0] > before[0], what="the request's pages")
+    wait_for(lambda: held(k, server) == before, what="the pages freed")
+    assert generated_tokens(server) - tokens < longest
+    assert_alive(server, model_name)
+
+
+def test_an_event_stream_ends_when_its_client_goes_though_it_writes_nothing():
+    """EventStream listens for http.disconnect itself: Starlette's StreamingResponse, under
+    an ASGI server of spec 2.4, would wait for its next write to fail, which a stream that
+    writes nothing never does (its generation and pages held meanwhile)."""
+    async def silent() -> AsyncIterator[bytes]:
+        await asyncio.Event().wait()  # no event, ever
+        yield b""
+
+    async def gone() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(_message: dict) -> None:
+        pass
+
+    async def main() -> None:
+        closed = asyncio.Event()
+
+        async def on_close() -> None:
+            closed.set()
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}}
+        await asyncio.wait_for(EventStream(silent(), on_close)(scope, gone, send), 30)
+        assert closed.is_set()
+
+    asyncio.run(main())
 
 
 def test_serve_help_is_the_programs():
