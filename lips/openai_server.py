@@ -32,7 +32,7 @@ http://HOST:PORT/v1. The endpoints:
                                  max_model_len}; {tokens} -> {prompt}
 
 Streams are server-sent events ending with `data: [DONE]`. Errors are OpenAI's error
-objects: a bad or unsupported field is a 400 naming it, a prompt past the model's context a
+objects: a bad, unsupported or unknown field is a 400 naming it, a prompt past the model's context a
 400 with the lengths, an unknown model 404, a missing or wrong key 401 (--api-key or
 $SYMPHONY_API_KEY guards /v1/*, /tokenize and /detokenize; /health and /metrics are open;
 checked before the body is read), a body over --max-body-bytes 413, the kernel out of KV
@@ -362,6 +362,9 @@ def install_error_handlers(app: FastAPI) -> None:
                              f"application/json' (the request has {got})")
         elif param is None:  # JSON, but null, an array, a string or a number
             error = ApiError(400, "the body must be a JSON object")
+        elif first.get("type") == "extra_forbidden":  # OpenAI's words for a field it lacks
+            error = ApiError(400, f"Unrecognized request argument supplied: {param}",
+                             param=param)
         else:
             error = bad_field(param, message)
         return JSONResponse(error.body(), status_code=400)

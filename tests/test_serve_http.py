@@ -211,6 +211,20 @@ BAD_CHAT = [
     ({"add_special_tokens": 1}, "add_special_tokens"),
     ({"seed": 2**63}, "seed"),  # pred's seed is a signed 64-bit integer
     ({"seed": "1"}, "seed"),
+    # OpenAI's fields that change nothing here are still type-checked, as OpenAI's
+    ({"user": 5}, "user"),
+    ({"user": {"a": 1}}, "user"),
+    ({"store": "yes"}, "store"),
+    ({"metadata": {"a": 1}}, "metadata.a"),
+    ({"service_tier": 1}, "service_tier"),
+    ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"messages": [{"role": "user", "content": "Hi", "name": 5}]}, "messages[0].name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": 3, "schema": {}}}},
+     "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "strict": "yes"}}},
+     "response_format.json_schema.strict"),
+    ({"verbosity": "low"}, "verbosity"),
 ]
 BAD_COMPLETION = [
     ({"prompt": ""}, "prompt"),
@@ -250,6 +264,7 @@ BAD_COMPLETION = [
     ({"seed": 2**64}, "seed"),  # was folded modulo 2**64: the same text as seed 0
     ({"seed": -(2**63) - 1}, "seed"),
     ({"seed": 1.0}, "seed"),
+    ({"user": 5}, "user"),
 ]
 
 
@@ -278,6 +293,86 @@ def test_a_bad_completion_field_is_400_naming_it(http, server, model_name, field
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
     assert_alive(server, model_name)
+
+
+UNKNOWN = [
+    ("/v1/chat/completions", {"foo_bar": 1}, "foo_bar"),
+    ("/v1/chat/completions", {"foo_bar": None}, "foo_bar"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "foo": 1}]},
+     "messages[0].foo"),
+    ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": True,
+                                                                "foo": 1}},
+     "stream_options.foo"),
+    ("/v1/chat/completions", {"response_format": {"type": "text", "foo": 1}},
+     "response_format.foo"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "x", "foo": 1}}},
+     "response_format.json_schema.foo"),
+    ("/v1/completions", {"foo_bar": 1}, "foo_bar"),
+    ("/v1/completions", {"store": True}, "store"),  # chat's, not the legacy API's
+    ("/tokenize", {"foo_bar": 1}, "foo_bar"),
+]
+BASE = {"/v1/chat/completions": {"messages": MESSAGES, "max_tokens": 2},
+        "/v1/completions": {"prompt": "Hi", "max_tokens": 2}, "/tokenize": {"prompt": "Hi"}}
+
+
+@pytest.mark.parametrize("path,fields,name", UNKNOWN, ids=[f"{p}:{n}" for p, _, n in UNKNOWN])
+def test_an_unknown_field_is_400_as_openai_s(http, path, fields, name):
+    """As OpenAI's server: a field it does not know is refused, never ignored (a client's
+    misspelt or unsupported option would have silently done nothing)."""
+    r = post_json(http, path, {**BASE[path], **fields})
+    assert r.status_code == 400, r.text
+    assert r.json() == {"error": {"message": f"Unrecognized request argument supplied: {name}",
+                                  "type": "invalid_request_error", "param": name,
+                                  "code": None}}
+
+
+def test_openai_s_fields_that_change_nothing_are_taken(server, http, model_name):
+    """user, store, metadata and the like are OpenAI's: declared, so they are type-checked,
+    and taken; the openai client sends them as its own arguments."""
+    r = server.client.chat.completions.create(
+        model=model_name, max_tokens=2, user="u-1", store=False, metadata={"k": "v"},
+        service_tier="auto", parallel_tool_calls=True,
+        messages=[{"role": "system", "content": "Be brief.", "name": "rules"},
+                  {"role": "user", "content": "Hi", "name": "ann"},
+                  {"role": "assistant", "content": None, "refusal": "no"},
+                  {"role": "user", "content": "Hi"}])
+    assert r.choices[0].message.role == "assistant"
+    r = post_json(http, "/v1/chat/completions", {
+        "messages": MESSAGES, "max_tokens": 2, "prompt_cache_key": "k",
+        "safety_identifier": "s", "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "thing", "description": "a thing", "strict": True,
+            "schema": {"type": "object"}}}})
+    assert r.status_code == 200, r.text
+    r = server.client.completions.create(model=model_name, prompt="Hi", max_tokens=2,
+                                         user="u-1")
+    assert len(r.choices) == 1
+
+
+def test_lm_eval_s_payloads_are_taken(http, model_name):
+    """What lm-eval's local-completions and local-chat-completions send, built by lm-eval
+    itself from a generate_until task's generation_kwargs (it pops until, do_sample and
+    max_gen_toks into OpenAI's fields) and for a log-likelihood."""
+    from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
+
+    def task_kwargs() -> dict:
+        return {"until": ["\n\n"], "max_gen_toks": 4, "do_sample": False, "temperature": 0}
+
+    completions = object.__new__(LocalCompletionsAPI)
+    completions.model, completions._max_gen_toks = model_name, 4
+    chat = object.__new__(LocalChatCompletion)
+    chat.model, chat._max_gen_toks = model_name, 4
+    for path, payload in [
+        ("/v1/completions", completions._create_payload(
+            "Hi", generate=True, gen_kwargs=task_kwargs(), eos="</s>")),
+        ("/v1/completions", completions._create_payload([[1, 2, 3]], generate=False)),
+        ("/v1/chat/completions", chat._create_payload(
+            MESSAGES, generate=True, gen_kwargs=task_kwargs(), eos="</s>")),
+    ]:
+        r = post_json(http, path, payload)
+        assert r.status_code == 200, (payload, r.text)
 
 
 def test_numbers_as_clients_send_them_are_taken(http, model_name):
@@ -383,10 +478,10 @@ def test_a_prompt_past_the_context_is_400_with_the_lengths(server, model_name, k
     assert_alive(server, model_name)
 
 
-def test_chat_completion_shape_unknown_fields_ignored_null_is_default(server, model_name):
+def test_chat_completion_shape_null_is_default(server, model_name):
     r = server.client.chat.completions.create(
         model=model_name, messages=MESSAGES, max_completion_tokens=3, temperature=0,
-        extra_body={"no_such_field": 1, "n": None, "top_p": None, "stop": None})
+        extra_body={"n": None, "top_p": None, "stop": None})
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
     assert r.model == model_name and r.created > 0
     (choice,) = r.choices
@@ -598,10 +693,12 @@ def nested(depth: int) -> list:
 
 def test_a_deeply_nested_field_is_no_500(http, model_name):
     """JSON nested 600 deep (the parser takes up to about 1000) in a field the server
-    ignores: the check of its strings walked it by recursion and failed with a 500."""
+    does not know: the check of its strings, before any field's, walked it by recursion
+    and failed with a 500."""
     r = post_json(http, "/v1/completions", {"model": model_name, "prompt": "Hi",
                                            "max_tokens": 1, "x": nested(600)})
-    assert r.status_code == 200, r.text
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "x"
 
 
 def test_a_schema_past_llguidance_s_parser_limits_is_a_400(http, model_name):

@@ -1,10 +1,12 @@
 """OpenAI's HTTP protocol: the request bodies (parsed and checked), and the response, chunk
 and error shapes.
 
-A field the server does not know is ignored, as OpenAI's own SDK types allow; a field it
-knows but does not implement (tools, suffix, audio...) is a 400 naming it, never ignored
-silently. Nothing here talks to the kernel: the program (lips/openai_server.py) tokenizes
-and hands the checked request to the Generator as GenParams.
+A field the server does not know is a 400 naming it, as OpenAI's server answers
+("Unrecognized request argument supplied: NAME"); a field of OpenAI's that changes nothing
+here (user, store, metadata...) is declared with its type and taken; a field it knows but
+does not implement (tools, suffix, audio...) is a 400 naming it, never ignored silently.
+Nothing here talks to the kernel: the program (lips/openai_server.py) tokenizes and hands
+the checked request to the Generator as GenParams.
 """
 
 from __future__ import annotations
@@ -54,13 +56,14 @@ def _unencodable(value: Any) -> str | None:
 
 
 class Body(BaseModel):
-    """A request body: unknown fields ignored, a null field taken as left out (clients send
-    null for "the default"), and text that is not valid Unicode a 400 naming its field.
-    Types are strict, as OpenAI's: a value of another JSON type is a 400 naming its field
-    (pydantic's lax mode took "3" and true as the integers 3 and 1, 2.0 as 2, "yes" as
-    true), but for a JSON integer where a number is expected (temperature: 1)."""
+    """A request body: an unknown field a 400 (extra_forbidden, which the server words as
+    OpenAI's), a known field's null taken as left out (clients send null for "the
+    default"), and text that is not valid Unicode a 400 naming its field. Types are strict,
+    as OpenAI's: a value of another JSON type is a 400 naming its field (pydantic's lax
+    mode took "3" and true as the integers 3 and 1, 2.0 as 2, "yes" as true), but for a
+    JSON integer where a number is expected (temperature: 1)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -68,12 +71,14 @@ class Body(BaseModel):
         if (bad := _unencodable(data)) is not None:
             raise bad_field(bad, "not valid Unicode text (a lone surrogate)")
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
+            known = {f.alias or name for name, f in cls.model_fields.items()}
+            return {k: v for k, v in data.items() if v is not None or k not in known}
         return data
 
 
 class StreamOptions(Body):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding of chunks: none here
 
 
 class SamplingRequest(Body):
@@ -95,6 +100,7 @@ class SamplingRequest(Body):
     ignore_eos: bool = False  # vLLM extra
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    user: str | None = None  # OpenAI's end-user id: changes nothing here
 
     @field_validator("stop")
     @classmethod
@@ -212,6 +218,8 @@ class CompletionRequest(SamplingRequest):
 class Message(Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: Any = None  # a string or a list of text parts (Any: errors name the field)
+    name: str | None = None  # a participant's name: not given to the chat template
+    refusal: str | None = None  # an assistant's refusal, as OpenAI's: changes nothing here
     tool_calls: Any = None
     function_call: Any = None
 
@@ -254,10 +262,13 @@ def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
 
 
 class JsonSchema(Body):
-    """response_format.json_schema: its name and `strict` change nothing here (the output
-    always conforms)."""
+    """response_format.json_schema: its name, description and `strict` change nothing here
+    (the output always conforms)."""
 
     schema_: Any = Field(True, alias="schema")  # none given: any JSON value
+    name: str | None = None
+    description: str | None = None
+    strict: bool | None = None
 
 
 class ResponseFormat(Body):
@@ -296,12 +307,20 @@ class ChatRequest(SamplingRequest):
     modalities: Any = None
     prediction: Any = None
     reasoning_effort: Any = None
+    verbosity: Any = None
     web_search_options: Any = None
+    # OpenAI's fields that change nothing here, type-checked and taken
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def check(self, vocab_size: int) -> None:
         super().check(vocab_size)
         for name in ("tools", "functions", "function_call", "audio", "prediction",
-                     "reasoning_effort", "web_search_options"):
+                     "reasoning_effort", "verbosity", "web_search_options"):
             if getattr(self, name) not in (None, []):  # an empty list of tools asks nothing
                 raise bad_field(name, "not supported by this server")
         if self.tool_choice not in (None, "none"):
