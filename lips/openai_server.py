@@ -32,11 +32,11 @@ http://HOST:PORT/v1. The endpoints:
                                  max_model_len}; {tokens} -> {prompt}
 
 Streams are server-sent events ending with `data: [DONE]`. Errors are OpenAI's error
-objects: a bad, unsupported or unknown field is a 400 naming it, a prompt past the model's context a
-400 with the lengths, an unknown model 404, a missing or wrong key 401 (--api-key or
-$SYMPHONY_API_KEY guards /v1/*, /tokenize and /detokenize; /health and /metrics are open;
-checked before the body is read), a body over --max-body-bytes 413, the kernel out of KV
-memory 503.
+objects: a bad, unsupported or unknown field is a 400 naming it, a prompt past the model's
+context a 400 with the lengths, an unknown model 404, a missing or wrong key 401 (--api-key
+or $SYMPHONY_API_KEY guards /v1/*, /tokenize and /detokenize; /health and /metrics are
+open; checked before the body is read), a body over --max-body-bytes 413, the kernel out of
+KV memory 503.
 
 The engine's usual features are this program's logic over the syscalls: each request is a
 process's KV files (lips/serving/generation.py), stop strings and n are decided here, and
