@@ -22,8 +22,9 @@ Prints the output: the generated tokens' bytes, exactly what the grammar matched
 prints {"prompt_ids", "output_ids", "text", "complete", "preds", "matcher_us", "pred_us"}
 (the last two: the LIP's time per output token in the grammar engine and in pred).
 Exit status: 0 when the output conforms; 2 for bad flags, a bad schema or regular
-expression; 3 when --max-new-tokens ran out before the output conformed (what there was is
-printed, and the reason on stderr); 1 for other errors (a kernel error, no kernel).
+expression (one that matches no string too); 3 when --max-new-tokens ran out, or the grammar
+allowed no next token, before the output conformed (what there was is printed, and the
+reason on stderr); 1 for other errors (a kernel error, no kernel).
 """
 
 from __future__ import annotations
@@ -88,9 +89,32 @@ def schema_grammar(schema: Any) -> str:
     return _checked(grammar, "schema")
 
 
+@lru_cache(maxsize=1)
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    """The 256 bytes and an EOS: a vocabulary that can spell any output, to ask a grammar
+    before the model's vocabulary is known whether it allows any output at all."""
+    class Vocab:  # what llguidance.TokenizerWrapper reads
+        tokens = [bytes([b]) for b in range(256)] + [b"</s>"]
+        eos_token_id = 256
+        bos_token_id = None
+        special_token_ids = [256]
+
+        def __call__(self, text: str) -> list[int]:
+            return list(text.encode())
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocab()), n_vocab=257,
+                                  eos_token=[256])
+
+
 def regex_grammar(regex: str) -> str:
-    """llguidance's grammar for a regular expression matching the whole output."""
-    return _checked(llguidance.LLMatcher.grammar_from_regex(regex), "regex")
+    """llguidance's grammar for a regular expression matching the whole output;
+    GrammarError if bad, or if it matches no string (llguidance compiles those)."""
+    grammar = _checked(llguidance.LLMatcher.grammar_from_regex(regex), "regex")
+    m = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    mask = m.compute_bitmask()  # a dead grammar shows as an error only after this
+    if m.is_error() or not m.is_accepting() and not any(mask):
+        raise GrammarError("bad regex: it matches no string")
+    return grammar
 
 
 def schema_arg(value: str) -> str:
@@ -205,6 +229,10 @@ def decode(ctx: Context, m: llguidance.LLMatcher, max_new_tokens: int,
                 out.matcher_s += clock() - t0
                 break
         mask = m.compute_bitmask()  # llguidance's packed int32 words: pred's layout
+        # A dead end (llguidance then allows only EOS, as an error): the output cannot conform.
+        if m.is_error() or not any(mask):
+            out.matcher_s += clock() - t0
+            break
         t1 = clock()
         step = ctx.step(control=LogitControl(allowed=mask),
                         **{**sampling, "seed": None if seed is None else seed + out.preds})
@@ -213,14 +241,13 @@ def decode(ctx: Context, m: llguidance.LLMatcher, max_new_tokens: int,
         out.pred_s += t2 - t1
         out.preds += 1
         if step.token in eos_ids:  # allowed only where the grammar may end
-            out.complete = True
-            return out
+            break
         if not m.consume_token(step.token):
             raise ValueError(f"the grammar refused token {step.token}, which its mask "
                              f"allowed: {m.get_error()}")
         out.tokens.append(step.token)
         out.matcher_s += clock() - t2
-    out.complete = m.is_accepting()
+    out.complete = m.is_accepting() and not m.is_error()
     return out
 
 
@@ -244,8 +271,9 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
     else:
         print(text)
     if not out.complete:
-        print(f"{PROG}: incomplete: --max-new-tokens {args.max_new_tokens} ran out before "
-              f"the output conformed", file=sys.stderr)
+        why = (f"--max-new-tokens {args.max_new_tokens} ran out" if len(out.tokens)
+               == args.max_new_tokens else "the grammar allowed no next token")
+        print(f"{PROG}: incomplete: {why} before the output conformed", file=sys.stderr)
         return INCOMPLETE
     return 0
 

@@ -18,6 +18,7 @@ import sys
 import threading
 from typing import Any
 
+import llguidance
 import pytest
 from daemon import ROOT
 
@@ -316,9 +317,25 @@ def test_running_out_of_tokens_says_incomplete(daemon, capsys, monkeypatch):
     assert re.fullmatch("[a-z]+\n", out)
 
 
+@pytest.mark.parametrize("regex", [r"[^\s\S]", r"abc[^\s\S]", r"a[^\s\S]|b[^\s\S]"])
+def test_a_grammar_that_allows_nothing_is_never_complete(k, regex):
+    """A grammar past the flag's check that allows no token (not even EOS) is a dead end:
+    the output is incomplete, never reported as conforming."""
+    info = k.model_info()
+    tokenizer = constrained.grammar_tokenizer(k.vocab(), info)
+    m = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_regex(regex),
+                             log_level=0)
+    with Context(k, stop=info.eos_ids) as ctx:
+        ctx.fill(PROMPT)
+        out = constrained.decode(ctx, m, 8, {"temperature": 0.0}, info.eos_ids)
+    assert not out.complete and out.tokens == []
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--regex", "a(b"], "argument --regex: bad regex"),
     (["--regex", r"\bword"], "argument --regex: bad regex"),
+    (["--regex", r"[^\s\S]"], "argument --regex: bad regex: it matches no string"),
+    (["--regex", r"abc[^\s\S]"], "argument --regex: bad regex: it matches no string"),
     (["--schema", '{"type": "foo"}'], "argument --schema: bad schema: Invalid type: foo"),
     (["--schema", '{"type": "integer", "minimum": 5, "maximum": 2}'], "Unsatisfiable"),
     (["--schema", '{"type": '], "argument --schema: not JSON"),
