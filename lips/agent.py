@@ -57,6 +57,7 @@ from syscalls.flags import (
     kv_path,
     lip_main,
     sampling_kwargs,
+    text_file,
 )
 
 TOOLS = ("python", "lookup", "finish")
@@ -94,9 +95,9 @@ class Turn:
 def read_script(path: str) -> list[Action]:
     """The actions of a --script file; ValueError names the line that is wrong."""
     try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"--script {path}: {e.strerror}") from e
+        lines = text_file(path).splitlines()
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--script {e}") from e
     actions = []
     for n, line in enumerate(lines, 1):
         if not line.strip():

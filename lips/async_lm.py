@@ -56,7 +56,6 @@ import textwrap
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from syscalls.aio import AsyncKernel
@@ -67,6 +66,7 @@ from syscalls.flags import (
     alip_main,
     kv_path,
     sampling_kwargs,
+    text_file,
 )
 
 CALL, HEAD, END = b"[CALL]", b"[HEAD]", b"[END]"
@@ -313,9 +313,7 @@ class Task:
 def script_file(path: str) -> list[Forced]:
     """--script FILE: a JSON list of {"after": N, "text": TEXT}."""
     try:
-        entries = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"{path}: {e.strerror}") from e
+        entries = json.loads(text_file(path))
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"{path}: not JSON: {e}") from e
     if not isinstance(entries, list):

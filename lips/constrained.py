@@ -36,7 +36,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import llguidance
@@ -51,6 +50,7 @@ from syscalls.flags import (
     prompt_of,
     report,
     sampling_kwargs,
+    text_file,
 )
 
 PROG = "constrained"
@@ -121,9 +121,7 @@ def schema_arg(value: str) -> str:
     """--schema: the schema itself when it starts with "{", else a file holding it."""
     inline = value.lstrip().startswith("{")
     try:
-        return schema_grammar(json.loads(value if inline else Path(value).read_text()))
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"{value}: {e.strerror}") from e
+        return schema_grammar(json.loads(value if inline else text_file(value)))
     except json.JSONDecodeError as e:
         where = "" if inline else f"{value}: "
         raise argparse.ArgumentTypeError(f"{where}not JSON ({e})") from e

@@ -107,10 +107,16 @@ def text_arg(value: str) -> str:
 
 
 def text_file(path: str) -> str:
+    """An argparse type: the UTF-8 text of the file at `path`; a file that cannot be read,
+    or is not UTF-8, is the flag's usage error naming the file and why."""
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise argparse.ArgumentTypeError(f"{path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
+        ) from e
 
 
 def add_text_flags(p: argparse._ActionsContainer, flag: str, what: str, **kw: Any) -> None:
