@@ -128,7 +128,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     argv = [sys.executable, prog, *args.args] if prog.endswith(".py") else [prog, *args.args]
     env = {**os.environ, "SYMPHONY_SOCKET": str(sock.resolve())}
     try:
-        child = subprocess.Popen(argv, env=env)
+        # A shell hands its fds on (`--prompt-file <(...)` is /dev/fd/N): so does run.
+        child = subprocess.Popen(argv, env=env, close_fds=False)
     except OSError as e:
         print(f"symphony: {prog}: {e.strerror}", file=sys.stderr)
         return 127

@@ -1,6 +1,11 @@
 """The `symphony` command's own checks of its flags (no kernel is started)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
+from daemon import ROOT
 
 from symphony.cli import build_parser
 
@@ -46,3 +51,22 @@ def test_the_kernels_pools_and_quota_are_refused_below_their_least(capsys, comma
         with pytest.raises(SystemExit) as e:
             parser.parse_args([command, flag, bad])
         assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_run_hands_the_program_its_inherited_file_descriptors(tmp_path):
+    """`symphony run P --prompt-file <(...)` as `python P` takes it: a descriptor the shell
+    opened (here a pipe's read end, as /dev/fd/N) is open in the program too."""
+    program = tmp_path / "cat.py"
+    program.write_text("import sys\nprint(open(sys.argv[1]).read(), end='')\n")
+    r, w = os.pipe()
+    try:
+        os.write(w, b"hi\n")
+        os.close(w)
+        done = subprocess.run(
+            [sys.executable, "-m", "symphony.cli", "run", "--socket",
+             str(tmp_path / "none.sock"), str(program), f"/dev/fd/{r}"],
+            pass_fds=(r,), capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )
+    finally:
+        os.close(r)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "hi\n", "")
