@@ -299,7 +299,11 @@ class Scheduler:
         job.state = JobState.FAILED
         self._leave(job)
         if not job.future.done():
-            job.future.set_exception(err)
+            # A syscall's error goes to its caller without its traceback, whose frames (the
+            # job, its tokens) would make a cycle with the future only a collection frees:
+            # refused preds of millions of tokens held gigabytes.
+            job.future.set_exception(err.with_traceback(None) if isinstance(err, OSError)
+                                     else err)
 
     def uses(self, handle: Handle) -> bool:
         return any(j.handle is handle for j in self.queue)
@@ -523,11 +527,17 @@ class Scheduler:
             if positions is None:  # read now: earlier preds on the file have committed
                 kept = inode.length if cut is None else cut
                 last = inode.positions[kept - 1] if kept else -1
+                # The highest before the list: a pred past the context may be millions long.
+                top = last + 1 + (max(spec.depths) if spec.depths is not None
+                                  else len(spec.tokens) - 1)
+            else:
+                top = max(positions)
+            if top >= self.context:
+                raise FSError(errno.EOVERFLOW, f"pred: position {top} is past "
+                              f"the model's context ({self.context})")
+            if positions is None:
                 positions = ([last + 1 + d for d in spec.depths] if spec.depths is not None
                              else list(range(last + 1, last + 1 + len(spec.tokens))))
-            if max(positions) >= self.context:
-                raise FSError(errno.EOVERFLOW, f"pred: position {max(positions)} is past "
-                              f"the model's context ({self.context})")
             # Guesses give way to preds: a guess never costs a pred its pages.
             res = self.relief.reserve(handle, len(spec.tokens), cut=cut, others=others,
                                       give_way=lambda: self.ahead.drop_all(self.running),

@@ -10,8 +10,10 @@ import asyncio
 import dataclasses
 import errno
 import functools
+import gc
 import os
 import time
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -861,6 +863,28 @@ async def test_a_truncate_past_the_file_at_admission_fails_with_einval_and_chang
 
 
 @in_loop
+async def test_a_pred_past_the_context_fails_and_is_freed_without_a_collection():
+    """Its error goes without the traceback whose frames held the job (and its tokens): a
+    cycle with the future that only the collector freed (refused preds of millions of
+    tokens kept gigabytes)."""
+    w = World()
+    p, f = w.process()
+    failed = w.pred(p, f, [5] * (CONTEXT + 1))
+    (job,) = w.sched.queue
+    gone = weakref.ref(job)
+    del job
+    gc.disable()
+    try:
+        assert w.sched.schedule() is None
+        assert gone() is None
+    finally:
+        gc.enable()
+    err = failed.exception()
+    assert err.errno == errno.EOVERFLOW and f"position {CONTEXT}" in str(err)
+    assert f.inode.length == 0 and p.pending == 0
+
+
+@in_loop
 async def test_score_next_scores_each_row_s_next_token_and_splits_it_out():
     w = World()
     p, f = w.process()
@@ -1120,6 +1144,8 @@ async def test_a_pred_s_spec_is_what_submit_pred_built_frozen_and_its_progress_i
     ({"controls": [pb.LogitControl(score_ids=[1])] * 2}, "2 controls for 1 output rows"),
     ({"outputs": [0, 1], "controls": [pb.LogitControl(), pb.LogitControl(score_ids=[VOCAB])]},
      "controls[1]: score_ids: token 320"),
+    ({"outputs": [1, 2]}, "pred: output row 2 is not a row of 2 tokens"),
+    ({"outputs": [1, 0, 1]}, "pred: output row 1 is given more than once"),
 ])
 @in_loop
 async def test_a_bad_control_only_a_raw_request_can_send_is_einval_and_queues_nothing(fields,
@@ -1130,6 +1156,18 @@ async def test_a_bad_control_only_a_raw_request_can_send_is_einval_and_queues_no
         w.submit(p, f, [1, 2], **fields)
     assert e.value.errno == errno.EINVAL and words in str(e.value)
     assert w.sched.queue == [] and p.pending == 0 and w.sched.schedule() is None
+
+
+@in_loop
+async def test_an_error_about_a_million_output_rows_names_one():
+    """The message named every row given: with millions, the reply passed 64 MiB and the
+    caller's session died without its EINVAL."""
+    w = World()
+    p, f = w.process()
+    with pytest.raises(OSError) as e:
+        w.submit(p, f, [1, 2], outputs=[0, *range(2, 1_000_000)])
+    assert e.value.errno == errno.EINVAL and len(str(e.value)) < 100
+    assert "output row 2 is not a row of 2 tokens" in str(e.value)
 
 
 # -- pipelined steps: the next planned while one is in flight -----------------------------
