@@ -68,12 +68,20 @@ def parser(message_type):
     return parse
 
 
+# The longest error message a reply carries: a message that quoted a caller's input whole
+# could pass a reply's 64 MiB, and the caller would get no reply at all.
+MESSAGE_MAX = 4096
+
+
 def error_reply(reply_type, e: BaseException):
     if isinstance(e, OSError) and e.errno:
-        message = getattr(e, "message", None) or e.strerror or str(e)
-        return reply_type(error=pb.Error(errno=e.errno, message=message))
-    log.exception("syscall failed", exc_info=e)
-    return reply_type(error=pb.Error(errno=errno.EIO, message=f"kernel error: {e!r}"))
+        code, message = e.errno, getattr(e, "message", None) or e.strerror or str(e)
+    else:
+        log.exception("syscall failed", exc_info=e)
+        code, message = errno.EIO, f"kernel error: {e!r}"
+    if len(message) > MESSAGE_MAX:
+        message = f"{message[:MESSAGE_MAX]}... (cut: {len(message)} characters)"
+    return reply_type(error=pb.Error(errno=code, message=message))
 
 
 AS_FORM = re.compile(r"(-?[0-9]{1,20}):(-?[0-9]{1,20})")  # longer is no id either

@@ -8,6 +8,7 @@ Checks come first, so a failed call changes nothing.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import errno
 import functools
@@ -333,9 +334,12 @@ def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> as
         rows = []
     elif req.outputs:
         rows = req.outputs[:]
-        if min(rows) < 0 or max(rows) >= len(tokens) or len(set(rows)) != len(rows):
-            raise einval(f"pred: output rows {rows} are not distinct rows of {len(tokens)} "
-                         "tokens")
+        if min(rows) < 0 or max(rows) >= len(tokens):
+            bad = next(r for r in rows if not 0 <= r < len(tokens))
+            raise einval(f"pred: output row {bad} is not a row of {len(tokens)} tokens")
+        if len(set(rows)) != len(rows):
+            twice = next(r for r, n in collections.Counter(rows).items() if n > 1)
+            raise einval(f"pred: output row {twice} is given more than once")
     else:
         rows = [len(tokens) - 1]
     params = _sampling(req, vocab)

@@ -14,7 +14,8 @@ import time
 import pytest
 from daemon import ROOT, prompt
 
-from symphony.server import as_cred
+from kvfs.errors import FSError
+from symphony.server import MESSAGE_MAX, as_cred, error_reply
 from symphony.syscall_table import pred_reply_bytes
 from syscalls import symphony_pb2 as pb
 from syscalls import wire
@@ -85,6 +86,15 @@ def test_a_process_whose_uid_the_protocol_cannot_carry_is_refused_at_hello(daemo
 
 
 # -- pred ---------------------------------------------------------------------------------
+
+
+def test_an_error_message_is_cut_to_message_max():
+    """Whatever an error quotes, its reply stays small enough to be sent."""
+    long = error_reply(pb.PredReply, FSError(errno.EINVAL, "x" * 10_000_000))
+    assert long.error.errno == errno.EINVAL and len(long.error.message) < MESSAGE_MAX + 64
+    assert long.error.message.endswith("... (cut: 10000000 characters)")
+    short = error_reply(pb.PredReply, FSError(errno.ENOENT, "'/home/a'"))
+    assert short.error.message == "'/home/a'"
 
 
 def test_the_reply_bound_holds_for_the_longest_values():
