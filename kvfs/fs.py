@@ -201,13 +201,15 @@ class FileSystem:
         d = parent.entries.get(name)
         if d is None:
             raise enoent(repr(path))
+        # Permission first, as Linux's may_delete: ENOTEMPTY to a caller who may not remove
+        # the directory would tell what it holds though it may not be read.
+        self._writable_dir(cred, parent, path)
+        check_sticky(cred, parent, d, repr(path))
         if not d.is_dir:
             raise FSError(errno.ENOTDIR, repr(path))
         self._not_skeleton(d, path)  # full or empty, as rmdir of a mount point is
         if d.entries:
             raise FSError(errno.ENOTEMPTY, repr(path))
-        self._writable_dir(cred, parent, path)
-        check_sticky(cred, parent, d, repr(path))
         del parent.entries[name]
         parent.nlink -= 1
         parent.touch()
@@ -299,10 +301,10 @@ class FileSystem:
         inode = parent.entries.get(name)
         if inode is None:
             raise enoent(repr(path))
+        self._writable_dir(cred, parent, path)  # first, as rmdir
+        check_sticky(cred, parent, inode, repr(path))
         if inode.is_dir:
             raise FSError(errno.EISDIR, repr(path))
-        self._writable_dir(cred, parent, path)
-        check_sticky(cred, parent, inode, repr(path))
         del parent.entries[name]
         parent.touch()
         inode.nlink -= 1

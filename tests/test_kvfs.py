@@ -227,6 +227,25 @@ def test_search_permission_on_directories(fs):
     raises(errno.EACCES, fs.unlink, BOB, "/home/alice/private/f")
 
 
+def test_removing_in_a_directory_one_may_not_write_is_eacces_whatever_is_there(fs):
+    """Permission before the entry's kind or contents, as Linux's may_delete: ENOTEMPTY
+    told whether a directory one may not read holds anything."""
+    fs.chmod(ALICE, "/home/alice", 0o755)
+    fs.mkdir(ALICE, "/home/alice/full", 0o700)
+    fs.close(fs.open(ALICE, "/home/alice/full/f", RW_CREAT))
+    fs.mkdir(ALICE, "/home/alice/empty", 0o700)
+    fs.close(fs.open(ALICE, "/home/alice/f", RW_CREAT))
+    before = snapshot(fs)
+    for path in ("/home/alice/full", "/home/alice/empty", "/home/alice/f"):
+        raises(errno.EACCES, fs.rmdir, BOB, path)
+    for path in ("/home/alice/full", "/home/alice/f"):
+        raises(errno.EACCES, fs.unlink, BOB, path)
+    assert snapshot(fs) == before
+    raises(errno.ENOTEMPTY, fs.rmdir, ALICE, "/home/alice/full")
+    raises(errno.ENOTDIR, fs.rmdir, ALICE, "/home/alice/f")
+    raises(errno.EISDIR, fs.unlink, ALICE, "/home/alice/empty")
+
+
 def test_sticky_tmp(fs):
     fs.close(fs.open(ALICE, "/tmp/a", RW_CREAT, 0o666))
     raises(errno.EPERM, fs.unlink, BOB, "/tmp/a")
