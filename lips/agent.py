@@ -54,6 +54,7 @@ from syscalls.flags import (
     add_sampling_flags,
     add_text_flags,
     at_least_one,
+    check_context,
     kv_path,
     lip_main,
     sampling_kwargs,
@@ -169,11 +170,6 @@ class Agent:
         self.generated_tokens = 0  # of the thoughts kept
         self.forced_tokens = 0
 
-    def tokenize(self, text: str, first: bool = False) -> list[int]:
-        ids = self.k.tokenize(text, add_special=first)
-        self.forced_tokens += len(ids)
-        return ids
-
     def think(self, ctx: Context, seed: int | None) -> Thought:
         """Sample one thought: up to a newline (scripted) or a whole action line (free)."""
         tokens: list[int] = []
@@ -218,14 +214,25 @@ class Agent:
             print(text, end="", flush=True)
 
     def run(self) -> tuple[list[Turn], str | None]:
+        """The turns and the answer (None: no finish). A question too long for the model's
+        context is a usage error; the run stops before a turn or an observation that would
+        pass it, saying so on stderr."""
         question = self.args.question.strip()
-        self.append(self.tokenize(f"{PREAMBLE}Question: {question}\nThought:", first=True))
-        self.show(f"Question: {question}\nThought:")
+        ids = self.k.tokenize(f"{PREAMBLE}Question: {question}\nThought:", add_special=True)
+        check_context(ids, self.args.max_new_tokens, self.info.context_length)
+        self.forced_tokens += len(ids)
+        self.append(ids)
+        self.show(f"Question: {question}\n")
         turns: list[Turn] = []
         for turn in range(self.args.max_turns):
             if self.script is not None and turn == len(self.script):
                 break
             context = self.length()
+            if context + self.args.max_new_tokens > self.info.context_length:
+                self.full(len(turns), "a thought of --max-new-tokens "
+                          f"{self.args.max_new_tokens}")
+                break
+            self.show("Thought:")  # the cue is in the conversation; shown where one follows
             thought, tries = self.decide(turn)
             self.generated_tokens += len(thought.tokens)
             self.show(thought.text)
@@ -238,19 +245,34 @@ class Agent:
                 observation = "no action: write Action: python[code], lookup[path] or " \
                               "finish[answer]"
             elif action.tool == "finish":
-                self.append(self.tokenize(forced))
-                self.show(forced)
                 turns.append(Turn(context, thought.text, action.tool, action.input,
                                   tries=tries))
+                self.force(forced, len(turns))
                 return turns, action.input
             else:
                 observation = self.tools.run(action)
-            forced += f"Observation: {observation}\nThought:"
-            self.append(self.tokenize(forced))
-            self.show(forced)
             turns.append(Turn(context, thought.text, action.tool, action.input, observation,
                               tries))
+            if not self.force(f"{forced}Observation: {observation}\nThought:", len(turns)):
+                break
         return turns, None
+
+    def force(self, text: str, turns: int) -> bool:
+        """Append text the program writes, and show it (but a closing "Thought:" cue);
+        False, with nothing appended, where it would pass the model's context."""
+        ids = self.k.tokenize(text)
+        if self.length() + len(ids) > self.info.context_length:
+            self.full(turns, f"the next {len(ids)} tokens of forced text")
+            return False
+        self.forced_tokens += len(ids)
+        self.append(ids)
+        self.show(text.removesuffix("Thought:"))
+        return True
+
+    def full(self, turns: int, what: str) -> None:
+        print(f"agent: stopped after {turns} turns: the conversation's {self.length()} tokens "
+              f"and {what} would pass the model's context of {self.info.context_length} "
+              f"positions", file=sys.stderr)
 
 
 class KeptAgent(Agent):

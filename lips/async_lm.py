@@ -64,6 +64,7 @@ from syscalls.flags import (
     add_prompt_flags,
     add_sampling_flags,
     alip_main,
+    aprompt_of,
     kv_path,
     sampling_kwargs,
     text_file,
@@ -377,10 +378,7 @@ async def run(k: AsyncKernel, args: argparse.Namespace) -> int:
     info = await k.model_info()
     if not info.has_tokenizer:
         raise ValueError("the model has no tokenizer, and the call protocol is text")
-    prompt = args.prompt_ids if args.prompt is None else await k.tokenize(args.prompt,
-                                                                          add_special=True)
-    if not prompt:
-        raise ValueError("empty prompt")
+    prompt = await aprompt_of(k, args)
     vocab = await k.vocab()
     script = [(f.after, await k.tokenize(f.text)) for f in args.script]
     tools = Tools(args.timeout, args.allow, args.tools, args.max_result_chars)

@@ -30,7 +30,14 @@ from dataclasses import dataclass
 
 from syscalls.aio import AsyncFile, AsyncKernel
 from syscalls.convert import proc_fields
-from syscalls.flags import add_prompt_flags, alip_main, at_least_one, check_flags
+from syscalls.flags import (
+    add_prompt_flags,
+    alip_main,
+    aprompt_of,
+    at_least_one,
+    check_context,
+    check_flags,
+)
 
 
 @dataclass
@@ -144,10 +151,8 @@ async def _file(parent: AsyncFile, take: bool) -> AsyncFile:
 async def run(k: AsyncKernel, args: argparse.Namespace) -> int:
     info = await k.model_info()
     check_flags(args, info.has_tokenizer)
-    prompt = args.prompt_ids if args.prompt is None else await k.tokenize(
-        args.prompt, add_special=True)
-    if not prompt:
-        raise ValueError("empty prompt")
+    prompt = await aprompt_of(k, args)
+    check_context(prompt, args.max_new_tokens, info.context_length)
     stats: dict[str, int] = {}
     hyps = await search(k, prompt, args.width, args.max_new_tokens, info.eos_ids, stats)
     for h in hyps:

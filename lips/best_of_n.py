@@ -23,6 +23,8 @@ from syscalls.flags import (
     add_prompt_flags,
     add_sampling_flags,
     alip_main,
+    aprompt_of,
+    check_context,
     check_flags,
     number,
     sampling_kwargs,
@@ -64,12 +66,8 @@ async def decode(branch: AsyncContext, max_new_tokens: int, sampling: dict) -> C
 async def run(k: AsyncKernel, args: argparse.Namespace) -> int:
     info = await k.model_info()
     check_flags(args, info.has_tokenizer)
-    if args.prompt is None:
-        prompt = args.prompt_ids
-    else:
-        prompt = await k.tokenize(args.prompt, add_special=True)
-    if not prompt:
-        raise ValueError("empty prompt")
+    prompt = await aprompt_of(k, args)
+    check_context(prompt, args.max_new_tokens, info.context_length)
     sampling = sampling_kwargs(args)
     async with await AsyncContext.create(k, stop=info.eos_ids) as root:
         await root.fill(prompt)

@@ -40,6 +40,7 @@ from syscalls.flags import (
     add_prompt_flags,
     add_sampling_flags,
     at_least_one,
+    check_context,
     lip_main,
     prompt_of,
     sampling_kwargs,
@@ -259,6 +260,7 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
     if args.prompt is not None and not info.has_tokenizer:
         raise ValueError("the model has no tokenizer; use --prompt-ids")
     prompt = prompt_of(k, args)
+    check_context(prompt, args.max_new_tokens, info.context_length)
     bad = next((t for t in prompt if not 0 <= t < info.vocab_size), None)
     if bad is not None:
         raise ValueError(f"--prompt-ids: token {bad} is outside [0, {info.vocab_size})")

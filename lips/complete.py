@@ -21,6 +21,7 @@ from syscalls.context import Context, TextStream
 from syscalls.flags import (
     add_prompt_flags,
     add_sampling_flags,
+    check_context,
     check_flags,
     lip_main,
     prompt_of,
@@ -40,6 +41,7 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
     info = k.model_info()
     check_flags(args, info.has_tokenizer)
     prompt = prompt_of(k, args)
+    check_context(prompt, args.max_new_tokens, info.context_length)
     stream = None
     if info.has_tokenizer and not args.json:
         stream = TextStream(k)

@@ -46,6 +46,7 @@ from syscalls.convert import LogitControl, ModelInfo, Vocabulary
 from syscalls.flags import (
     add_prompt_flags,
     add_sampling_flags,
+    check_context,
     check_flags,
     prompt_of,
     report,
@@ -253,6 +254,7 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
     info = k.model_info()
     check_flags(args, info.has_tokenizer)
     prompt = prompt_of(k, args)
+    check_context(prompt, args.max_new_tokens, info.context_length)
     tokenizer = grammar_tokenizer(k.vocab(), info, k.tokenize if args.fast_forward else None)
     m = matcher(tokenizer, args.grammar)
     with Context(k, stop=info.eos_ids) as ctx:

@@ -12,7 +12,15 @@ from pathlib import Path
 from symphony import kv, mount, top
 from symphony.engine.errors import ModelError
 from symphony.options import RENDEZVOUS_SECONDS, Options
-from syscalls.flags import add_prompt_flags, add_sampling_flags, report, sampling_kwargs
+from syscalls.flags import (
+    UsageError,
+    add_prompt_flags,
+    add_sampling_flags,
+    check_context,
+    nonempty,
+    report,
+    sampling_kwargs,
+)
 
 
 def sampling_params(args: argparse.Namespace):
@@ -39,7 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         if tok is None:
             raise ModelError(f"{model}: no tokenizer.json; use --prompt-ids")
-        prompt = tok.encode(args.prompt)
+        prompt = nonempty(tok.encode(args.prompt))
     else:
         prompt = args.prompt_ids
     # By default the pool holds this one sequence (its pages are zeroed at start: a fixed
@@ -47,6 +55,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     pages = args.kv_pages or -(-(len(prompt) + args.max_new_tokens) // PAGE_SIZE) + 1
     engine = Engine(model, device=args.device, dtype=dtype, kv_pages=pages, page_size=PAGE_SIZE,
                     weights=args.weights, cuda_graphs=args.cuda_graphs)
+    check_context(prompt, args.max_new_tokens, engine.config.max_position_embeddings)
     out = generate(engine, [prompt], sampling_params(args), args.max_new_tokens)[0]
     text = tok.decode(out) if tok else None
     if args.json:
@@ -353,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     args.rest = rest
     try:
         return args.func(args)
+    except UsageError as e:
+        return report("symphony", e)
     except (ModelError, ValueError, MemoryError) as e:
         print(f"symphony: {e}", file=sys.stderr)
         return 1

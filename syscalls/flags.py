@@ -82,13 +82,39 @@ def check_flags(args: argparse.Namespace, has_tokenizer: bool) -> None:
         raise ValueError("the model has no tokenizer; use --prompt-ids")
 
 
+class UsageError(ValueError):
+    """A bad flag that only the kernel's (or the model's) answers show: a prompt with no
+    tokens, or one too long for the model's context. Exit status 2, as argparse's."""
+
+
+def nonempty(prompt: list[int]) -> list[int]:
+    """The prompt, else UsageError: a prompt must have a token to go on from."""
+    if not prompt:
+        raise UsageError("empty prompt: --prompt or --prompt-file gave no tokens")
+    return prompt
+
+
 def prompt_of(k: Kernel, args: argparse.Namespace) -> list[int]:
     """The prompt flags' token ids: text gets the tokenizer's own BOS handling, as in
-    `symphony generate`. ValueError for a prompt with no tokens."""
-    prompt = args.prompt_ids if args.prompt is None else k.tokenize(args.prompt, add_special=True)
-    if not prompt:
-        raise ValueError("empty prompt")
-    return prompt
+    `symphony generate`. UsageError for a prompt with no tokens."""
+    return nonempty(args.prompt_ids if args.prompt is None
+                 else k.tokenize(args.prompt, add_special=True))
+
+
+async def aprompt_of(k: AsyncKernel, args: argparse.Namespace) -> list[int]:
+    """prompt_of for an asyncio LIP."""
+    return nonempty(args.prompt_ids if args.prompt is None
+                 else await k.tokenize(args.prompt, add_special=True))
+
+
+def check_context(prompt: list[int], max_new_tokens: int, context: int) -> None:
+    """UsageError where the prompt and --max-new-tokens together pass the model's context:
+    refused before anything is generated, as OpenAI's API does, rather than cut short (or
+    failed with EOVERFLOW) part way."""
+    if len(prompt) + max_new_tokens > context:
+        raise UsageError(f"--max-new-tokens {max_new_tokens}: the prompt's {len(prompt)} "
+                         f"tokens and {max_new_tokens} new ones pass the model's context of "
+                         f"{context} positions")
 
 
 def parse_ids(text: str) -> list[int]:
@@ -144,6 +170,9 @@ def kv_path(home: str, path: str) -> str:
 
 def report(prog: str, e: BaseException) -> int:
     """Print `prog: message` to stderr and give the exit status for it."""
+    if isinstance(e, UsageError):
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     message = str(e)
     if isinstance(e, OSError) and e.strerror:
         # Kernel messages often name only the object ("'/home/u/x'"): add what went wrong.

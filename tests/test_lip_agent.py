@@ -139,3 +139,49 @@ def test_bad_flags_exit_2_with_a_message(argv, what, tmp_path, capsys):
         agent.main(["--question", "q", *argv] if argv else argv)
     assert e.value.code == 2
     assert what in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("resend", [False, True])
+def test_an_observation_past_the_context_stops_the_run_keeping_its_turns(
+        daemon, k, tmp_path, monkeypatch, capsys, resend):
+    """A lookup whose observation would pass the model's context ended the run with
+    EOVERFLOW and nothing on stdout: now the run stops there, says so, and prints its turns."""
+    context = k.model_info().context_length
+    (tmp_path / "big.txt").write_text("the quick brown fox " * (context // 2))
+    script = tmp_path / "task.jsonl"
+    script.write_text('{"action": "python", "input": "print(6 * 7)"}\n'
+                      '{"action": "lookup", "input": "big.txt"}\n'
+                      '{"action": "finish", "input": "42"}\n')
+    monkeypatch.setenv("SYMPHONY_SOCKET", str(daemon.socket))
+    argv = ["--question", "q", "--script", str(script), "--root", str(tmp_path),
+            "--max-observation", str(20 * context), "--max-new-tokens", "4", "--json"]
+    assert agent.main(argv + (["--resend"] if resend else [])) == 0
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert [t["tool"] for t in got["turns"]] == ["python", "lookup"]
+    assert got["turns"][1]["observation"].startswith("the quick brown fox")
+    assert got["answer"] is None and got["conversation_tokens"] < context
+    assert err.startswith("agent: stopped after 2 turns: the conversation's ")
+    assert err.endswith(f"would pass the model's context of {context} positions\n")
+
+
+def test_a_question_past_the_context_is_a_usage_error(daemon, k, tmp_path, monkeypatch, capsys):
+    context = k.model_info().context_length
+    (tmp_path / "q.txt").write_text("the quick brown fox " * context)
+    monkeypatch.setenv("SYMPHONY_SOCKET", str(daemon.socket))
+    assert agent.main(["--question-file", str(tmp_path / "q.txt"), "--root", str(tmp_path),
+                       "--max-new-tokens", "4"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("agent: error: --max-new-tokens 4: the prompt's ")
+    assert err.endswith(f"pass the model's context of {context} positions\n")
+
+
+def test_a_run_without_an_answer_leaves_no_empty_thought(daemon, tmp_path, monkeypatch, capsys):
+    """The transcript showed a last "Thought:" cue with nothing after it before "(no answer)"."""
+    monkeypatch.setenv("SYMPHONY_SOCKET", str(daemon.socket))
+    assert agent.main(["--question", "What is 6 * 7?", "--root", str(tmp_path),
+                       "--max-turns", "2", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Question: What is 6 * 7?\nThought:")
+    assert out.count("Thought:") == 2 and out.count("Observation: ") == 2
+    assert out.endswith("\n\n(no answer)\n")

@@ -518,7 +518,7 @@ def test_complete_ends_the_echoed_prompt_before_an_error(monkeypatch, capsys):
             return False
 
         def model_info(self):
-            return SimpleNamespace(has_tokenizer=True, eos_ids=[0])
+            return SimpleNamespace(has_tokenizer=True, eos_ids=[0], context_length=1024)
 
         def tokenize(self, text, add_special=False):
             return [1, 2]
