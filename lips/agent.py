@@ -55,9 +55,9 @@ from syscalls.flags import (
     add_text_flags,
     at_least_one,
     check_context,
-    kv_path,
     lip_main,
     sampling_kwargs,
+    save_path,
     text_file,
 )
 
@@ -280,6 +280,7 @@ class KeptAgent(Agent):
 
     def __init__(self, k: Kernel, args: argparse.Namespace, script: list[Action] | None):
         super().__init__(k, args, script)
+        self.save = save_path(k, args.save) if args.save else None  # checked before the run
         self.ctx = Context(k, stop=self.info.eos_ids)
         self.discarded_tokens = 0  # computed by the tries that lost
 
@@ -313,8 +314,8 @@ class KeptAgent(Agent):
 
     def finish(self) -> dict[str, Any]:
         self.ctx.flush()
-        if self.args.save:
-            self.ctx.save(kv_path(self.k.home, self.args.save))
+        if self.save:
+            self.ctx.save(self.save)
         return {"conversation_tokens": self.ctx.file.stat().tokens,
                 "discarded_tokens": self.discarded_tokens}
 

@@ -65,7 +65,7 @@ from syscalls.flags import (
     add_sampling_flags,
     alip_main,
     aprompt_of,
-    kv_path,
+    asave_path,
     sampling_kwargs,
     text_file,
 )
@@ -382,14 +382,15 @@ async def run(k: AsyncKernel, args: argparse.Namespace) -> int:
     vocab = await k.vocab()
     script = [(f.after, await k.tokenize(f.text)) for f in args.script]
     tools = Tools(args.timeout, args.allow, args.tools, args.max_result_chars)
+    save = await asave_path(k, args.save) if args.save else None  # before the work it keeps
     async with await AsyncContext.create(k, stop=info.eos_ids) as ctx:
         task = Task(k, ctx, vocab.tokens, vocab.special_ids, tools, args.sync,
                     echo=not args.json)
         await task.run(prompt, script, args.max_new_tokens, args.answer_tokens,
                        info.eos_ids, sampling_kwargs(args))
         result = task.report()
-        if args.save:
-            await ctx.save(kv_path(k.home, args.save))
+        if save:
+            await ctx.save(save)
     if args.json:
         print(json.dumps({"prompt_ids": prompt, "scripted": bool(script), **result}))
     else:

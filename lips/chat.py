@@ -22,9 +22,9 @@ from syscalls.flags import (
     add_sampling_flags,
     add_text_flags,
     check_flags,
-    kv_path,
     lip_main,
     sampling_kwargs,
+    save_path,
 )
 
 
@@ -92,10 +92,11 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
     if not info.has_tokenizer or not info.chat_template:
         raise ValueError(f"{info.name}: the model has no chat template")
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    save = save_path(k, args.save) if args.save else None
     with Context(k, stop=info.eos_ids) as ctx:
         converse(k, ctx, messages, turns(args), args)
-        if args.save:
-            ctx.save(kv_path(k.home, args.save))
+        if save:
+            ctx.save(save)
     return 0
 
 

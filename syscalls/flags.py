@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import math
 import os
 import sys
@@ -166,6 +167,34 @@ def kv_path(home: str, path: str) -> str:
     """A KV file path from the command line: relative ones are taken from the user's home,
     since the kernel's namespace has no working directory."""
     return path if path.startswith("/") else f"{home.rstrip('/')}/{path}"
+
+
+def _exists(path: str) -> FileExistsError:
+    return FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+
+
+def save_path(k: Kernel, path: str) -> str:
+    """kv_path for --save, checked before the work it is to keep: OSError where a link there
+    would fail now (the path exists, its directory does not or is not writable); the link
+    at the end still reports what changed meanwhile."""
+    path = kv_path(k.home, path)
+    k.access(path.rpartition("/")[0] or "/", os.W_OK | os.X_OK)
+    try:
+        k.access(path)
+    except FileNotFoundError:
+        return path
+    raise _exists(path)
+
+
+async def asave_path(k: AsyncKernel, path: str) -> str:
+    """save_path for an asyncio LIP."""
+    path = kv_path(k.home, path)
+    await k.access(path.rpartition("/")[0] or "/", os.W_OK | os.X_OK)
+    try:
+        await k.access(path)
+    except FileNotFoundError:
+        return path
+    raise _exists(path)
 
 
 def report(prog: str, e: BaseException) -> int:
