@@ -283,6 +283,8 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error("--prompt goes with --schema; --document takes --question")
         if args.cache is None:
             p.error("--document needs --cache PATH, the document's KV file")
+        if not args.question:
+            p.error("--document needs a --question or --question-file")
         return
     if args.question:
         p.error("--question goes with --document; a schema's prompt holds its question")
@@ -330,8 +332,6 @@ def answer(k: Kernel, path: str, question: str, max_new_tokens: int, sampling: d
 
 
 def run_document(k: Kernel, args: argparse.Namespace) -> int:
-    if not args.question:
-        raise ValueError("no question: give --question or --question-file")
     path = kv_path(k.home, args.cache)
     document = k.tokenize(args.document, add_special=True)
     start = time.perf_counter()

@@ -323,3 +323,12 @@ def test_a_missing_document_exits_2_naming_the_flag(tmp_path):
     args = prompt_cache.build_parser().parse_args(
         ["--document", __file__, "--cache", "x.kv", "--question", "q"])
     assert args.document == open(__file__).read()  # the flag gives the document's text
+
+
+def test_a_document_without_a_question_exits_2_before_the_kernel_is_asked(tmp_path):
+    """It was `no question: ...`, status 1, once the kernel was asked."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A short document.\n")
+    out = without_kernel(tmp_path, "--document", str(doc), "--cache", "d5.kv")
+    assert (out.returncode, out.stdout) == (2, "")
+    assert "prompt_cache: error: --document needs a --question or --question-file" in out.stderr
