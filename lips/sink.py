@@ -32,6 +32,7 @@ from syscalls.client import File, Kernel
 from syscalls.context import TextStream
 from syscalls.convert import LogitControl, PredOutput
 from syscalls.flags import (
+    UsageError,
     add_sampling_flags,
     add_text_flags,
     number,
@@ -44,10 +45,6 @@ from syscalls.flags import (
 
 SINKS = 4
 SLIDE = 64
-
-
-class UsageError(ValueError):
-    """Flags that cannot work with this model: exit status 2, as argparse's own."""
 
 
 def check_shape(sinks: int, window: int, slide: int, context: int) -> None:
@@ -230,10 +227,10 @@ def generate(k: Kernel, args: argparse.Namespace) -> int:
     prompt = prompt_of(k, args)
     stop = () if args.ignore_eos else info.eos_ids
     text = TextStream(k) if info.has_tokenizer and not args.json else None
+    sink = open_sink(k, args)  # its flags checked against the model before any output
     if text:
         print(args.prompt or "", end="", flush=True)
     out: list[int] = []
-    sink = open_sink(k, args)
     with sink.file:
         for token in sink.generate(prompt, args.max_new_tokens, stop, **sampling_kwargs(args)):
             out.append(token)

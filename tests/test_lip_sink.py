@@ -180,6 +180,15 @@ def test_bad_flags_exit_2_with_a_message(daemon, monkeypatch, capsys, flags, mes
     assert e.value.code == 2 and message in err and "Traceback" not in err
 
 
+def test_a_text_prompt_is_not_printed_before_a_flag_is_refused(daemon, monkeypatch, capsys):
+    """The prompt was echoed, then the flags refused against the model's context."""
+    monkeypatch.setenv("SYMPHONY_SOCKET", str(daemon.socket))
+    with pytest.raises(SystemExit) as e:
+        main(["--prompt", "hello there", "--window", str(CONTEXT)])
+    out, err = capsys.readouterr()
+    assert (e.value.code, out) == (2, "") and "context" in err
+
+
 def test_a_missing_stream_file_and_a_missing_kernel(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--stream", str(tmp_path / "nope.txt")])
