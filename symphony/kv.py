@@ -16,8 +16,10 @@ from one kernel to another (both on one model: the other refuses a file of anoth
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import posixpath
+import shutil
 import stat
 import sys
 import tempfile
@@ -131,17 +133,35 @@ def source(kernels: Kernels, arg: str) -> tuple[str, int, Iterator[bytes]]:
 
 
 def write_local(path: Path, chunks: Iterable[bytes], mode: int) -> None:
-    """Whole or not at all, as import is: the bytes go to a temporary file beside the file
-    `path` names (through symlinks), renamed over it once they have all arrived. Into what
-    is not a regular file (/dev/null, a FIFO, a terminal) they are written as they come, as
-    cp(1) does: renaming over it would replace a device with a file."""
-    if path.exists() and not path.is_file():
-        with open(path, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
+    """As cp(1) writes DST, but whole or not at all, as import is. An existing file is
+    written into (through symlinks), so it keeps its inode, owner, mode and links, and
+    needs permission to write it: opened first, the bytes are received into an unnamed
+    temporary file, then copied in. A new file gets SRC's bits: received into a temporary
+    file beside it, renamed to its name once they have all arrived. Into what is not a
+    regular file (/dev/null, a FIFO, a terminal) they are written as they come."""
+    if not path.exists():
+        _write_new(path, chunks, mode)
         return
+    regular = path.is_file()
+    with os.fdopen(os.open(path, os.O_WRONLY), "wb") as dst:
+        if not regular:
+            for chunk in chunks:
+                dst.write(chunk)
+            return
+        with tempfile.TemporaryFile() as spool:
+            for chunk in chunks:
+                spool.write(chunk)
+            spool.seek(0)
+            dst.truncate(0)
+            shutil.copyfileobj(spool, dst, CHUNK_BYTES)
+
+
+def _write_new(path: Path, chunks: Iterable[bytes], mode: int) -> None:
     path = path.resolve()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as e:  # it names the temporary file: name the one asked for
+        raise OSError(e.errno, e.strerror, str(path)) from None
     try:
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
@@ -163,9 +183,10 @@ def is_kernel_dir(k: Kernel, path: str) -> bool:
 def cmd_cp(kernels: Kernels, args: argparse.Namespace) -> int:
     """Kernel to local exports, local to kernel imports (the kernel checks the file and
     refuses it whole), kernel to kernel does both, within one kernel or between two
-    (kv:SOCKET:PATH). A new copy gets SRC's permission bits; an existing kernel DST is
-    rewritten in place, keeping its owner and mode, as cp(1) does. A DST that is a
-    directory receives a file of SRC's name."""
+    (kv:SOCKET:PATH). A new copy gets SRC's permission bits; an existing DST, kernel or
+    local, is rewritten in place, keeping its owner, mode and links, as cp(1) does, and
+    either way it is written whole or not at all. A DST that is a directory receives a file
+    of SRC's name; one ending in / must be a directory."""
     if not (args.src.startswith(PREFIX) or args.dst.startswith(PREFIX)):
         raise ValueError(
             f"kv cp: neither {args.src} nor {args.dst} is a kernel path (write one as {PREFIX}PATH)"
@@ -175,9 +196,13 @@ def cmd_cp(kernels: Kernels, args: argparse.Namespace) -> int:
         k, dst = kernels.of(args.dst)
         if is_kernel_dir(k, dst):
             dst = f"{dst.rstrip('/')}/{name}"
+        elif dst.endswith("/"):  # as cp(1): a name ending in / is a directory's or nothing
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), args.dst)
         k.import_file(dst, chunks, mode)
     else:
         local = Path(args.dst)
+        if not local.is_dir() and args.dst.endswith("/"):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), args.dst)
         write_local(local / name if local.is_dir() else local, chunks, mode)
     return 0
 

@@ -151,6 +151,40 @@ def test_kv_cp_writes_into_a_fifo_or_through_a_symlink_as_cp_does(daemon, doc, t
     assert link.is_symlink() and target.read_bytes() == exported
 
 
+def test_kv_cp_writes_into_an_existing_file_keeping_its_inode_owner_mode_and_links(
+        daemon, doc, tmp_path):
+    """It was a new file renamed over the old: another owner's file became root's 0640,
+    its hard links kept the old bytes, and a file one may not write could be replaced."""
+    with daemon.connect() as k:
+        exported = k.export(doc)
+    dst, link = tmp_path / "dst.kv", tmp_path / "link.kv"
+    dst.write_bytes(b"old")
+    os.chown(dst, 1234, 1234)
+    os.chmod(dst, 0o604)
+    os.link(dst, link)
+    before = os.stat(dst)
+    ok(kv(daemon, "cp", "kv:doc.kv", str(dst)))
+    after = os.stat(dst)
+    assert (after.st_ino, after.st_uid, after.st_mode) == (before.st_ino, 1234,
+                                                             before.st_mode)
+    assert dst.read_bytes() == link.read_bytes() == exported
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst.kv", "link.kv"]
+
+
+def test_kv_cp_to_a_name_ending_in_a_slash_needs_a_directory(daemon, doc, tmp_path):
+    """As cp(1): it made a file of the name without the slash, locally and in the kernel."""
+    assert "Not a directory" in refused(kv(daemon, "cp", "kv:doc.kv", f"{tmp_path}/nd/"))
+    assert list(tmp_path.iterdir()) == []
+    assert "Not a directory" in refused(kv(daemon, "cp", "kv:doc.kv", "kv:/tmp/nd/"))
+    with daemon.connect() as k:
+        assert "nd" not in [n for n, _ in k.readdir("/tmp")]
+
+
+def test_kv_cp_names_the_destination_it_cannot_make(daemon, doc, tmp_path):
+    err = refused(kv(daemon, "cp", "kv:doc.kv", f"{tmp_path}/nowhere/a.kv"))
+    assert f"{tmp_path}/nowhere/a.kv: No such file or directory" in err and ".a.kv." not in err
+
+
 def test_kv_cp_copies_between_two_kernels_each_named_by_its_socket(daemon, doc, model):
     """kv:SOCKET:PATH names another kernel's file: between two kernels and within one, in
     either direction, with the default kernel (--socket) named or not; ls, cat and rm take
