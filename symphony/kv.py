@@ -133,10 +133,10 @@ def source(kernels: Kernels, arg: str) -> tuple[str, int, Iterator[bytes]]:
 
 
 def write_local(path: Path, chunks: Iterable[bytes], mode: int) -> None:
-    """As cp(1) writes DST, but whole or not at all, as import is. An existing file is
-    written into (through symlinks), so it keeps its inode, owner, mode and links, and
-    needs permission to write it: opened first, the bytes are received into an unnamed
-    temporary file, then copied in. A new file gets SRC's bits: received into a temporary
+    """As cp(1) writes DST, once the whole file has arrived (as import takes it). An
+    existing file is written into (through symlinks), so it keeps its inode, owner, mode
+    and links, and needs permission to write it: opened first, the bytes are received into
+    an unnamed temporary file, then copied in. A new file gets SRC's bits: received into a temporary
     file beside it, renamed to its name once they have all arrived. Into what is not a
     regular file (/dev/null, a FIFO, a terminal) they are written as they come."""
     if not path.exists():
@@ -185,8 +185,8 @@ def cmd_cp(kernels: Kernels, args: argparse.Namespace) -> int:
     refuses it whole), kernel to kernel does both, within one kernel or between two
     (kv:SOCKET:PATH). A new copy gets SRC's permission bits; an existing DST, kernel or
     local, is rewritten in place, keeping its owner, mode and links, as cp(1) does, and
-    either way it is written whole or not at all. A DST that is a directory receives a file
-    of SRC's name; one ending in / must be a directory."""
+    either way it is touched only once the whole file has arrived. A DST that is a
+    directory receives a file of SRC's name; one ending in / must be a directory."""
     if not (args.src.startswith(PREFIX) or args.dst.startswith(PREFIX)):
         raise ValueError(
             f"kv cp: neither {args.src} nor {args.dst} is a kernel path (write one as {PREFIX}PATH)"
