@@ -58,6 +58,8 @@ def cmd_start(args: argparse.Namespace, kernel_argv: list[str]) -> int:
     sock.parent.mkdir(parents=True, exist_ok=True)
     log = sock.with_name(sock.name + ".log")
     with open(log, "ab") as out:
+        # The log keeps every start's lines: a failure shows only what this kernel wrote.
+        since = out.tell()
         child = subprocess.Popen(
             [sys.executable, "-m", "symphony.cli", "kernel", "--socket", str(sock),
              *kernel_argv],
@@ -66,7 +68,9 @@ def cmd_start(args: argparse.Namespace, kernel_argv: list[str]) -> int:
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if child.poll() is not None:
-            tail = log.read_text(errors="replace").splitlines()[-20:]
+            with open(log, "rb") as written:
+                written.seek(since)
+                tail = written.read().decode(errors="replace").splitlines()[-20:]
             print("\n".join(tail), file=sys.stderr)
             print(f"symphony: the kernel exited with status {child.returncode} (log: {log})",
                   file=sys.stderr)
