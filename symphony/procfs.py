@@ -14,6 +14,7 @@ from symphony.sched_stats import RankClock
 from syscalls.users import user_name
 
 if TYPE_CHECKING:
+    from kvfs.pages import Page
     from symphony.daemon import Kernel
 
 
@@ -196,20 +197,21 @@ class ProcFS:
         return "".join(out)
 
     def kv(self) -> str:
-        """Pages held by more than one file, and which files (by inode) hold them."""
-        holders: dict[int, set[int]] = {}
-        pages = {}
+        """A line per page with more than one reference (meminfo's `shared`), with the files
+        (by inode) that hold it: named, or open in a process. An export's snapshot, which
+        holds a reference while it streams, is neither: it counts in refs alone."""
+        live = self.k.fs.store.live
+        shared: dict[Page, set[int]] = {page: set() for page in live if page.refs > 1}
         inodes = {i.ino: i for i in self.k.fs.files()}
         for p in self.k.procs:
             inodes.update({h.inode.ino: h.inode for h in p.fds.values()})
         for ino, inode in inodes.items():
             for page in inode.pages:
-                if page is not None and page.refs > 1:
-                    holders.setdefault(id(page), set()).add(ino)
-                    pages[id(page)] = page
+                if page in shared:
+                    shared[page].add(ino)
         out = ["page\ttier\trefs\tinodes\n"]
-        for key, inos in sorted(holders.items(), key=lambda kv: sorted(kv[1])):
-            page = pages[key]
+        for page, inos in sorted(shared.items(),
+                                 key=lambda kv: (sorted(kv[1]), kv[0].tier, kv[0].slot)):
             out.append(f"{page.tier}:{page.slot}\t{page.tier}\t{page.refs}\t"
                        f"{','.join(map(str, sorted(inos)))}\n")
         return "".join(out)
