@@ -30,7 +30,9 @@ so the kernel decides access. A KV file's bytes are its canonical serialized for
   header rewritten in small pieces); while it is bad, a write past it and the close fail. A
   write past the end of the file the header lays out is EINVAL and nothing of it is kept,
   also one that itself completes the header (FUSE hands writes of at most 1 MiB: of a larger
-  write(2), the pieces before the one past the end are kept). Nothing is spooled past the
+  write(2), the pieces before the one past the end are kept); the writes before it stay,
+  and the close imports them if they make a whole file. ftruncate growing the file is the
+  write of zeros from its end, checked as that write is. Nothing is spooled past the
   largest file the kernel's device pool could hold (EFBIG); nor, for a user other than
   root, more than that in all the files the user has open for writing (EDQUOT), so no user
   can fill root's disk through it.
@@ -435,7 +437,13 @@ class KvFS(pyfuse3.Operations):
             return w.attributes()
         w = self.writing.get(path)
         st = await self.run(self.who(ctx.uid, ctx.gid).stat, path)
-        a = stat_entry(st, pyfuse3.ROOT_INODE if path == "/" else st.ino)
+        if path == "/":
+            a = stat_entry(st, pyfuse3.ROOT_INODE)
+            # A link more for the mount's /proc, unless it hides a directory the kernel has.
+            there = await self.kernel_has(self.kernel, PROC)
+            a.st_nlink += there is None or not there.is_dir
+            return a
+        a = stat_entry(st, st.ino)
         if w is not None:
             a.st_size = w.size()
         return a
@@ -459,8 +467,11 @@ class KvFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         uid, gid = await self.proc_owner(path, ctx)
         ino = self.own_inode(path)
-        if is_dir:
-            return entry(ino, stat.S_IFDIR | 0o555, nlink=2, uid=uid, gid=gid)
+        if is_dir:  # as on a disk: 2, and a link for each subdirectory (/proc's PID/)
+            subdirs = 0
+            if path == PROC:
+                subdirs = sum(n.endswith("/") for n in (await self.proc_text(path, ctx)).split())
+            return entry(ino, stat.S_IFDIR | 0o555, nlink=2 + subdirs, uid=uid, gid=gid)
         size = len((await self.proc_text(path, ctx)).encode())
         return entry(ino, stat.S_IFREG | 0o444, size, uid=uid, gid=gid)
 
@@ -609,18 +620,15 @@ class KvFS(pyfuse3.Operations):
             return
         if w.refused:
             raise pyfuse3.FUSEError(w.refused)
-        # Growing is writing zeros at the end: held to the same bounds as a write there.
-        await self.within(w, min(size, w.size()), size)
-        if w.bad and size > w.bad_end:  # growing past a bad header being rewritten
-            raise pyfuse3.FUSEError(w.bad)
         if size:
-            await self.seed(w)
+            await self.started(w)
+        if size > w.size():  # growing is writing zeros at the end, checked as that write
+            await self.put(w, w.size(), size, None)
+            return
+        # A cut checks nothing: what is left was accepted, or is checked once whole again.
         async with w.lock:  # a cut to nothing needs none of the old bytes
             w.unseeded = False
             w.spool.truncate(size)
-            if size > w.length:  # a spool still in memory does not grow by truncate
-                w.spool.seek(size - 1)
-                w.spool.write(b"\0")
             w.length = size
             self.spool_less(w, size)
             w.cut(size)
@@ -974,9 +982,14 @@ class KvFS(pyfuse3.Operations):
         if self.dead:
             raise pyfuse3.FUSEError(errno.EIO)
         assert isinstance(w, Writer)
+        await self.put(w, off, off + len(buf), buf)
+        return len(buf)
+
+    async def put(self, w: Writer, off: int, end: int, buf: bytes | None) -> None:
+        """Spool bytes [off, end): `buf`, or None for zeros past the spool's end (a file
+        grown by ftruncate, checked as the write of those zeros would be)."""
         if w.refused:
             raise pyfuse3.FUSEError(w.refused)
-        end = off + len(buf)
         await self.within(w, off, end)
         header = w.header_end is None or off < w.header_end  # it may write the header
         async with w.lock:  # not while an import reads the spool
@@ -986,8 +999,12 @@ class KvFS(pyfuse3.Operations):
             # out a file that ends before it.
             w.spool.seek(off)
             kept = w.spool.read(max(min(end, w.length) - off, 0)) if header else b""
-            w.spool.seek(off)
-            w.spool.write(buf)
+            if buf is None:  # a spool still in memory does not grow by truncate
+                w.spool.seek(end - 1)
+                w.spool.write(b"\0")
+            else:
+                w.spool.seek(off)
+                w.spool.write(buf)
             w.length = max(w.length, end)
             w.wrote(off, end)
         if header:
@@ -1008,7 +1025,6 @@ class KvFS(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(refusal(w.path, past_end(end, declared)))
         w.dirty = True
         self.track(w)
-        return len(buf)
 
     def track(self, w: Writer) -> None:
         """`w` is the open file that imports at its path, unless that name was taken from it."""
@@ -1041,9 +1057,8 @@ class KvFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(refusal(w.path, FSError(
                 errno.EFBIG, f"{end} bytes, more than the largest file the KV pool's "
                 f"{bounds.pages} pages could hold ({bounds.largest} bytes)")))
-        if end and w.unseeded:
-            self.spool_more(w, w.size(), bounds)
-            await self.seed(w)
+        if end:
+            await self.started(w)
         if (w.declared is not None and w.header_end is not None and off >= w.header_end
                 and end > w.declared):
             raise pyfuse3.FUSEError(refusal(w.path, past_end(end, w.declared)))
@@ -1051,6 +1066,13 @@ class KvFS(pyfuse3.Operations):
             w.refused = w.bad
             raise pyfuse3.FUSEError(w.refused)
         self.spool_more(w, max(end, w.size()), bounds)
+
+    async def started(self, w: Writer) -> None:
+        """Start a spool that starts from the file's bytes (an open without O_TRUNC), once
+        they are counted against its writer's limit."""
+        if w.unseeded:
+            self.spool_more(w, w.size(), await self.limits())
+            await self.seed(w)
 
     def spool_more(self, w: Writer, reach: int, bounds: Bounds) -> None:
         """Count the bytes w's spool may reach (the seeded file's, or a write's end) against

@@ -657,3 +657,64 @@ def test_an_unexpected_error_fails_its_request_alone():
         trio.run(Broken().getattr, 1)
     assert e.value.errno == errno.EIO
     assert all(hasattr(getattr(KvFS, name), "__wrapped__") for name in ("write", "release"))
+
+
+def test_ftruncate_growing_a_file_is_checked_as_the_write_of_its_zeros(k, mnt):
+    # The header cut mid-way, then grown back with zeros: the zeros complete a bad header,
+    # as the same zeros written would, so the growth, every later write and the close fail.
+    make(k, "/tmp/grow-src.kv", 8)
+    blob = k.export("/tmp/grow-src.kv")
+    (n,) = struct.unpack("<Q", blob[:8])
+    fd = os.open(mnt / "tmp/grow.kv", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        assert os.write(fd, blob[: 8 + n + 100]) == 8 + n + 100
+        os.ftruncate(fd, n)  # within the header: not all there, nothing checked
+        assert errno_of(os.ftruncate, fd, len(blob)) == errno.EINVAL
+        assert errno_of(os.pwrite, fd, blob[-4:], len(blob) - 4) == errno.EINVAL
+    finally:
+        assert errno_of(os.close, fd) == errno.EINVAL
+    assert errno_of(k.stat, "/tmp/grow.kv") == errno.ENOENT
+    # A header left whole: growing to the end it lays out is accepted, zeros past it not.
+    fd = os.open(mnt / "tmp/grow.kv", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.write(fd, blob[: 8 + n])
+        os.ftruncate(fd, len(blob))
+        assert errno_of(os.ftruncate, fd, len(blob) + 1) == errno.EINVAL
+        assert os.fstat(fd).st_size == len(blob)
+        os.pwrite(fd, blob[8 + n :], 8 + n)
+    finally:
+        os.close(fd)
+    assert k.export("/tmp/grow.kv") == blob
+
+
+def test_each_write_past_the_end_fails_alone_and_what_was_written_stays(k, mnt, tmp_path):
+    # cat writes each copy with writes of its own: the second copy's fail, cat exits 1, and
+    # the close imports the first copy, whole.
+    make(k, "/tmp/cat-src.kv", 7)
+    blob = k.export("/tmp/cat-src.kv")
+    src = tmp_path / "a.kv"
+    src.write_bytes(blob)
+    cat = subprocess.run(["bash", "-c", f"cat {src} {src} > {mnt / 'tmp/cat2.kv'}"],
+                         capture_output=True, text=True)
+    assert cat.returncode == 1 and "Invalid argument" in cat.stderr, cat.stderr
+    assert k.export("/tmp/cat2.kv") == blob
+    # One write(2) of the two copies is refused whole: nothing was written, and a close
+    # with nothing written fails too. An existing file keeps its bytes.
+    (tmp_path / "aa.kv").write_bytes(blob + blob)
+    for name in ("cp2.kv", "cat2.kv"):
+        cp = subprocess.run(["cp", tmp_path / "aa.kv", mnt / "tmp" / name],
+                            capture_output=True, text=True)
+        assert cp.returncode == 1 and "error writing" in cp.stderr, cp.stderr
+        assert "failed to close" in cp.stderr, cp.stderr
+    assert errno_of(k.stat, "/tmp/cp2.kv") == errno.ENOENT
+    assert k.export("/tmp/cat2.kv") == blob
+
+
+def test_the_root_and_proc_count_a_link_for_each_subdirectory(k, mnt):
+    def subdirs(d) -> int:
+        return sum(stat.S_ISDIR(os.lstat(d / name).st_mode) for name in os.listdir(d))
+
+    assert "proc" in os.listdir(mnt)
+    assert os.stat(mnt).st_nlink == 2 + subdirs(mnt)
+    assert os.stat(mnt / "proc").st_nlink == 2 + subdirs(mnt / "proc") > 2  # k's PID/
+    assert os.stat(mnt / f"proc/{k.pid}").st_nlink == 2
