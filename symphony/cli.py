@@ -39,10 +39,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from symphony.engine.engine import Engine, default_model_dir
     from symphony.engine.generate import generate
+    from symphony.engine.settings import EngineSettings
     from symphony.engine.tokenizer import Tokenizer
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = args.model or default_model_dir()
+    if args.kv_pages:
+        check_pools(EngineSettings.resolve(model, device=args.device, dtype=dtype), 1,
+                    [(f"--kv-pages {args.kv_pages}", args.kv_pages, "device")])
     tok = Tokenizer.from_dir(model)
     if args.prompt is not None:
         if tok is None:
@@ -77,6 +81,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
 
     from symphony.daemon import default_state_dir, run_kernel
     from symphony.engine.cuda_graphs import ENV as CUDA_GRAPHS_ENV
+    from symphony.engine.settings import EngineSettings
     from symphony.engine_process import EngineProcess
     from syscalls.session import socket_path
 
@@ -92,18 +97,70 @@ def cmd_kernel(args: argparse.Namespace) -> int:
         logging.getLogger("symphony.kernel").info(
             "waiting up to %.0f s for the ranks of the other %d node(s) at %s",
             RENDEZVOUS_SECONDS, rendezvous.nnodes - 1, rendezvous.init_method)
-    engine = EngineProcess(
-        args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages,
-        host_pages=args.host_pages if args.host_pages is not None else args.kv_pages or 0,
-        sleep_ms=parse_engine(args.engine), weights=args.weights, rendezvous=rendezvous)
+    state_dir = Path(args.state_dir or default_state_dir())
+    host_pages = args.host_pages if args.host_pages is not None else args.kv_pages or 0
+    pools = [(f"--kv-pages {args.kv_pages}", args.kv_pages, "device"),
+             (f"--host-pages {host_pages}" if args.host_pages is not None else
+              f"--kv-pages {host_pages} (the host tier's pages too)", host_pages, "host"),
+             (f"--disk-pages {args.disk_pages}", args.disk_pages, state_dir)]
+    check_pools(EngineSettings.resolve(args.model, device=args.device, dtype=dtype),
+                rendezvous.world, pools)
+    try:
+        engine = EngineProcess(
+            args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages,
+            host_pages=host_pages, sleep_ms=parse_engine(args.engine), weights=args.weights,
+            rendezvous=rendezvous)
+    except RuntimeError as e:  # torch's allocators' failures (OutOfMemoryError is one)
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        given = [f"--{flag.replace('_', '-')} {getattr(args, flag)}"
+                 for flag in ("kv_pages", "host_pages") if getattr(args, flag) is not None]
+        raise MemoryError(f"{', '.join(given) or '--kv-pages'}: the KV pages cannot be "
+                          f"allocated ({str(e).splitlines()[0]})") from e
     opts = Options(
-        socket=socket_path(args.socket), state_dir=Path(args.state_dir or default_state_dir()),
+        socket=socket_path(args.socket), state_dir=state_dir,
         token_budget=args.token_budget, max_seqs=args.max_seqs, disk_pages=args.disk_pages,
         quota=args.quota, inode_quota=args.inode_quota, decode_ahead=args.decode_ahead == "on",
         pipeline=args.pipeline == "on",
         max_procs_per_user=args.max_procs_per_user,
     )
     return run_kernel(engine, opts)
+
+
+def memory_total() -> int:
+    """Bytes of RAM and swap: the most that memory on the host can hold."""
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return sum(int(fields[key].split()[0]) for key in ("MemTotal", "SwapTotal")) * 1024
+
+
+def check_pools(settings, world: int, pools: list[tuple[str, int | None, str | Path]]) -> None:
+    """UsageError naming the flag of a pool (the flag as given, its pages, and "device",
+    "host" or the swap file's state directory) whose pages take more bytes than the memory
+    or file system that would hold them has in all: certain to fail, and found before the
+    model loads, rather than as the allocator's traceback or (the CPU's device tier and the
+    swap file are sparse) once the pages fill."""
+    import torch
+
+    from kvfs.pool import pool_shard_shape
+
+    shape = settings.page_shape
+    for flag, pages, where in pools:
+        if not pages:
+            continue
+        page, room, what = shape.bytes, memory_total(), "RAM and swap"
+        if where == "device" and settings.device.type == "cuda":
+            # Rank 0's shard of each page, on its GPU
+            page = 2 * math.prod(pool_shard_shape(shape, 1, world, 0)) * shape.dtype.itemsize
+            room = torch.cuda.get_device_properties(settings.device).total_memory
+            what = f"{torch.cuda.get_device_name(settings.device)}'s memory"
+        elif where not in ("device", "host"):
+            existing = next(p for p in (where, *where.parents) if p.exists())
+            fs = os.statvfs(existing)
+            room, what = fs.f_blocks * fs.f_frsize, f"the file system of {existing}"
+        if pages * page > room:
+            raise UsageError(f"{flag}: {pages * page} bytes of KV pages ({page} a "
+                             f"page) are more than the {room} bytes of {what}")
 
 
 def rendezvous_of(args: argparse.Namespace):

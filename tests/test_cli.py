@@ -70,3 +70,40 @@ def test_run_hands_the_program_its_inherited_file_descriptors(tmp_path):
     finally:
         os.close(r)
     assert (done.returncode, done.stdout, done.stderr) == (0, "hi\n", "")
+
+
+HUGE = str(10**15)
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["kernel", "--kv-pages", HUGE], f"--kv-pages {HUGE}:"),
+    (["kernel", "--kv-pages", "4", "--host-pages", HUGE], f"--host-pages {HUGE}:"),
+    (["kernel", "--kv-pages", "4", "--disk-pages", HUGE], f"--disk-pages {HUGE}:"),
+    (["generate", "--prompt-ids", "1", "--kv-pages", HUGE], f"--kv-pages {HUGE}:"),
+])
+def test_a_pool_larger_than_what_holds_it_is_a_usage_error(tmp_path, capsys, args, flag):
+    """More bytes than the machine's memory (or the state directory's file system) has in
+    all: torch's allocator's traceback, exit 1, naming no flag (or, the CPU's device tier
+    being a sparse memfd, a kernel that serves until its pages fill)."""
+    from symphony.cli import main
+
+    where = ["--socket", str(tmp_path / "k.sock"), "--state-dir", str(tmp_path / "st")]
+    assert main(args + (where if args[0] == "kernel" else [])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"symphony: error: {flag}") and "bytes of KV pages" in err, err
+
+
+def test_pages_the_allocator_refuses_name_the_flags(tmp_path, capsys, monkeypatch):
+    import symphony.engine_process
+    from symphony.cli import main
+
+    def refuse(*_, **__):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 8 bytes.\nmore")
+
+    monkeypatch.setattr(symphony.engine_process, "EngineProcess", refuse)
+    assert main(["kernel", "--socket", str(tmp_path / "k.sock"), "--kv-pages", "7"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("symphony: --kv-pages 7: the KV pages cannot be allocated "
+                          "([enforce fail"), err
+    assert "more" not in err
