@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -173,8 +174,6 @@ def rendezvous_of(args: argparse.Namespace):
 
 def cmd_rank(args: argparse.Namespace) -> int:
     """Start this node's ranks and wait for them: 0 when every one ended cleanly."""
-    import signal
-
     from symphony.engine.engine import default_model_dir
     from symphony.ranks import start_node
 
@@ -426,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except OSError as e:  # a kernel's status, or no kernel to talk to
         return report("symphony", e)
+    except KeyboardInterrupt:  # Ctrl-C (a kernel's while it starts): quietly, as a shell's
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -129,6 +129,12 @@ class Kernel:
     # -- life cycle -------------------------------------------------------------------
 
     async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        # First: a signal while the sockets are made stops the kernel once they are, and
+        # the shutdown below removes them.
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
         sock = self.opts.socket
         sock.parent.mkdir(parents=True, exist_ok=True)
         for path in (sock, hello_path(sock)):
@@ -141,15 +147,11 @@ class Kernel:
         if not server.add_insecure_port(f"unix:{sock}"):
             raise OSError(f"{sock}: cannot listen")
         await server.start()
-        loop = asyncio.get_running_loop()
         hello = await loop.create_unix_server(lambda: Hello(self, front), str(hello_path(sock)))
         # Every local user may connect; identity comes from SO_PEERCRED, not from access.
         for path in (sock, hello_path(sock)):
             os.chmod(path, 0o666)
         pid_path(sock).write_text(f"{os.getpid()}\n")
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         # Either ends early only when the engine process died: the kernel stops then.
         scheduler = loop.create_task(self.sched.run())
         engine_exit = loop.create_task(self.engine.exited())
@@ -211,9 +213,9 @@ def run_kernel(engine: EngineProcess, opts: Options) -> int:
     # many as the OS allows.
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    kernel = Kernel(engine, opts)
-    gc.freeze()  # see engine_process.py's main
     try:
+        kernel = Kernel(engine, opts)
+        gc.freeze()  # see engine_process.py's main
         uvloop.run(kernel.serve())
     finally:
         gc.unfreeze()

@@ -1,9 +1,12 @@
 """`symphony start` and `symphony kernel` failing or interrupted before they serve."""
 
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
-from daemon import ROOT
+import pytest
+from daemon import ROOT, alive, wait_for
 
 
 def symphony(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -22,3 +25,32 @@ def test_a_failed_start_shows_only_its_own_kernels_log(tmp_path):
                       "--model", str(tmp_path / "missing.gguf"))
     assert second.returncode == 1 and "missing.gguf" in second.stderr, second.stderr
     assert "statefile" not in second.stderr
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def torch_loaded(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.parametrize("starting", [torch_loaded, children], ids=["importing", "engine"])
+def test_a_kernel_interrupted_while_it_starts_exits_quietly(tmp_path, starting):
+    """Ctrl-C while the kernel loads: a KeyboardInterrupt's traceback, death by the signal.
+    Now 130, as a shell's, and nothing left: no socket, no pid file, no engine process."""
+    kernel = subprocess.Popen(
+        [sys.executable, "-m", "symphony.cli", "kernel", "--socket", str(tmp_path / "k.sock"),
+         "--state-dir", str(tmp_path / "st"), "--kv-pages", "16"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        wait_for(lambda: starting(kernel.pid), what=starting.__name__)
+        engines = children(kernel.pid)
+        kernel.send_signal(signal.SIGINT)
+        _, err = kernel.communicate(timeout=60)
+    finally:
+        kernel.kill()
+    assert kernel.returncode == 130 and "Traceback" not in err, err
+    assert not list(tmp_path.glob("k.sock*"))
+    for pid in engines:
+        wait_for(lambda pid=pid: not alive(pid), what=f"engine process {pid} to end")
