@@ -126,29 +126,49 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+# si_code of a signal the OS sent: a terminal's Ctrl-C or hangup, which reaches its whole
+# foreground process group (<asm-generic/siginfo.h>).
+SI_KERNEL = 0x80
+PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def reached_the_program(info: signal.struct_siginfo) -> bool:
+    """Whether a signal that `run` got reached the program too, which shares run's process
+    group: one the terminal sent, or one a process of the group sent (to the group, most
+    likely: `kill 0`, or the program itself). Passed on again, a Ctrl-C would interrupt the
+    program twice. A signal sent to the group from outside it cannot be told from one sent
+    to run alone: it is passed on, and comes twice."""
+    if info.si_code == SI_KERNEL:
+        return True
+    try:
+        return os.getpgid(info.si_pid) == os.getpgid(0)
+    except ProcessLookupError:  # the sender has exited
+        return False
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     sock = socket_path(args.socket)
     prog = args.program
     argv = [sys.executable, prog, *args.args] if prog.endswith(".py") else [prog, *args.args]
     env = {**os.environ, "SYMPHONY_SOCKET": str(sock.resolve())}
+    # Blocked, the signals wait for sigwaitinfo, which says who sent them; SIGCHLD says the
+    # program has exited. The program starts with the mask run had.
+    waited = {*PASSED_ON, signal.SIGCHLD}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, waited)
     try:
-        # A shell hands its fds on (`--prompt-file <(...)` is /dev/fd/N): so does run.
-        child = subprocess.Popen(argv, env=env, close_fds=False)
-    except OSError as e:
-        print(f"symphony: {prog}: {e.strerror}", file=sys.stderr)
-        return 127
-    forward = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s))
-               for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        while True:
-            try:
-                code = child.wait()
-                break
-            except KeyboardInterrupt:  # the terminal sent SIGINT to the child as well
-                continue
+        try:
+            # A shell hands its fds on (`--prompt-file <(...)` is /dev/fd/N): so does run.
+            child = subprocess.Popen(argv, env=env, close_fds=False, preexec_fn=lambda:
+                                     signal.pthread_sigmask(signal.SIG_SETMASK, mask))
+        except OSError as e:
+            print(f"symphony: {prog}: {e.strerror}", file=sys.stderr)
+            return 127
+        while (code := child.poll()) is None:
+            info = signal.sigwaitinfo(waited)
+            if info.si_signo != signal.SIGCHLD and not reached_the_program(info):
+                child.send_signal(info.si_signo)
     finally:
-        for sig, handler in forward.items():
-            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return 128 - code if code < 0 else code
 
 

@@ -1,6 +1,7 @@
 """The `symphony` command's own checks of its flags (no kernel is started)."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -107,3 +108,38 @@ def test_pages_the_allocator_refuses_name_the_flags(tmp_path, capsys, monkeypatc
     assert err.startswith("symphony: --kv-pages 7: the KV pages cannot be allocated "
                           "([enforce fail"), err
     assert "more" not in err
+
+
+SIGNALLED = """\
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGINT, lambda *_: got.append(1))
+print("ready", flush=True)
+if sys.argv[1] == "group":
+    os.killpg(0, signal.SIGINT)
+deadline = time.monotonic() + 10
+while not got and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(0.5)  # for a second one, were it passed on too
+print(len(got))
+"""
+
+
+@pytest.mark.parametrize("whom", ["run", "group"])
+def test_run_passes_sigint_on_once(tmp_path, whom):
+    """SIGINT sent to run alone was not passed on (SIGTERM and SIGHUP were); one that
+    reached the program too (here the program's own to its group, as a terminal's Ctrl-C
+    reaches the foreground group) is not passed again."""
+    program = tmp_path / "sigint.py"
+    program.write_text(SIGNALLED)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "symphony.cli", "run", "--socket", str(tmp_path / "none.sock"),
+         str(program), whom],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        assert run.stdout.readline() == "ready\n"
+        if whom == "run":
+            run.send_signal(signal.SIGINT)
+        assert (run.stdout.read(), run.wait(30)) == ("1\n", 0)
+    finally:
+        run.kill()
