@@ -18,6 +18,7 @@ from syscalls.flags import (
     add_prompt_flags,
     add_sampling_flags,
     check_context,
+    in_vocabulary,
     nonempty,
     report,
     sampling_kwargs,
@@ -60,6 +61,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     pages = args.kv_pages or -(-(len(prompt) + args.max_new_tokens) // PAGE_SIZE) + 1
     engine = Engine(model, device=args.device, dtype=dtype, kv_pages=pages, page_size=PAGE_SIZE,
                     weights=args.weights, cuda_graphs=args.cuda_graphs)
+    if args.prompt is None:
+        in_vocabulary(prompt, engine.config.vocab_size)
     check_context(prompt, args.max_new_tokens, engine.config.max_position_embeddings)
     out = generate(engine, [prompt], sampling_params(args), args.max_new_tokens)[0]
     text = tok.decode(out) if tok else None
@@ -394,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps.set_defaults(func=lambda a: control().cmd_ps(a))
     kill = sub.add_parser("kill", help="kill processes: their calls end, their files close")
     kill.add_argument("--socket", help=socket_help)
-    kill.add_argument("pids", type=int, nargs="+", help="the kernel's pids (ps)")
+    kill.add_argument("pids", type=positive, nargs="+", help="the kernel's pids (ps)")
     kill.set_defaults(func=lambda a: control().cmd_kill(a))
     rk = sub.add_parser("rank", help="start this machine's ranks of a kernel's engine that "
                         "spans machines (every node but node 0, the kernel's)")

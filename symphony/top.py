@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import curses
+import math
 import os
 import sys
 import time
@@ -146,8 +147,6 @@ def live(screen: curses.window, k: Kernel, interval: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.interval <= 0:
-        raise ValueError("top: --interval must be positive")
     if not (args.once or sys.stdout.isatty()):
         raise ValueError("top: stdout is not a terminal (use --once)")
     try:
@@ -168,6 +167,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def seconds(text: str) -> float:
+    """An argparse type: --interval's seconds, finite and above 0."""
+    value = float(text)  # a ValueError is argparse's "invalid seconds value: ..."
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     top = sub.add_parser(
         "top",
@@ -176,7 +183,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     top.add_argument("--socket", help="the kernel's socket (default: $SYMPHONY_SOCKET or "
                      "/tmp/symphony/kernel.sock)")
-    top.add_argument("--interval", type=float, default=1.0,
+    top.add_argument("--interval", type=seconds, default=1.0,
                      help="seconds between refreshes (default %(default)s)")
     top.add_argument(
         "--once",

@@ -95,17 +95,30 @@ def nonempty(prompt: list[int]) -> list[int]:
     return prompt
 
 
+def in_vocabulary(ids: list[int], vocab_size: int) -> list[int]:
+    """--prompt-ids' ids, else UsageError naming the flag and an id the model's vocabulary
+    lacks (the kernel's EINVAL names no flag)."""
+    for token in ids:
+        if not 0 <= token < vocab_size:
+            raise UsageError(f"--prompt-ids: token {token} is outside [0, {vocab_size}), "
+                             "the vocabulary")
+    return ids
+
+
 def prompt_of(k: Kernel, args: argparse.Namespace) -> list[int]:
     """The prompt flags' token ids: text gets the tokenizer's own BOS handling, as in
-    `symphony generate`. UsageError for a prompt with no tokens."""
-    return nonempty(args.prompt_ids if args.prompt is None
-                 else k.tokenize(args.prompt, add_special=True))
+    `symphony generate`. UsageError for a prompt with no tokens, or an id outside the
+    vocabulary."""
+    if args.prompt is None:
+        return in_vocabulary(args.prompt_ids, k.model_info().vocab_size)
+    return nonempty(k.tokenize(args.prompt, add_special=True))
 
 
 async def aprompt_of(k: AsyncKernel, args: argparse.Namespace) -> list[int]:
     """prompt_of for an asyncio LIP."""
-    return nonempty(args.prompt_ids if args.prompt is None
-                 else await k.tokenize(args.prompt, add_special=True))
+    if args.prompt is None:
+        return in_vocabulary(args.prompt_ids, (await k.model_info()).vocab_size)
+    return nonempty(await k.tokenize(args.prompt, add_special=True))
 
 
 def check_context(prompt: list[int], max_new_tokens: int, context: int) -> None:

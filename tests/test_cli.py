@@ -143,3 +143,27 @@ def test_run_passes_sigint_on_once(tmp_path, whom):
         assert (run.stdout.read(), run.wait(30)) == ("1\n", 0)
     finally:
         run.kill()
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["top", "--once", "--interval", "0"], "--interval"),
+    (["top", "--once", "--interval", "-1"], "--interval"),
+    (["top", "--once", "--interval", "nan"], "--interval"),
+    (["kill", "--", "-5"], "pids"),
+    (["kill", "0"], "pids"),
+])
+def test_values_no_command_can_take_are_usage_errors(capsys, args, flag):
+    """They were runtime errors, exit 1: "top: --interval must be positive" (nan was taken,
+    and failed in time.sleep), "no process -5" from the kernel."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(args)
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_generate_refuses_prompt_ids_outside_the_vocabulary(capsys):
+    """It was the engine's "symphony: batch: token id outside the vocabulary", exit 1."""
+    from symphony.cli import main
+
+    assert main(["generate", "--prompt-ids", "1,999999999", "--max-new-tokens", "1"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "symphony: error: --prompt-ids: token 999999999 is outside [0, ")
