@@ -14,6 +14,8 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# rope_scaling's rope_type values rope.py computes, as transformers does.
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,9 @@ class ModelConfig:
             rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
             theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
             rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type not in ("default", "llama3"):
-                raise ModelError(f"{source}: unsupported rope_type {rope_type!r}")
+            if rope_type not in ROPE_TYPES:
+                raise ModelError(f"{source}: rope_scaling: rope_type {rope_type!r} is not "
+                                 f"supported (supported: {', '.join(ROPE_TYPES)})")
             if raw.get("use_sliding_window") or "sliding_attention" in (
                 raw.get("layer_types") or []
             ):
@@ -73,7 +76,7 @@ class ModelConfig:
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
-                rope_scaling=rope if rope_type == "llama3" else {},
+                rope_scaling=rope if rope_type != "default" else {},
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 # Qwen2 always has q/k/v biases; Llama and Qwen3 say so in the config.
@@ -82,6 +85,8 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             )
+        except ModelError:
+            raise
         except (KeyError, TypeError, ValueError) as e:
             raise ModelError(f"{source}: missing or malformed field {e}") from e
 

@@ -14,6 +14,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Ten
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "llama3":
         inv_freq = _llama3_scaled(inv_freq, scaling)
+    elif kind == "linear":  # positions divided by the factor
+        inv_freq = inv_freq / scaling["factor"]
     elif kind == "factors":  # one divisor per frequency, as GGUF files give Llama 3.1's
         inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     return inv_freq
