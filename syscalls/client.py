@@ -37,6 +37,9 @@ from syscalls.wire import MAX_PAYLOAD
 
 T = TypeVar("T")
 
+# How long a pred the kernel failed waits for the lifeline to say whether it is stopping.
+STOPPING_WAIT = 2.0
+
 # One limit for every message, either way, whichever transport (gRPC's own default is 4 MiB
 # received): a longer request fails here with EMSGSIZE before it is sent.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_PAYLOAD),
@@ -75,9 +78,10 @@ class Session:
         return getattr(self._stub, call.rpc)(call.request, metadata=self._metadata)
 
     def _checked(self, reply: Any) -> Any:
-        """errors.check(reply); but once the session has ended, an error is its reason: the
-        call was still waiting when it ended (a pred the exit cancelled, EINTR)."""
-        if self._ended and reply.error.errno:
+        """errors.check(reply); but once the session has ended, or the kernel said it is
+        stopping, an error is its reason: the call was still waiting when it ended (a pred
+        the exit cancelled, EINTR)."""
+        if reply.error.errno and (self._ended or self._stopping()):
             raise errors.error(*self._ended[0])
         return errors.check(reply)
 
@@ -93,9 +97,18 @@ class Session:
         """What a call whose transport failed raises: why the session ended, if it ended
         meanwhile (closing the channel cancels the calls in flight), else what the status
         means."""
-        if self._ended:
+        if self._ended or self._stopping():
             return errors.error(*self._ended[0])
         return convert.transport_error(e, self.socket)
+
+    def _stopping(self, wait: float = 0.0) -> bool:
+        """Whether the kernel said it is stopping (the lifeline read `wait` seconds at
+        most); if so the session ends, its calls failing with that, not with how the
+        kernel ended them (EINTR, "no session", a closed lifeline)."""
+        if self._ended or self._line is None or not self._line.stopped(wait):
+            return False
+        self._end(errno.EPIPE, "kernel unreachable: the kernel is stopping")
+        return True
 
     def _end(self, code: int, why: str) -> None:
         """From now on calls raise OSError(code, why); the first reason given stays."""
@@ -275,6 +288,9 @@ class Kernel(KernelCalls, Session):
         under way, so a call on their files that finds them busy is made again
         (rollbacks.py)."""
         if isinstance(e, OSError):
+            # A stopping kernel cancels the preds (EINTR) and closes the lifeline (EPIPE).
+            if e.errno in (errno.EINTR, errno.EPIPE):
+                self._stopping(STOPPING_WAIT)
             return errors.error(*self._ended[0]) if self._ended else e
         self._rollbacks.cancelled(map(convert.fd_number, fds))
         return e

@@ -113,6 +113,7 @@ class Lifeline:
         self._inbox: list[tuple[int, int, bytes]] = []  # frames and completions to hand out
         self._reader: int | None = None  # the thread that reads now
         self._closed: Why | None = None
+        self.stopping = False  # the kernel said it is stopping cleanly (SHUTDOWN)
 
     def call(self, payload: bytes) -> bytes:
         if self._closed:
@@ -246,6 +247,27 @@ class Lifeline:
                 self._stop_reading()
                 raise
 
+    def stopped(self, timeout: float) -> bool:
+        """Whether the kernel said it is stopping (SHUTDOWN), reading what the lifeline has
+        until it ends, `timeout` seconds at most: a pred that the stopping kernel cancelled
+        may be answered on the rings, and a gRPC call refused, before the SHUTDOWN on the
+        lifeline is read."""
+        deadline = time.monotonic() + timeout
+        while not (self.stopping or self._closed):
+            if self._become_reader():
+                try:
+                    self._read(deadline)  # once at least: past the deadline, without waiting
+                except BaseException:  # as in _wait
+                    self._stop_reading()
+                    raise
+            else:
+                with self._lock:
+                    if self._reader is not None:
+                        self._state.wait(_left(deadline))
+            if _left(deadline) == 0:
+                break
+        return self.stopping
+
     def _become_reader(self) -> bool:
         """Make this thread the reader if no thread reads now; whether it is."""
         with self._lock:
@@ -327,7 +349,8 @@ class Lifeline:
         for kind, call, payload in self._inbox[:n]:
             if kind == wire.REPLY and call in self._calls:
                 self._calls[call] = payload
-            # SHUTDOWN: the kernel is stopping; the replies of calls it cancels follow.
+            elif kind == wire.SHUTDOWN:  # the replies of calls it cancels follow
+                self.stopping = True
         del self._inbox[:n]
         self._state.notify_all()
 
@@ -344,6 +367,7 @@ class AsyncLifeline(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._joining: asyncio.Task | None = None
         self._closed: Why | None = None
+        self.stopping = False  # the kernel said it is stopping cleanly (SHUTDOWN)
 
     async def call(self, payload: bytes) -> bytes:
         loop = asyncio.get_running_loop()
@@ -378,6 +402,11 @@ class AsyncLifeline(asyncio.Protocol):
     def _write(self, kind: int, call: int, payload: bytes) -> None:
         self._transport.write(wire.frame(kind, call, payload))
 
+    def stopped(self, timeout: float) -> bool:
+        """Lifeline.stopped, as far as the loop has read: a call cannot wait here for the
+        loop to read more (`timeout` is not used)."""
+        return self.stopping
+
     def end(self, code: int, message: str) -> None:
         """The session ends: close the socket, or the transport that has taken it over;
         calls waiting and later ones raise OSError(code, message)."""
@@ -398,6 +427,7 @@ class AsyncLifeline(asyncio.Protocol):
             self._transport.close()  # nothing more can be trusted: hang up
             return
         for kind, call, payload in frames:
+            self.stopping = self.stopping or kind == wire.SHUTDOWN
             reply = self._waiting.get(call) if kind == wire.REPLY else None
             if reply is not None and not reply.done():
                 reply.set_result(payload)
