@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -132,9 +134,10 @@ def tokenizer_metadata(directory: Path, vocab_size: int) -> dict:
 
 
 def write_gguf(path: Path, family: str, kind, seed: int = 0, tokenizer_dir: Path | None = None,
-               raw_types: dict[str, object] | None = None):
+               raw_types: dict[str, object] | None = None, tokenizer_model: str = "gpt2"):
     """A random model of `family` written to `path` with its matrices in `kind`; returns the
-    transformers model holding the weights the file dequantizes to."""
+    transformers model holding the weights the file dequantizes to. `tokenizer_model` names
+    the type of the tokenizer from `tokenizer_dir` (its metadata is written the same)."""
     import transformers
 
     arch, config_cls, model_cls, extra = FAMILIES[family]
@@ -163,7 +166,7 @@ def write_gguf(path: Path, family: str, kind, seed: int = 0, tokenizer_dir: Path
         w.add_value_length(head_dim)
     if tokenizer_dir is not None:
         meta = tokenizer_metadata(tokenizer_dir, config.vocab_size)
-        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_model(tokenizer_model)
         w.add_tokenizer_pre("gpt-2")  # tokenizer.json's ByteLevel pre-tokenizer: GPT-2's regex
         w.add_token_list(meta["tokens"])
         w.add_token_types(meta["types"])
@@ -319,6 +322,29 @@ def test_tokenizer_from_metadata_matches_tokenizer_json(tokenized):
     messages = [{"role": "user", "content": "hello"}]
     assert mine.apply_chat_template(messages) == want.apply_chat_template(messages)
     assert mine.token_bytes()[: want.vocab_size] == want.token_bytes()
+
+
+def test_an_unsupported_tokenizer_leaves_the_model_to_token_ids(tmp_path, caplog):
+    """A SentencePiece file (Llama 2, Mistral): a warning says why there is no tokenizer, and
+    the model runs on token ids, as one without tokenizer metadata does."""
+    add_tokenizer(tmp_path)
+    path = tmp_path / "spm.gguf"
+    reference = write_gguf(path, "llama-tied", Q.Q8_0, seed=5, tokenizer_dir=tmp_path,
+                           tokenizer_model="llama")
+    why = "unsupported GGUF tokenizer 'llama' (supported: gpt2, a byte-level BPE)"
+    with caplog.at_level("WARNING", logger="symphony.engine.tokenizer"):
+        engine = Engine(path, kv_pages=8)
+    assert engine.tokenizer is None and Tokenizer.missing(path) == why
+    assert caplog.messages == [f"{path}: {why}; the model takes token ids, not text"]
+    prompt = [1, 17, 250]
+    assert generate(engine, [prompt], GREEDY, 4, stop_ids=())[0] == hf_greedy(reference, prompt, 4)
+    cli = [sys.executable, "-m", "symphony.cli", "generate", "--model", str(path),
+           "--max-new-tokens", "2"]
+    ran = subprocess.run([*cli, "--prompt-ids", "1,17,250"], capture_output=True, text=True,
+                         timeout=120)
+    assert ran.returncode == 0 and why in ran.stderr, ran.stderr
+    ran = subprocess.run([*cli, "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 1 and why in ran.stderr, ran.stderr
 
 
 def test_config_through_the_config_json_path(tokenized):

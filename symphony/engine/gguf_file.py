@@ -317,6 +317,14 @@ _PRE_TOKENIZERS: dict[str, tuple[list[str], bool, bool]] = {
 _CONTROL, _USER_DEFINED = 3, 4
 
 
+def unsupported_tokenizer(f: GGUFFile) -> str | None:
+    """Why the file's `tokenizer.ggml.model` is not one `build_tokenizer` builds, or None."""
+    kind = f.get("tokenizer.ggml.model")
+    if kind == "gpt2":
+        return None
+    return f"unsupported GGUF tokenizer {kind!r} (supported: gpt2, a byte-level BPE)"
+
+
 def build_tokenizer(f: GGUFFile):
     """(tokenizers.Tokenizer, settings) from the file's `tokenizer.*` metadata; settings are
     the chat template, the BOS/EOS tokens and ids, and whether encoding adds BOS."""
@@ -324,10 +332,8 @@ def build_tokenizer(f: GGUFFile):
     from tokenizers import Tokenizer as HFTokenizer
 
     src = str(f.path)
-    kind = f.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelError(f"{src}: unsupported GGUF tokenizer {kind!r} (supported: gpt2, "
-                         "a byte-level BPE); pass token ids instead of text")
+    if why := unsupported_tokenizer(f):
+        raise ModelError(f"{src}: {why}")
     tokens: list[str] = f.get("tokenizer.ggml.tokens") or []
     merges: list[str] = f.get("tokenizer.ggml.merges") or []
     types: list[int] = f.get("tokenizer.ggml.token_type") or [1] * len(tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from symphony.engine.errors import ModelError
+
+log = logging.getLogger(__name__)
 
 
 def _read_json(path: Path) -> dict:
@@ -54,6 +57,11 @@ def _sentencepiece_bytes(token: str) -> bytes:
     if m := _BYTE_TOKEN.fullmatch(token):
         return bytes([int(m[1], 16)])
     return token.replace("▁", " ").encode()
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning("%s", message)
 
 
 class Tokenizer:
@@ -106,14 +114,30 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Tokenizer | None:
-        """The checkpoint's tokenizer, or None when it ships without one. `directory` may be
-        a GGUF file, whose tokenizer is in its metadata."""
-        from symphony.engine.gguf_file import is_gguf, open_gguf
+        """The checkpoint's tokenizer, or None where it has none this class reads (`missing`
+        says why; for a GGUF file a warning says it, once a file, as its metadata is
+        expected to hold one). `directory` may be a GGUF file, whose tokenizer is in its
+        metadata."""
+        from symphony.engine.gguf_file import is_gguf
 
+        why = cls.missing(directory)
+        if why is None:
+            return cls.from_gguf(directory) if is_gguf(directory) else cls(directory)
         if is_gguf(directory):
-            has_one = open_gguf(directory).get("tokenizer.ggml.model") is not None
-            return cls.from_gguf(directory) if has_one else None
-        return cls(directory) if (Path(directory) / "tokenizer.json").exists() else None
+            _warn_once(f"{directory}: {why}; the model takes token ids, not text")
+        return None
+
+    @staticmethod
+    def missing(directory: str | Path) -> str | None:
+        """Why `from_dir` finds no tokenizer in the checkpoint; None where it finds one."""
+        from symphony.engine.gguf_file import is_gguf, open_gguf, unsupported_tokenizer
+
+        if not is_gguf(directory):
+            return None if (Path(directory) / "tokenizer.json").exists() else "no tokenizer.json"
+        f = open_gguf(directory)
+        if f.get("tokenizer.ggml.model") is None:
+            return "no tokenizer in the GGUF metadata"
+        return unsupported_tokenizer(f)
 
     @property
     def vocab_size(self) -> int:
