@@ -78,7 +78,11 @@ class Tokenizer:
         eos_token = _token_text(config.get("eos_token"))
         bos_id = tok.token_to_id(bos_token) if bos_token else None
         bos_id = generation.get("bos_token_id", bos_id)
-        eos = generation.get("eos_token_id")
+        # The ids transformers' generate stops at: generation_config.json's, else config.json's
+        # (GenerationConfig.from_model_config); and the tokenizer's EOS token besides.
+        stops = (generation if (directory / "generation_config.json").exists()
+                 else _read_json(directory / "config.json"))
+        eos = stops.get("eos_token_id")
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if eos_token and (eos_id := tok.token_to_id(eos_token)) is not None:
             eos.append(eos_id)
