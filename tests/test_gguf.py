@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from symphony.engine.engine import Engine
 from symphony.engine.errors import ModelError
 from symphony.engine.fingerprint import fingerprint
 from symphony.engine.generate import generate
+from symphony.engine.gguf_file import TENSOR_TYPES, GGUFFile
 from symphony.engine.loader import load_model
 from symphony.engine.sampler import GREEDY
 from symphony.engine.tokenizer import Tokenizer
@@ -380,12 +382,56 @@ def test_fingerprint_covers_the_file(tmp_path):
     assert fingerprint(renamed) == fingerprint(a)
 
 
-def test_unsupported_tensor_type_names_tensor_and_type(tmp_path):
-    kind = next(k for k in (Q.Q8_1, Q.Q8_K, Q.Q1_0) if not _dequantizable(k))
+@pytest.mark.parametrize("kind", [Q.Q8_K, Q.I8], ids=lambda k: k.name)
+def test_unsupported_tensor_type_names_tensor_and_type(tmp_path, kind):
     path = tmp_path / "model.gguf"
     write_gguf(path, "qwen2", Q.F32, raw_types={"blk.1.ffn_up.weight": kind})
-    with pytest.raises(ModelError, match=rf"'blk\.1\.ffn_up\.weight' has type {kind.name}"):
+    with pytest.raises(ModelError) as e:
         load_model(path)
+    assert str(e.value) == (f"{path}: tensor 'blk.1.ffn_up.weight' has type {kind.name}, which "
+                            f"cannot be dequantized (supported: {', '.join(TENSOR_TYPES)})")
+
+
+# The block types of TENSOR_TYPES; the others there are F32, F16, BF16 and F64.
+BLOCK_TYPES = [Q[n] for n in TENSOR_TYPES if gguf.GGML_QUANT_SIZES[Q[n]][0] > 1]
+
+
+def test_the_block_types_loaded_are_those_the_gguf_package_dequantizes():
+    assert [n for n in TENSOR_TYPES if Q[n] not in BLOCK_TYPES] == ["F32", "F16", "BF16", "F64"]
+    blocks = {k for k in Q if k in gguf.GGML_QUANT_SIZES and gguf.GGML_QUANT_SIZES[k][0] > 1}
+    assert set(BLOCK_TYPES) == {k for k in blocks if _dequantizable(k)}
+
+
+def test_the_docs_list_the_tensor_types():
+    """README.md and docs/architecture.md name each type (Q4_0/1 for Q4_0 and Q4_1), and no
+    other type gguf knows."""
+    root = Path(__file__).resolve().parents[1]
+    for doc in (root / "README.md", root / "docs" / "architecture.md"):
+        text = doc.read_text().replace("Q4_0/1", "Q4_0, Q4_1").replace("Q5_0/1", "Q5_0, Q5_1")
+        text = text.replace("Q2_K to Q6_K", "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K")
+        named = {k.name for k in Q if re.search(rf"\b{k.name}\b", text)}
+        assert named == set(TENSOR_TYPES), (doc, named ^ set(TENSOR_TYPES))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # random blocks hold NaN and inf
+@pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda k: k.name)
+def test_each_block_type_loads_as_gguf_dequantizes_it(tmp_path, kind):
+    """A q projection (permuted in the file) and an MLP matrix of the type: the weights the
+    engine takes are gguf's reference dequantization, in place; where gguf writes the type,
+    the logits equal transformers' on those weights (others get random blocks)."""
+    path = tmp_path / "model.gguf"
+    types = {"blk.0.attn_q.weight": kind, "blk.1.ffn_up.weight": kind}
+    reference = write_gguf(path, "llama-tied", Q.F32, raw_types=types)
+    state = reference.state_dict()
+    got = {name: tensor for name, _, tensor in GGUFFile(path).hf_tensors(
+        load_model(path).config, torch.float32)}
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"):
+        torch.testing.assert_close(got[name], state[name], rtol=0, atol=0, equal_nan=True)
+    try:
+        gguf.quants.quantize(np.zeros((1, gguf.GGML_QUANT_SIZES[kind][0]), np.float32), kind)
+    except NotImplementedError:
+        return
+    close(ours(load_model(path)), theirs(reference))
 
 
 def _dequantizable(kind) -> bool:

@@ -51,6 +51,16 @@ _GLOBAL_NAMES = {
 }
 
 
+# The tensor types loaded, each dequantized by the gguf package (F64 by numpy); any other is a
+# ModelError naming the tensor and its type.
+TENSOR_TYPES = (
+    "F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+    "TQ1_0", "TQ2_0", "MXFP4", "NVFP4",
+)
+
+
 def is_gguf(path: str | Path) -> bool:
     """Whether `path` is a GGUF file (a file that starts with GGUF's magic) rather than a
     checkpoint directory. A path named *.gguf that is no such file raises ModelError."""
@@ -171,17 +181,16 @@ class GGUFFile:
         kind = tensor.tensor_type
         types = gguf.GGMLQuantizationType
         try:
-            if kind in (types.I8, types.I16, types.I32, types.I64):
+            if kind.name not in TENSOR_TYPES:
                 raise NotImplementedError
             if kind == types.F64:
                 array = np.asarray(tensor.data, dtype=np.float64).astype(np.float32)
             else:
                 array = gguf.quants.dequantize(tensor.data, kind)
-        except NotImplementedError:
+        except NotImplementedError:  # also where an older gguf package lacks the type
             raise ModelError(
                 f"{self.path}: tensor {name!r} has type {kind.name}, which cannot be dequantized "
-                "(supported: F32, F16, BF16, F64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants "
-                "and the IQ types)"
+                f"(supported: {', '.join(TENSOR_TYPES)})"
             ) from None
         shape = tuple(int(d) for d in reversed(tensor.shape))
         array = np.ascontiguousarray(array).reshape(shape)
