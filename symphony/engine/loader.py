@@ -8,7 +8,7 @@ apart. `_layout` is the one table that says where each checkpoint tensor lives i
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -186,10 +186,11 @@ def load_model(
     path = Path(path)
     if is_gguf(path):
         return _load_gguf(path, device, dtype, group)
-    cfg = ModelConfig.from_file(path / "config.json")
+    files = _weight_files(path)
+    cfg = _untied(ModelConfig.from_file(path / "config.json"), files)
     model = _empty_model(cfg, device, dtype, group)
     filler = _Filler(model)
-    for file in _weight_files(path):
+    for file in files:
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
@@ -199,6 +200,25 @@ def load_model(
             raise ModelError(f"{file}: unreadable safetensors file ({e})") from e
     filler.check(path)
     return model.eval().requires_grad_(False)
+
+
+def _untied(cfg: ModelConfig, files: list[Path]) -> ModelConfig:
+    """`cfg`, untied where it ties the embedding and the LM head but the checkpoint holds both,
+    different: transformers' tie_weights keeps them apart then, the file's LM head computing
+    the logits."""
+    if not cfg.tie_word_embeddings:
+        return cfg
+    both = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in {"model.embed_tokens.weight", "lm_head.weight"} & set(f.keys()):
+                    both[name] = f.get_tensor(name)
+        except SafetensorError as e:
+            raise ModelError(f"{file}: unreadable safetensors file ({e})") from e
+    if len(both) == 2 and not torch.equal(*both.values()):
+        return replace(cfg, tie_word_embeddings=False)
+    return cfg
 
 
 def _read_slice(f, name: str, place: Place) -> torch.Tensor:
