@@ -261,9 +261,6 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
         raise ValueError("the model has no tokenizer; use --prompt-ids")
     prompt = prompt_of(k, args)
     check_context(prompt, args.max_new_tokens, info.context_length)
-    bad = next((t for t in prompt if not 0 <= t < info.vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"--prompt-ids: token {bad} is outside [0, {info.vocab_size})")
     stream = None
     if info.has_tokenizer and not args.json:
         stream = TextStream(k)

@@ -155,7 +155,7 @@ class AsyncKernel(AsyncKernelCalls, Session):
             self._rollbacks.cancelled([convert.fd_number(fd)])
             raise
         except OSError:
-            if self._ended:  # as Kernel._line_failure
+            if self._ended or self._stopping():  # as Kernel._line_failure
                 raise errors.error(*self._ended[0]) from None
             raise
 

@@ -18,24 +18,26 @@ def test_a_lip_refuses_prompt_ids_outside_the_vocabulary(daemon, lip):
                                "vocabulary\n"), out.stderr
 
 
-@pytest.mark.parametrize("tokens", [10, -1], ids=["generating", "attached"])
-def test_a_lip_says_the_kernel_is_stopping_when_it_stops(model, tokens):
+@pytest.mark.parametrize(("lip", "tokens"), [("complete.py", 10), ("complete.py", -1),
+                                             ("best_of_n.py", 10)],
+                         ids=["generating", "attached", "asyncio"])
+def test_a_lip_says_the_kernel_is_stopping_when_it_stops(model, lip, tokens):
     """`symphony stop` while a LIP generates (or has just attached): it said "pred:
     cancelled, the process is exiting: Interrupted system call", "kernel unreachable: the
     lifeline closed" or "no session: the process has exited or was killed", not that the
     kernel stopped, though the kernel says so first (SHUTDOWN)."""
     daemon = start_daemon(model, None, "--kv-pages", "64", "--engine", "sleep:20")
     try:
-        lip = subprocess.Popen([*SYMPHONY, "run", "lips/complete.py", "--prompt-ids", "1,2,3",
+        run = subprocess.Popen([*SYMPHONY, "run", f"lips/{lip}", "--prompt-ids", "1,2,3",
                                 "--max-new-tokens", "200", "--json"],
                                env=daemon.env(), cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
         with daemon.connect() as k:
-            wait_for(lambda: any(p.name == "complete.py" and p.tokens > tokens for p in k.ps()),
+            wait_for(lambda: any(p.name == lip and p.tokens > tokens for p in k.ps()),
                      what="the LIP to generate")
         assert daemon.stop() == 0, daemon.log_text()
-        out, err = lip.communicate(timeout=60)
+        out, err = run.communicate(timeout=60)
     finally:
         daemon.stop()
-    assert (lip.returncode, out) == (1, ""), err
-    assert err.startswith("complete: ") and "the kernel is stopping" in err, err
+    assert (run.returncode, out) == (1, ""), err
+    assert err.startswith(f"{lip.removesuffix('.py')}: ") and "the kernel is stopping" in err, err
