@@ -52,7 +52,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = Tokenizer.from_dir(model)
     if args.prompt is not None:
         if tok is None:
-            raise ModelError(f"{model}: no tokenizer.json; use --prompt-ids")
+            raise ModelError(f"{model}: {Tokenizer.missing(model)}; use --prompt-ids")
         prompt = nonempty(tok.encode(args.prompt))
     else:
         prompt = args.prompt_ids
@@ -280,11 +280,11 @@ def add_cuda_graphs_flag(p: argparse.ArgumentParser) -> None:
 
 def add_weights_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["quantized", "float"], default="quantized",
-                   help="on the CPU, a GGUF file's Q4_0, Q4_1 and Q8_0 matrices: kept as the "
-                   "file keeps them, alone, and multiplied so (quantized, the default: the "
-                   "same greedy output, faster, half the memory; without AVX-512 the "
-                   "kernel logs why and computes as float), or dequantized to fp32 at load "
-                   "(float)")
+                   help="on the CPU in float32, a GGUF file's Q4_0, Q4_1 and Q8_0 matrices: "
+                   "kept as the file keeps them, alone, and multiplied so (quantized, the "
+                   "default: the same greedy output, faster, half the memory; without "
+                   "AVX-512 or with another --dtype the kernel logs why and computes as "
+                   "float), or dequantized at load (float)")
 
 
 def add_kernel_flags(k: argparse.ArgumentParser) -> None:

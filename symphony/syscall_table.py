@@ -139,7 +139,8 @@ def sys_model_info(k: Kernel, proc: Process, cred: Cred, req: pb.Void) -> pb.Mod
 
 def _tokenizer(k: Kernel, what: str):
     if k.engine.tokenizer is None:
-        raise FSError(errno.EOPNOTSUPP, f"{what}: the model has no tokenizer")
+        raise FSError(errno.EOPNOTSUPP, f"{what}: the model has no tokenizer "
+                      f"({Tokenizer.missing(k.engine.model_dir)})")
     return k.engine.tokenizer
 
 

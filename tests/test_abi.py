@@ -346,11 +346,12 @@ def test_the_vocabulary_spells_the_tokenizer_s_tokens(k):
     assert vocab.tokens[300:] == [b""] * 20  # the model's ids past the tokenizer's
 
 
-def test_vocab_without_a_tokenizer_is_eopnotsupp():
-    kernel = SimpleNamespace(engine=SimpleNamespace(tokenizer=None))
+def test_vocab_without_a_tokenizer_is_eopnotsupp_saying_why(tmp_path):
+    kernel = SimpleNamespace(engine=SimpleNamespace(tokenizer=None, model_dir=tmp_path))
     with pytest.raises(OSError) as e:
         sys_vocab(kernel, None, None, pb.Void())
-    assert e.value.errno == errno.EOPNOTSUPP and "vocab" in str(e.value)
+    assert e.value.errno == errno.EOPNOTSUPP
+    assert "vocab: the model has no tokenizer (no tokenizer.json)" in str(e.value)
 
 
 # -- bad arguments of pred ---------------------------------------------------------------------

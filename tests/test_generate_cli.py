@@ -93,7 +93,7 @@ def test_bad_flags_are_refused(checkpoint, tmp_path):
     run = symphony("generate", "--model", str(tmp_path), "--prompt-ids", "1")
     assert run.returncode == 1 and "config.json: no such file" in run.stderr
     run = symphony("generate", "--model", str(directory), "--prompt-ids", "1,4000")
-    assert run.returncode == 1 and "vocabulary" in run.stderr
+    assert run.returncode == 2 and "--prompt-ids: token 4000 is outside" in run.stderr
 
 
 def test_text_prompt_with_tokenizer(checkpoint, tmp_path):
