@@ -5,6 +5,7 @@ each module gets its own daemon, stopped cleanly at the module's end. A test tha
 either fixture runs a real daemon, so it is marked `slow` here.
 """
 
+import importlib
 import os
 
 import pytest
@@ -66,3 +67,17 @@ def server(request, daemon):
     s = start_server(daemon, *getattr(request.module, "SERVE_FLAGS", ()))
     yield s
     assert s.stop() == 0, s.log_text()
+
+
+@pytest.fixture()
+def lip_main(capsys):
+    """lips.PROG's main(argv) run in this process: its status, stdout and stderr."""
+    def run(prog: str, *argv: str) -> tuple[int, str, str]:
+        try:
+            code = importlib.import_module(f"lips.{prog}").main(list(argv))
+        except SystemExit as e:  # argparse's exit
+            code = e.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run

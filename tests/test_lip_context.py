@@ -6,7 +6,6 @@ positions here."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -39,19 +38,10 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture()
-def lip(daemon, capsys, monkeypatch):
-    """Run lips.PROG's main in this process against the daemon: status, stdout, stderr."""
+def lip(daemon, lip_main, monkeypatch):
+    """lips.PROG's main run in this process against the daemon."""
     monkeypatch.setenv("SYMPHONY_SOCKET", str(daemon.socket))
-
-    def run(prog: str, *argv: str) -> tuple[int, str, str]:
-        try:
-            code = importlib.import_module(f"lips.{prog}").main(list(argv))
-        except SystemExit as e:  # argparse's exit
-            code = e.code
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return run
+    return lip_main
 
 
 def generate(model, *argv: str) -> subprocess.CompletedProcess:

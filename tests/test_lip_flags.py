@@ -4,8 +4,6 @@ does not exist, so a flag that got past the checks would be status 1)."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 BYTES = b'{"x": "' + b"y" * 17 + b'\xd0(' + b'"}\n'  # 0xd0 at offset 24 starts no UTF-8 char
@@ -14,16 +12,6 @@ BYTES = b'{"x": "' + b"y" * 17 + b'\xd0(' + b'"}\n'  # 0xd0 at offset 24 starts 
 @pytest.fixture(autouse=True)
 def no_kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("SYMPHONY_SOCKET", str(tmp_path / "none.sock"))
-
-
-def status(capsys, prog: str, *argv: str) -> tuple[int, str, str]:
-    """lips.PROG's main in this process: its status, stdout and stderr."""
-    try:
-        code = importlib.import_module(f"lips.{prog}").main(list(argv))
-    except SystemExit as e:  # argparse's exit
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.parametrize(("prog", "flag", "argv"), [
@@ -37,9 +25,10 @@ def status(capsys, prog: str, *argv: str) -> tuple[int, str, str]:
     ("chat", "argument --message-file:", ["--message-file", "{}"]),
     ("agent", "--script", ["--question", "q", "--script", "{}"]),
 ])
-def test_a_file_that_is_not_utf8_is_a_usage_error_naming_it(capsys, tmp_path, prog, flag, argv):
+def test_a_file_that_is_not_utf8_is_a_usage_error_naming_it(lip_main, tmp_path, prog, flag,
+                                                            argv):
     path = tmp_path / "bin.json"
     path.write_bytes(BYTES)
-    code, out, err = status(capsys, prog, *[str(path) if a == "{}" else a for a in argv])
+    code, out, err = lip_main(prog, *[str(path) if a == "{}" else a for a in argv])
     assert (code, out) == (2, "")
     assert f"{prog}: error: {flag} {path}: not UTF-8 text (byte 0xd0 at offset 24)" in err
