@@ -568,23 +568,26 @@ def main(sock: socket.socket) -> None:
         try:
             engine, leader, infos = _build(model_dir, device, dtype, shape, tier, weights, ranks)
         except BaseException as e:  # handed to the kernel, which reports it
-            _send(sock, ("error", _picklable(e)))
+            with contextlib.suppress(OSError):  # unless it is gone (stopped while we built)
+                _send(sock, ("error", _picklable(e)))
             return
         step, attention = (lambda work: forward(leader or engine, work)), engine.kernels.name
     # What is built by now lives as long as the process: out of the collector's sight, so
     # that the collections the steps' garbage sets off do not walk torch's and the model's
     # objects each time (in the kernel, collecting was 19% of the loop thread's CPU).
     gc.freeze()
-    _send(sock, ("ready", (attention, infos)))
     sampled: list[int] | None = None  # the last step's tokens, for the next one's placeholders
     try:
+        try:
+            _send(sock, ("ready", (attention, infos)))
+        except OSError:  # the kernel closed its end while we started: it is stopping
+            _stop_ranks(leader)
+            return
         while True:
             try:
                 work, dirty = receive(sock)
             except (EOFError, OSError):
-                if leader is not None:
-                    with contextlib.suppress(Exception):  # a group a rank left has no one
-                        leader.stop()  # to tell: the others are ending, or gone
+                _stop_ranks(leader)
                 return
             if leader is not None:
                 leader.dirty = dirty
@@ -608,6 +611,13 @@ def main(sock: socket.socket) -> None:
                 return
     finally:
         gc.unfreeze()  # collected at exit as usual (else triton's bindings report leaks)
+
+
+def _stop_ranks(leader: Leader | None) -> None:
+    """The kernel is gone: the other ranks are told to end."""
+    if leader is not None:
+        with contextlib.suppress(Exception):  # a group a rank left has no one to tell:
+            leader.stop()  # the others are ending, or gone
 
 
 def _build(model_dir: Path, device: torch.device, dtype: torch.dtype, shape: tuple[int, ...],
