@@ -786,10 +786,12 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
             # side shares the machine's cores. The loop's own figure is /proc/sched's, over
             # its last 10 s; the kernel's whole CPU a pred, over the rounds, bounds it too.
             step_us, cores, mine = sleep_ms * 1e3, os.cpu_count(), min(loop, kc)
-            print(f"    at these costs the loop thread allows at most "
-                  f"{min(1.0, step_us / (n * mine)):.2f} of the ideal ({n} x {mine:.0f} us a "
-                  f"step), the {cores} cores at most "
-                  f"{min(1.0, cores * step_us / (n * (kc + lc))):.2f} ({n} x {kc + lc:.0f} us)")
+            if mine > 0:  # 0: no step in /proc/sched's window (a run too short to say)
+                print(f"    at these costs the loop thread allows at most "
+                      f"{min(1.0, step_us / (n * mine)):.2f} of the ideal ({n} x {mine:.0f} us "
+                      f"a step), the {cores} cores at most "
+                      f"{min(1.0, cores * step_us / (n * (kc + lc))):.2f} ({n} x "
+                      f"{kc + lc:.0f} us)")
 
 
 def pingpong_floor(tmp: Path) -> str:
