@@ -132,18 +132,14 @@ SI_KERNEL = 0x80
 PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def reached_the_program(info: signal.struct_siginfo) -> bool:
+def reached_the_program(info: signal.struct_siginfo, program: int) -> bool:
     """Whether a signal that `run` got reached the program too, which shares run's process
-    group: one the terminal sent, or one a process of the group sent (to the group, most
-    likely: `kill 0`, or the program itself). Passed on again, a Ctrl-C would interrupt the
-    program twice. A signal sent to the group from outside it cannot be told from one sent
-    to run alone: it is passed on, and comes twice."""
-    if info.si_code == SI_KERNEL:
-        return True
-    try:
-        return os.getpgid(info.si_pid) == os.getpgid(0)
-    except ProcessLookupError:  # the sender has exited
-        return False
+    group: one the terminal sent (to its foreground group), or one the program sent (to its
+    group: `kill 0`). Passed on again, a Ctrl-C would interrupt the program twice. Any other
+    sender's is passed on: a process of run's group (a test harness, a supervisor) that
+    signals run's pid reaches run alone, and the program must stop too; one sent to the group
+    from another process comes twice."""
+    return info.si_code == SI_KERNEL or info.si_pid == program
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -165,7 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 127
         while (code := child.poll()) is None:
             info = signal.sigwaitinfo(waited)
-            if info.si_signo != signal.SIGCHLD and not reached_the_program(info):
+            if info.si_signo != signal.SIGCHLD and not reached_the_program(info, child.pid):
                 child.send_signal(info.si_signo)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
