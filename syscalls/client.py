@@ -40,6 +40,13 @@ T = TypeVar("T")
 # How long a pred the kernel failed waits for the lifeline to say whether it is stopping.
 STOPPING_WAIT = 2.0
 
+
+def reaped(code: int, message: str) -> bool:
+    """Whether an error says the kernel no longer has this process (exited, killed, or
+    reaped by a stopping kernel)."""
+    return code == errno.EPERM and message.startswith("no session")
+
+
 # One limit for every message, either way, whichever transport (gRPC's own default is 4 MiB
 # received): a longer request fails here with EMSGSIZE before it is sent.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_PAYLOAD),
@@ -80,8 +87,11 @@ class Session:
     def _checked(self, reply: Any) -> Any:
         """errors.check(reply); but once the session has ended, or the kernel said it is
         stopping, an error is its reason: the call was still waiting when it ended (a pred
-        the exit cancelled, EINTR)."""
-        if reply.error.errno and (self._ended or self._stopping()):
+        the exit cancelled, EINTR). A "no session" EPERM waits for that notice a while: a
+        stopping kernel sends it before it reaps the process, but it may be read after."""
+        error = reply.error
+        if error.errno and (self._ended or self._stopping(
+                STOPPING_WAIT if reaped(error.errno, error.message) else 0.0)):
             raise errors.error(*self._ended[0])
         return errors.check(reply)
 
@@ -288,8 +298,9 @@ class Kernel(KernelCalls, Session):
         under way, so a call on their files that finds them busy is made again
         (rollbacks.py)."""
         if isinstance(e, OSError):
-            # A stopping kernel cancels the preds (EINTR) and closes the lifeline (EPIPE).
-            if e.errno in (errno.EINTR, errno.EPIPE):
+            # A stopping kernel cancels the preds (EINTR), reaps the process (EPERM "no
+            # session") and closes the lifeline (EPIPE).
+            if e.errno in (errno.EINTR, errno.EPIPE) or reaped(e.errno, e.strerror or ""):
                 self._stopping(STOPPING_WAIT)
             return errors.error(*self._ended[0]) if self._ended else e
         self._rollbacks.cancelled(map(convert.fd_number, fds))
