@@ -187,6 +187,15 @@ def read_header(spool: Any, front: int, bounds: Bounds) -> tuple[int, int] | Non
     return 8 + n, header.size
 
 
+def header_extent(spool: Any) -> int:
+    """Where the header in a spool ends, as its length field says; 8 if that field is bad."""
+    spool.seek(0)
+    try:
+        return 8 + header_length(spool.read(8), None)
+    except OSError:
+        return 8
+
+
 class Reader:
     """A KV file open for reading: the kernel fd of its snapshot, and one export stream of
     it that sequential reads consume. The bytes just behind the last read are kept (FUSE may
@@ -618,15 +627,16 @@ class KvFS(pyfuse3.Operations):
             if (await self.attrs(path, ctx)).st_size != size:
                 raise pyfuse3.FUSEError(errno.EINVAL)
             return
-        if w.refused:
-            raise pyfuse3.FUSEError(w.refused)
-        if size:
-            await self.started(w)
         if size > w.size():  # growing is writing zeros at the end, checked as that write
             await self.put(w, w.size(), size, None)
             return
-        # A cut checks nothing: what is left was accepted, or is checked once whole again.
+        # A cut checks nothing and is always taken: what is left was accepted, or is checked
+        # once whole again; a refused header it cuts into is no longer there to refuse.
+        if size:
+            await self.started(w)
         async with w.lock:  # a cut to nothing needs none of the old bytes
+            if w.refused and size < header_extent(w.spool):
+                w.refused = 0
             w.unseeded = False
             w.spool.truncate(size)
             w.length = size
@@ -764,7 +774,35 @@ class KvFS(pyfuse3.Operations):
         k = self.who(ctx.uid, ctx.gid)
 
         def link() -> None:  # the kernel names open files: open the source, link, close
-            with k.open(src) as f:
+            try:
+                f = k.open(src)
+            except OSError as e:
+                if e.errno != errno.EACCES:
+                    raise
+                owner_link()  # the caller may not read it
+                return
+            with f:
+                f.link(path)
+
+        def owner_link() -> None:
+            """Link a file its caller may not read, as Linux's protected_hardlinks: only its
+            owner may (EPERM, not the open's EACCES). The mount's own session opens it for
+            its owner, after the kernel has checked the new name as the caller's link would."""
+            st = k.stat(src)
+            if st.uid != ctx.uid:
+                raise FSError(errno.EPERM, f"link {path!r}: not the owner of {src!r}, and "
+                              "no read and write permission on it")
+            try:
+                k.stat(path)  # search permission on its directories
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+            else:
+                raise FSError(errno.EEXIST, repr(path))
+            k.access(parent_of(path), os.W_OK | os.X_OK)
+            with self.kernel.open(src) as f:
+                if f.stat().ino != st.ino:  # another file took the name since
+                    raise FSError(errno.ENOENT, f"link {path!r}: {src!r} was replaced")
                 f.link(path)
 
         await self.run(link)
@@ -987,10 +1025,11 @@ class KvFS(pyfuse3.Operations):
 
     async def put(self, w: Writer, off: int, end: int, buf: bytes | None) -> None:
         """Spool bytes [off, end): `buf`, or None for zeros past the spool's end (a file
-        grown by ftruncate, checked as the write of those zeros would be)."""
+        grown by ftruncate, checked as the write of those zeros would be; refused, it is not
+        kept, and the file stays as it was: its size, and whether later writes are taken)."""
         if w.refused:
             raise pyfuse3.FUSEError(w.refused)
-        await self.within(w, off, end)
+        await self.within(w, off, end, grow=buf is None)
         header = w.header_end is None or off < w.header_end  # it may write the header
         async with w.lock:  # not while an import reads the spool
             was = (w.length, w.front, w.pieces, w.header_end, w.declared, w.bad, w.bad_end)
@@ -1010,21 +1049,30 @@ class KvFS(pyfuse3.Operations):
         if header:
             try:
                 await self.check_header(w, end if whole else None)
-            except pyfuse3.FUSEError:  # a bad header: refused, with every later write
-                w.dirty = True  # and the close
-                self.track(w)
+            except pyfuse3.FUSEError:
+                if buf is None:  # a growth that makes the header bad: not kept
+                    await self.undo(w, off, kept, was)
+                    raise
+                w.dirty = True  # a bad header written: refused, with every later write and
+                self.track(w)  # the close, until a cut into it (ftruncate)
                 raise
             if w.declared is not None and end > w.declared:
                 declared = w.declared
-                async with w.lock:
-                    w.spool.truncate(was[0])
-                    w.spool.seek(off)
-                    w.spool.write(kept)
-                    w.length, w.front, w.pieces, w.header_end, w.declared, w.bad, w.bad_end = was
-                self.spool_less(w, w.length)
+                await self.undo(w, off, kept, was)
                 raise pyfuse3.FUSEError(refusal(w.path, past_end(end, declared)))
         w.dirty = True
         self.track(w)
+
+    async def undo(self, w: Writer, off: int, kept: bytes, was: tuple) -> None:
+        """Put back a refused write at `off`: the bytes it covered (`kept`), the spool's
+        length and what the writes before it had checked (`was`)."""
+        async with w.lock:
+            w.spool.truncate(was[0])
+            w.spool.seek(off)
+            w.spool.write(kept)
+            w.length, w.front, w.pieces, w.header_end, w.declared, w.bad, w.bad_end = was
+            w.refused = 0  # put refuses a write to a spool already refused
+        self.spool_less(w, w.length)
 
     def track(self, w: Writer) -> None:
         """`w` is the open file that imports at its path, unless that name was taken from it."""
@@ -1046,12 +1094,13 @@ class KvFS(pyfuse3.Operations):
             self.bounds = await self.run(ask)
         return self.bounds
 
-    async def within(self, w: Writer, off: int, end: int) -> None:
+    async def within(self, w: Writer, off: int, end: int, grow: bool = False) -> None:
         """Refuse to spool bytes the kernel's import would refuse for their place alone:
         past the largest file it could hold (EFBIG), or past the end of the file a checked
         header lays out (EINVAL), unless the write changes that header. A spool that starts
         from the file's bytes (an open without O_TRUNC) is started first: their header is
-        the one checked."""
+        the one checked. A growth (ftruncate) refused past a header bad for now leaves the
+        writes after it free to make it good."""
         bounds = await self.limits()
         if end > bounds.largest:
             raise pyfuse3.FUSEError(refusal(w.path, FSError(
@@ -1063,8 +1112,9 @@ class KvFS(pyfuse3.Operations):
                 and end > w.declared):
             raise pyfuse3.FUSEError(refusal(w.path, past_end(end, w.declared)))
         if w.bad and off >= w.bad_end:  # past a header being rewritten that is bad for now
-            w.refused = w.bad
-            raise pyfuse3.FUSEError(w.refused)
+            if not grow:
+                w.refused = w.bad
+            raise pyfuse3.FUSEError(w.bad)
         self.spool_more(w, max(end, w.size()), bounds)
 
     async def started(self, w: Writer) -> None:
@@ -1114,11 +1164,7 @@ class KvFS(pyfuse3.Operations):
                 got = await trio.to_thread.run_sync(read_header, w.spool, w.front, bounds)
             except OSError as e:
                 if rewrite is not None:
-                    w.spool.seek(0)
-                    try:
-                        extent = 8 + header_length(w.spool.read(8), None)
-                    except OSError:
-                        extent = 8
+                    extent = header_extent(w.spool)
                     if rewrite <= extent:
                         log.info("write %s: header bad for now: %s", w.path, e)
                         w.bad, w.bad_end = e.errno or errno.EINVAL, extent

@@ -661,7 +661,8 @@ def test_an_unexpected_error_fails_its_request_alone():
 
 def test_ftruncate_growing_a_file_is_checked_as_the_write_of_its_zeros(k, mnt):
     # The header cut mid-way, then grown back with zeros: the zeros complete a bad header,
-    # as the same zeros written would, so the growth, every later write and the close fail.
+    # as the same zeros written would, so the growth fails, and is not kept: the file keeps
+    # its size, and the rest written imports.
     make(k, "/tmp/grow-src.kv", 8)
     blob = k.export("/tmp/grow-src.kv")
     (n,) = struct.unpack("<Q", blob[:8])
@@ -670,10 +671,11 @@ def test_ftruncate_growing_a_file_is_checked_as_the_write_of_its_zeros(k, mnt):
         assert os.write(fd, blob[: 8 + n + 100]) == 8 + n + 100
         os.ftruncate(fd, n)  # within the header: not all there, nothing checked
         assert errno_of(os.ftruncate, fd, len(blob)) == errno.EINVAL
-        assert errno_of(os.pwrite, fd, blob[-4:], len(blob) - 4) == errno.EINVAL
+        assert os.fstat(fd).st_size == n
+        assert os.pwrite(fd, blob[n:], n) == len(blob) - n
     finally:
-        assert errno_of(os.close, fd) == errno.EINVAL
-    assert errno_of(k.stat, "/tmp/grow.kv") == errno.ENOENT
+        os.close(fd)
+    assert k.export("/tmp/grow.kv") == blob
     # A header left whole: growing to the end it lays out is accepted, zeros past it not.
     fd = os.open(mnt / "tmp/grow.kv", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
@@ -718,3 +720,52 @@ def test_the_root_and_proc_count_a_link_for_each_subdirectory(k, mnt):
     assert os.stat(mnt).st_nlink == 2 + subdirs(mnt)
     assert os.stat(mnt / "proc").st_nlink == 2 + subdirs(mnt / "proc") > 2  # k's PID/
     assert os.stat(mnt / f"proc/{k.pid}").st_nlink == 2
+
+
+
+def test_a_refused_growth_is_not_kept(k, mnt):
+    # A new file grown with zeros: a header of length 0, refused. The file keeps its size
+    # (it was left at the refused one) and stays writable (every call after it was EINVAL).
+    make(k, "/tmp/cut-src.kv", 6)
+    blob = k.export("/tmp/cut-src.kv")
+    fd = os.open(mnt / "tmp/cut.kv", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        assert errno_of(os.ftruncate, fd, 4096) == errno.EINVAL
+        assert os.fstat(fd).st_size == 0
+        os.ftruncate(fd, 0)
+        assert os.write(fd, blob) == len(blob)
+    finally:
+        os.close(fd)
+    assert k.export("/tmp/cut.kv") == blob
+    # A header being rewritten in place, bad for now: a growth past it is refused alone,
+    # and the write that makes it good again goes on (it was refused, and the close).
+    size = len(blob)
+    fd = os.open(mnt / "tmp/cut.kv", os.O_WRONLY)
+    try:
+        assert os.pwrite(fd, b"!", 8) == 1  # the JSON's "{"
+        assert errno_of(os.ftruncate, fd, size + 1) == errno.EINVAL
+        assert os.fstat(fd).st_size == size
+        assert os.pwrite(fd, b"{", 8) == 1
+    finally:
+        os.close(fd)
+    assert k.export("/tmp/cut.kv") == blob
+
+
+def test_a_cut_is_always_taken_and_lifts_a_refused_header_it_cuts_into(k, mnt):
+    # A bad header written is refused, with every later write, while it is whole: a cut
+    # that leaves it whole is taken, and it is still refused; one into it is taken, and the
+    # header is checked again once whole (a cut was refused as the writes were).
+    make(k, "/tmp/cut-src.kv", 6)
+    blob = k.export("/tmp/cut-src.kv")
+    (n,) = struct.unpack("<Q", blob[:8])
+    fd = os.open(mnt / "tmp/cut2.kv", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        assert errno_of(os.write, fd, blob[:8] + b"!" + blob[9:]) == errno.EINVAL
+        os.ftruncate(fd, 8 + n)
+        assert os.fstat(fd).st_size == 8 + n
+        assert errno_of(os.pwrite, fd, blob[8 + n :], 8 + n) == errno.EINVAL
+        os.ftruncate(fd, 8 + n - 1)
+        assert os.pwrite(fd, blob, 0) == len(blob)
+    finally:
+        os.close(fd)
+    assert k.export("/tmp/cut2.kv") == blob

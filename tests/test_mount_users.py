@@ -327,3 +327,27 @@ def test_proc_pid_belongs_to_the_processs_user(daemon, k, mnt):
     finally:
         session.communicate(timeout=60)
     assert session.returncode == 0
+
+
+def test_ln_of_a_file_it_may_not_read_and_write_is_only_its_owners(k, mnt):
+    # As Linux's protected_hardlinks: EPERM for another user's file, whether the caller may
+    # read it (0644) or not (0600: the mount's open of it was refused first, EACCES).
+    for mode in (0o600, 0o644):
+        make(k, f"/tmp/ln-{mode:o}.kv", 4, mode)
+        err = refused(A, "ln", str(mnt / f"tmp/ln-{mode:o}.kv"), str(mnt / "tmp/ln-new.kv"))
+        assert b"Operation not permitted" in err, err
+        assert errno_of(k.stat, "/tmp/ln-new.kv") == errno.ENOENT
+    # Its owner may link a file it may not even read, where it may write.
+    k.chown("/tmp/ln-600.kv", A, A)
+    k.chmod("/tmp/ln-600.kv", 0)
+    run = as_user(A, "ln", str(mnt / "tmp/ln-600.kv"), str(mnt / "tmp/ln-new.kv"))
+    assert run.returncode == 0, run.stderr
+    assert k.stat("/tmp/ln-new.kv").ino == k.stat("/tmp/ln-600.kv").ino
+    assert k.stat("/tmp/ln-600.kv").nlink == 2
+    err = refused(A, "ln", str(mnt / "tmp/ln-600.kv"), str(mnt / "tmp/ln-new.kv"))
+    assert b"File exists" in err, err
+    k.mkdir("/tmp/ln-dir", 0o755)  # root's: A may not add a name there
+    err = refused(A, "ln", str(mnt / "tmp/ln-600.kv"), str(mnt / "tmp/ln-dir/x.kv"))
+    assert b"Permission denied" in err, err
+    assert errno_of(k.stat, "/tmp/ln-dir/x.kv") == errno.ENOENT
+    assert k.stat("/tmp/ln-600.kv").nlink == 2
