@@ -250,10 +250,17 @@ class FileSystem:
                 for i in range(self._pages_for(length))]
 
     def page_count(self, inode: Inode) -> int:
-        """Pages a file holds (computed, so it holds before a restored file's pages load)."""
-        if not inode.excluded:  # no holes: stat of a long file stays O(1)
+        """Pages a file holds: its pages that are not holes, up to its length (pages reserved
+        past it are a pred's). A restored file whose pages have not loaded yet: those its
+        load will take (`_holes`). Counted, not computed from the excluded ranges, once
+        loaded: a truncate into a punched page or a keep can leave a partly filled last page
+        a hole, which `_holes` counts as held (a restored file's load fills it)."""
+        if not inode.excluded:  # no holes (a hole's entries are excluded): stays O(1)
             return self._pages_for(inode.length)
-        return self._holes(inode.length, inode.excluded).count(False)
+        if inode.length and not inode.pages:  # restored, not loaded (as `open` tells)
+            return self._holes(inode.length, inode.excluded).count(False)
+        pages = inode.pages[: self._pages_for(inode.length)]
+        return len(pages) - pages.count(None)
 
     def stat_inode(self, inode: Inode) -> StatResult:
         return StatResult(
