@@ -83,6 +83,7 @@ from syscalls.session import AS_KEY, SESSION_KEY, hello, open_session  # noqa: E
 
 USERS = (60001, 60002)
 PATH_BUDGET = 4000  # grafts keep every chain's path under PATH_MAX, so a walk reaches all
+HOISTS = 64  # at most so many walks that move trees up before the leak check gives up
 HANG_S = 30.0  # a call that takes longer is reported as a hang
 COUNT_EVERY_S = 0.5  # how often a worker sends its counts to the parent
 ANY_OSERROR = "-"  # the errno column of an OSError without one (a finding)
@@ -1450,6 +1451,7 @@ class Fuzz:
         self.restarts = 0
         self.role_list: list[Role] = []
         self.walk_incomplete = False  # some tree was out of a path's reach
+        self.hoists = 0  # trees the walk moved up (walk-N)
 
     def found(self, kind: str, call: str, error: str, what: str) -> None:
         """A finding of the run as a whole: `what` was checked, the command reproduces it."""
@@ -1623,9 +1625,23 @@ class Fuzz:
 
     def walk(self, k: Kernel) -> tuple[dict[int, Any], dict[str, int]]:
         """Every named KV file (by inode, one stat each) and every path of one outside /tmp
-        (its tokens), walking the namespace as root without recursion."""
+        (its tokens), walking the namespace as root without recursion. A tree that renames
+        moved deeper than a path reaches is moved up first (`hoist`), and the walk starts
+        over: a file it did not reach would count as a leak."""
+        for _ in range(HOISTS):
+            by_ino, persisted, deep = self.walk_once(k)
+            if not deep or not any([self.hoist(k, d) for d in deep]):
+                break
+        if deep:
+            self.walk_incomplete = True
+            self.report.note(f"the walk cannot reach below {short(deep[0], 60)}")
+        return by_ino, persisted
+
+    def walk_once(self, k: Kernel) -> tuple[dict[int, Any], dict[str, int], list[str]]:
+        """One walk: its files, its paths, and the directories whose path is too long."""
         by_ino: dict[int, Any] = {}
         persisted: dict[str, int] = {}
+        deep: list[str] = []
         stack = ["/"]
         while stack:
             d = stack.pop()
@@ -1633,8 +1649,7 @@ class Fuzz:
                 entries = k.readdir(d)
             except OSError as e:
                 if e.errno == errno.ENAMETOOLONG:  # a tree moved deeper than PATH_MAX
-                    self.walk_incomplete = True
-                    self.report.note(f"the walk cannot reach below {short(d, 60)}: {e}")
+                    deep.append(d)
                     continue
                 self.found("check", "readdir", f"{type(e).__name__}: {e}",
                            f"k.readdir({short(d)}) as root after the run")
@@ -1647,7 +1662,27 @@ class Fuzz:
                 by_ino.setdefault(st.ino, st)
                 if not path.startswith("/tmp/"):
                     persisted[path] = st.tokens
-        return by_ino, persisted
+        return by_ino, persisted, deep
+
+    def hoist(self, k: Kernel, deep: str) -> bool:
+        """Move the ancestor of `deep` about half its path long (reachable: deep's parent
+        was) to a new name in the top directory of its path (in /tmp it stays temporary),
+        as root: the tree's paths get about half as long. Whether it moved (a tree another
+        hoist of this walk moved has another path now: the next walk finds it)."""
+        cut, top = deep.rfind("/", 0, len(deep) // 2), "/" + deep.split("/")[1]
+        if cut <= len(top):
+            return False
+        self.hoists += 1
+        new = f"{top}/walk-{self.hoists}"
+        try:
+            k.rename(deep[:cut], new)
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENAMETOOLONG, errno.EEXIST):
+                self.found("check", "rename", f"{type(e).__name__}: {e}",
+                           f"k.rename({short(deep[:cut])}, {new!r}) as root after the run")
+            return False
+        self.report.note("the walk moved trees deeper than a path reaches up")
+        return True
 
     @staticmethod
     def pages(k: Kernel, files: dict[int, Any]) -> dict[str, int]:
