@@ -244,17 +244,18 @@ class FileSystem:
     # -- metadata -----------------------------------------------------------------------
 
     def _holes(self, length: int, excluded: list[tuple[int, int]]) -> list[bool]:
-        """For each page of a file: is it a full page wholly out of attention (freed)?"""
+        """For each page of a file: are its entries, up to the file's length, all out of
+        attention (a hole: no page)? A partly filled last page too, as a truncate into a
+        punched page leaves it (an append re-fills it fresh, `_needs_private_tail`)."""
         size = self.page_size
-        return [(i + 1) * size <= length and covered(excluded, i * size, (i + 1) * size)
+        return [covered(excluded, i * size, min((i + 1) * size, length))
                 for i in range(self._pages_for(length))]
 
     def page_count(self, inode: Inode) -> int:
         """Pages a file holds: its pages that are not holes, up to its length (pages reserved
         past it are a pred's). A restored file whose pages have not loaded yet: those its
-        load will take (`_holes`). Counted, not computed from the excluded ranges, once
-        loaded: a truncate into a punched page or a keep can leave a partly filled last page
-        a hole, which `_holes` counts as held (a restored file's load fills it)."""
+        load will take (`_holes`). Counted once loaded: a page whose entries were punched
+        in parts stays held, though `_holes` would leave it out."""
         if not inode.excluded:  # no holes (a hole's entries are excluded): stays O(1)
             return self._pages_for(inode.length)
         if inode.length and not inode.pages:  # restored, not loaded (as `open` tells)
@@ -518,7 +519,7 @@ class FileSystem:
             if len(kept) < full:
                 k, v = k[:, kept], v[:, kept]
             pool.write_pages([pages[i].slot for i in kept], k, v)
-        if n % size:
+        if n % size and pages[-1] is not None:
             pool.write_rows(pages[-1].slot, 0, imported.k[:, full * size:],
                             imported.v[:, full * size:])
         old, inode.pages, inode.table = inode.pages, pages, None

@@ -352,6 +352,10 @@ def test_stat_counts_the_pages_a_file_holds_when_its_last_page_is_a_hole(fs):
     fs.truncate(h, 6)  # the last page, partly filled, is that hole
     assert h.inode.pages[1] is None and h.inode.excluded == [(4, 6)]
     assert fs.fstat(h).pages == held(h) == 64 - fs.store.pool.free_in("device") == 1
+    copy = fs.import_file(ALICE, "/home/alice/copy", fs.export(h), 0o600)  # as a restore
+    assert sum(p is not None for p in copy.pages) == fs.stat_inode(copy).pages == 1
+    assert fs.export(fs.open(ALICE, "/home/alice/copy", os.O_RDONLY)) == fs.export(h)
+    fs.unlink(ALICE, "/home/alice/copy")
     append(fs, h, [7])  # re-filled fresh
     assert fs.fstat(h).pages == held(h) == 2
     assert_kv(fs, h)
