@@ -22,6 +22,7 @@ from syscalls.flags import (
     nonempty,
     report,
     sampling_kwargs,
+    stdout_flushed,
 )
 
 
@@ -382,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a LIP wired to the kernel; exits with its status")
     r.add_argument("--socket", help=socket_help)
     r.add_argument("program", help="a .py file (run with this Python) or an executable")
-    r.add_argument("args", nargs=argparse.REMAINDER)
+    # REMAINDER is required to argparse, but it takes nothing when nothing follows the program
+    r.add_argument("args", nargs=argparse.REMAINDER).required = False
     r.set_defaults(func=lambda a: control().cmd_run(a))
     # serve's flags are the program's own (`symphony serve --help` prints them): main passes
     # what this parser does not know on to it.
@@ -414,6 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return stdout_flushed("symphony", lambda: run_command(argv))
+
+
+def run_command(argv: list[str] | None) -> int:
+    """The command `argv` names, run: its exit status (main's, stdout not yet flushed)."""
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and not getattr(args, "passes_flags", False):

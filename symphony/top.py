@@ -171,7 +171,7 @@ def seconds(text: str) -> float:
     """An argparse type: --interval's seconds, finite and above 0."""
     value = float(text)  # a ValueError is argparse's "invalid seconds value: ..."
     if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
     return value
 
 

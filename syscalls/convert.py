@@ -328,6 +328,10 @@ def _wire_checked(build: Callable[..., T]) -> Callable[..., T]:
     def checked(*args: Any, **kwargs: Any) -> T:
         try:
             return build(*args, **kwargs)
+        except UnicodeError as e:  # a path or text with bytes that are not UTF-8
+            given = e.object if isinstance(e.object, str) else os.fsdecode(e.object)
+            raise OSError(errno.EINVAL, f"{build.__name__}: '{shown(given)}' is not UTF-8 "
+                          "text (\\xNN: a byte that is not)") from None
         except ValueError as e:
             raise OSError(errno.EINVAL, f"{build.__name__}: an argument does not fit its "
                           f"field ({e})") from None
@@ -335,11 +339,23 @@ def _wire_checked(build: Callable[..., T]) -> Callable[..., T]:
     return checked
 
 
+def shown(text: str) -> str:
+    """`text` as a string field can hold it: its bytes (os.fsencode: sys.argv and file names
+    hold a byte that is not UTF-8 as a surrogate escape) as UTF-8, each byte that is not
+    written \\xNN, as Python's backslashreplace writes it (a lone surrogate that stands for
+    no byte: \\udNNN)."""
+    try:
+        return os.fsencode(text).decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+
+
 @_wire_checked
 def attach(name: str | None, argv: Sequence[str] | None) -> Call[Identity]:
-    """By default a process shows in ps as its program's file name, with its sys.argv."""
-    argv = sys.argv if argv is None else argv
-    name = name or (os.path.basename(argv[0]) if argv and argv[0] else "python")
+    """By default a process shows in ps as its program's file name, with its sys.argv. A
+    byte of an argument or the name that is not UTF-8 shows as \\xNN (`shown`)."""
+    argv = [shown(a) for a in (sys.argv if argv is None else argv)]
+    name = shown(name or (os.path.basename(argv[0]) if argv and argv[0] else "python"))
     return Call("Attach", pb.AttachRequest(name=name, argv=argv), lambda r: _record(Identity, r))
 
 
@@ -378,15 +394,26 @@ def tokenize(
     add_generation_prompt: bool = False,
     add_special: bool = False,
 ) -> Call[list[int]]:
-    """Token ids of `text`, or of `messages` ({"role", "content"}) rendered by the chat
-    template. add_special: BOS as the tokenizer itself would add it."""
+    """Token ids of `text`, or of `messages` (each a mapping with str "role" and "content";
+    its other keys are not sent) rendered by the chat template. add_special: BOS as the
+    tokenizer itself would add it."""
     request = pb.TokenizeRequest(
         text=text,
-        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
+        messages=[_chat_message(i, m) for i, m in enumerate(messages or ())],
         add_generation_prompt=add_generation_prompt,
         add_special=add_special,
     )
     return Call("Tokenize", request, lambda r: list(r.ids))
+
+
+def _chat_message(i: int, message: Any) -> pb.ChatMessage:
+    """messages[i] as the request holds it; EINVAL naming it unless it is a mapping with
+    str "role" and "content"."""
+    if not (isinstance(message, Mapping)
+            and all(isinstance(message.get(key), str) for key in ("role", "content"))):
+        raise OSError(errno.EINVAL, f"tokenize: messages[{i}] is not a mapping with str "
+                      f"'role' and 'content': {message!r}")
+    return pb.ChatMessage(role=message["role"], content=message["content"])
 
 
 @_wire_checked

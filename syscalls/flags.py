@@ -10,6 +10,8 @@ import asyncio
 import errno
 import math
 import os
+import select
+import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -22,13 +24,15 @@ if TYPE_CHECKING:
 
 def number(kind: type, low: float, high: float | None = None) -> Callable[[str], Any]:
     """An argparse type: a `kind` (int or float) in [low, high] (no bound above when high
-    is None), finite, else the flag's usage error (exit status 2) saying the range."""
+    is None), finite, else the flag's usage error (exit status 2) saying the range, and for
+    a float that it must be finite ("must be a finite number >= 0, got nan")."""
     def parse(text: str) -> Any:
         value = kind(text)  # a ValueError is argparse's "invalid int value: ..."
         if (kind is float and not math.isfinite(value) or value < low
                 or high is not None and value > high):
             bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+            what = "a finite number " if kind is float else ""
+            raise argparse.ArgumentTypeError(f"must be {what}{bound}, got {text}")
         return value
 
     parse.__name__ = kind.__name__
@@ -210,8 +214,30 @@ async def asave_path(k: AsyncKernel, path: str) -> str:
     raise _exists(path)
 
 
+def reader_gone(e: BaseException) -> bool:
+    """Whether `e` is stdout's reader having gone (`symphony ps | head -1`), not a kernel's
+    EPIPE: a BrokenPipeError while stdout is a pipe with no reader (poll says POLLERR)."""
+    if not isinstance(e, BrokenPipeError):
+        return False
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # None, closed, or not a file (pytest's)
+        return False
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poll.poll(0))
+
+
 def report(prog: str, e: BaseException) -> int:
-    """Print `prog: message` to stderr and give the exit status for it."""
+    """Print `prog: message` to stderr and give the exit status for it. When stdout's
+    reader has gone (reader_gone) nothing is printed: the status is 141 (128 + SIGPIPE), a
+    shell's for a program killed by SIGPIPE, as git and coreutils end, and the rest of
+    stdout goes to /dev/null (flushed at exit, it would fail again)."""
+    if reader_gone(e):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
     if isinstance(e, UsageError):
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -228,6 +254,20 @@ def report(prog: str, e: BaseException) -> int:
     return 1
 
 
+def stdout_flushed(prog: str, main: Callable[[], int]) -> int:
+    """main()'s exit status, stdout flushed before it is returned (or before argparse's
+    exit, --help's, goes on): not at the interpreter's exit, where a reader gone would be
+    Python's "Exception ignored ... BrokenPipeError". Such a BrokenPipeError, there or in a
+    write that main did not catch, is report's: quiet, 141."""
+    try:
+        try:
+            return main()
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError as e:
+        return report(prog, e)
+
+
 def lip_main(
     prog: str,
     parser: argparse.ArgumentParser,
@@ -236,17 +276,20 @@ def lip_main(
     check: Callable[[argparse.ArgumentParser, argparse.Namespace], None] | None = None,
 ) -> int:
     """What a synchronous LIP's main does: parse, check (a bad flag exits 2 through
-    parser.error), connect, run, and report a failure."""
+    parser.error), connect, run, and report a failure; stdout_flushed."""
     from syscalls.client import Kernel
 
-    args = parser.parse_args(argv)
-    if check is not None:
-        check(parser, args)
-    try:
-        with Kernel.connect() as k:
-            return run(k, args)
-    except (OSError, ValueError) as e:
-        return report(prog, e)
+    def main() -> int:
+        args = parser.parse_args(argv)
+        if check is not None:
+            check(parser, args)
+        try:
+            with Kernel.connect() as k:
+                return run(k, args)
+        except (OSError, ValueError) as e:
+            return report(prog, e)
+
+    return stdout_flushed(prog, main)
 
 
 def alip_main(
@@ -259,15 +302,18 @@ def alip_main(
     """lip_main for an asyncio LIP: `run` is a coroutine function."""
     from syscalls.aio import AsyncKernel
 
-    args = parser.parse_args(argv)
-    if check is not None:
-        check(parser, args)
+    def main() -> int:
+        args = parser.parse_args(argv)
+        if check is not None:
+            check(parser, args)
 
-    async def session() -> int:
-        async with await AsyncKernel.connect() as k:
-            return await run(k, args)
+        async def session() -> int:
+            async with await AsyncKernel.connect() as k:
+                return await run(k, args)
 
-    try:
-        return asyncio.run(session())
-    except (OSError, ValueError) as e:
-        return report(prog, e)
+        try:
+            return asyncio.run(session())
+        except (OSError, ValueError) as e:
+            return report(prog, e)
+
+    return stdout_flushed(prog, main)

@@ -43,8 +43,9 @@ class KernelCalls:
         add_generation_prompt: bool = False,
         add_special: bool = False,
     ) -> list[int]:
-        """Token ids of `text`, or of `messages` ({"role", "content"}) rendered by the chat
-        template. add_special: BOS as the tokenizer itself would add it."""
+        """Token ids of `text`, or of `messages` (each a mapping with str "role" and "content"; its
+        other keys are not sent) rendered by the chat template. add_special: BOS as the tokenizer
+        itself would add it."""
         return self._do(convert.tokenize(text, messages, add_generation_prompt, add_special))
 
     def detokenize(self, ids: Iterable[int], keep_special: bool = False) -> str:
@@ -198,8 +199,9 @@ class AsyncKernelCalls:
         add_generation_prompt: bool = False,
         add_special: bool = False,
     ) -> list[int]:
-        """Token ids of `text`, or of `messages` ({"role", "content"}) rendered by the chat
-        template. add_special: BOS as the tokenizer itself would add it."""
+        """Token ids of `text`, or of `messages` (each a mapping with str "role" and "content"; its
+        other keys are not sent) rendered by the chat template. add_special: BOS as the tokenizer
+        itself would add it."""
         return await self._do(convert.tokenize(text, messages, add_generation_prompt, add_special))
 
     async def detokenize(self, ids: Iterable[int], keep_special: bool = False) -> str:

@@ -168,3 +168,35 @@ def test_generate_refuses_prompt_ids_outside_the_vocabulary(capsys):
     assert main(["generate", "--prompt-ids", "1,999999999", "--max-new-tokens", "1"]) == 2
     assert capsys.readouterr().err.startswith(
         "symphony: error: --prompt-ids: token 999999999 is outside [0, ")
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0, got nan"),
+    (["--temperature", "inf"], "argument --temperature: must be a finite number >= 0, got inf"),
+    (["--top-p", "nan"], "argument --top-p: must be a finite number in [0, 1], got nan"),
+    (["--min-p=-inf"], "argument --min-p: must be a finite number in [0, 1], got -inf"),
+    (["--top-k", "-1"], "argument --top-k: must be >= 0, got -1"),
+])
+def test_a_float_flag_that_is_not_finite_says_so(capsys, args, says):
+    """--temperature nan said "must be >= 0, got nan": what was wrong was that it is not a
+    finite number."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["generate", "--prompt-ids", "1", *args])
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(f"error: {says}\n")
+
+
+def test_top_interval_that_is_not_finite_says_so(capsys):
+    """It said "must be a positive number of seconds, got inf"."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["top", "--once", "--interval", "inf"])
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(
+        "error: argument --interval: must be a finite number of seconds > 0, got inf\n")
+
+
+def test_a_bare_run_names_only_the_program_as_missing(capsys):
+    """It said "the following arguments are required: program, args": args may be empty."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["run"])
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(
+        "error: the following arguments are required: program\n")
+    assert build_parser().parse_args(["run", "p.py"]).args == []
