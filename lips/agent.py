@@ -56,12 +56,15 @@ from syscalls.flags import (
     at_least_one,
     check_context,
     lip_main,
+    number,
     sampling_kwargs,
     save_path,
     text_file,
 )
 
 TOOLS = ("python", "lookup", "finish")
+# The longest --tool-timeout: a day (subprocess waits fail past about 24 days).
+MAX_TOOL_TIMEOUT = 86400
 PREAMBLE = ("Answer the question. After each Thought comes one Action: python[code] runs "
             "Python and shows what it prints, lookup[path] shows a file, finish[answer] "
             "gives the answer. An Observation follows each other action.\n")
@@ -355,8 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="teacher-forced actions, JSON lines {\"action\", \"input\"}")
     p.add_argument("--root", default=".", metavar="DIR",
                    help="lookup's root and python's working directory (default .)")
-    p.add_argument("--tool-timeout", type=float, default=10.0, metavar="S",
-                   help="seconds a python snippet may run (default 10)")
+    p.add_argument("--tool-timeout", type=number(float, 0, MAX_TOOL_TIMEOUT, above=True),
+                   default=10.0, metavar="S",
+                   help=f"seconds a python snippet may run, in (0, {MAX_TOOL_TIMEOUT}] "
+                        "(default 10)")
     p.add_argument("--max-observation", type=int, default=2000, metavar="CHARS",
                    help="observations are cut to this many characters (default 2000)")
     p.add_argument("--max-turns", type=int, default=8, metavar="N", help="default 8")
@@ -374,8 +379,6 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Bad flags end the program with usage and status 2, before the kernel is asked; the
     script's actions go to args.actions."""
     at_least_one(p, args, "tries", "max_turns", "max_observation", "max_new_tokens")
-    if not args.tool_timeout > 0:
-        p.error(f"--tool-timeout must be > 0, got {args.tool_timeout}")
     if not Path(args.root).is_dir():
         p.error(f"--root {args.root}: not a directory")
     if args.tries > 1:

@@ -47,7 +47,6 @@ import argparse
 import asyncio
 import codecs
 import json
-import math
 import os
 import shlex
 import signal
@@ -66,6 +65,7 @@ from syscalls.flags import (
     alip_main,
     aprompt_of,
     asave_path,
+    number,
     sampling_kwargs,
     text_file,
 )
@@ -344,8 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synchronous calling (the baseline): wait for each result")
     p.add_argument("--answer-tokens", type=int, default=16,
                    help="tokens written once every result is in (default 16)")
-    p.add_argument("--timeout", type=float, default=10.0,
-                   help="seconds a tool may run (default 10)")
+    p.add_argument("--timeout", type=number(float, 0, above=True), default=10.0,
+                   help="seconds a tool may run, a finite number > 0 (default 10)")
     p.add_argument("--tools", type=names, default=frozenset(TOOLS),
                    help=f"tools enabled (default {','.join(TOOLS)})")
     p.add_argument("--allow", type=names, default=names(DEFAULT_ALLOW),
@@ -361,8 +361,6 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse what cannot run, before any kernel is asked (argparse's exit 2)."""
     if args.answer_tokens < 0:
         p.error(f"--answer-tokens must be >= 0, got {args.answer_tokens}")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.max_result_chars < 8:
         p.error(f"--max-result-chars must be >= 8, got {args.max_result_chars}")
     if not args.tools or not args.tools <= set(TOOLS):

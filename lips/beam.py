@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from syscalls.flags import (
     at_least_one,
     check_context,
     check_flags,
+    number,
 )
 
 
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_flags(p)
     p.add_argument("--width", type=int, default=4, help="beams kept per step (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--length-penalty", type=float, default=0.0, metavar="ALPHA",
+    p.add_argument("--length-penalty", type=number(float, 0), default=0.0, metavar="ALPHA",
                    help="GNMT length normalisation: score = logprob / ((5 + n) / 6) ** ALPHA "
                         "(default 0: total logprob)")
     p.add_argument("--json", action="store_true", help="every hypothesis, best first")
@@ -73,8 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Bad flags end the program with usage and status 2, before the kernel is asked."""
     at_least_one(p, args, "width", "max_new_tokens")
-    if not math.isfinite(args.length_penalty) or args.length_penalty < 0:
-        p.error(f"--length-penalty must be a finite number >= 0, got {args.length_penalty}")
 
 
 def gnmt_score(logprob: float, length: int, alpha: float) -> float:

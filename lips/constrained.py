@@ -44,12 +44,13 @@ from syscalls.client import Kernel
 from syscalls.context import Context
 from syscalls.convert import LogitControl, ModelInfo, Vocabulary
 from syscalls.flags import (
+    UsageError,
     add_prompt_flags,
     add_sampling_flags,
     check_context,
     check_flags,
+    lip_main,
     prompt_of,
-    report,
     sampling_kwargs,
     text_file,
 )
@@ -58,7 +59,7 @@ PROG = "constrained"
 INCOMPLETE = 3
 
 
-class GrammarError(ValueError):
+class GrammarError(UsageError):
     """A schema or regular expression llguidance refuses (exit status 2)."""
 
 
@@ -279,15 +280,7 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        with Kernel.connect() as k:
-            return run(k, args)
-    except GrammarError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as e:
-        return report(PROG, e)
+    return lip_main(PROG, build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -35,10 +35,10 @@ from syscalls.flags import (
     UsageError,
     add_sampling_flags,
     add_text_flags,
+    lip_main,
     number,
     parse_ids,
     prompt_of,
-    report,
     sampling_kwargs,
     text_file,
 )
@@ -258,15 +258,7 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        with Kernel.connect() as k:
-            return run(k, args)
-    except UsageError as e:
-        parser.error(str(e))  # exits 2 with the usage line
-    except (OSError, ValueError) as e:
-        return report("sink", e)
+    return lip_main("sink", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -22,15 +22,20 @@ if TYPE_CHECKING:
     from syscalls.client import Kernel
 
 
-def number(kind: type, low: float, high: float | None = None) -> Callable[[str], Any]:
-    """An argparse type: a `kind` (int or float) in [low, high] (no bound above when high
-    is None), finite, else the flag's usage error (exit status 2) saying the range, and for
-    a float that it must be finite ("must be a finite number >= 0, got nan")."""
+def number(kind: type, low: float, high: float | None = None, *,
+           above: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a `kind` (int or float) in [low, high] ((low, high] when `above`:
+    low itself refused; no bound above when high is None), finite, else the flag's usage
+    error (exit status 2) saying the range, and for a float that it must be finite ("must
+    be a finite number >= 0, got nan"; "> 0" when `above`)."""
     def parse(text: str) -> Any:
         value = kind(text)  # a ValueError is argparse's "invalid int value: ..."
         if (kind is float and not math.isfinite(value) or value < low
-                or high is not None and value > high):
-            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+                or above and value == low or high is not None and value > high):
+            if high is None:
+                bound = f"{'>' if above else '>='} {low}"
+            else:
+                bound = f"in {'(' if above else '['}{low}, {high}]"
             what = "a finite number " if kind is float else ""
             raise argparse.ArgumentTypeError(f"must be {what}{bound}, got {text}")
         return value

@@ -121,7 +121,11 @@ def test_lookup_stays_under_the_root(tmp_path):
 @pytest.mark.parametrize("argv, what", [
     (["--tries", "0"], "--tries"),
     (["--max-turns", "0"], "--max-turns"),
-    (["--tool-timeout", "0"], "--tool-timeout"),
+    (["--tool-timeout", "0"], "--tool-timeout: must be a finite number in (0, 86400], got 0"),
+    # inf was taken, and the first python action died in subprocess's wait (OverflowError)
+    (["--tool-timeout", "inf"], "--tool-timeout: must be a finite number in (0, 86400], got"),
+    (["--tool-timeout", "nan"], "--tool-timeout: must be a finite number in (0, 86400], got"),
+    (["--tool-timeout", "1e7"], "--tool-timeout: must be a finite number in (0, 86400], got"),
     (["--root", "/no/such/dir"], "--root"),
     (["--script", "/no/such/script"], "--script"),
     (["--script", "BAD"], "not JSON"),

@@ -151,8 +151,9 @@ def check_file(daemon, r: dict, name: str) -> None:
 @pytest.mark.parametrize("args, message", [
     (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
     (["--answer-tokens", "-1"], "--answer-tokens must be >= 0"),
-    (["--timeout", "0"], "--timeout must be a positive number"),
-    (["--timeout", "nan"], "--timeout must be a positive number"),
+    (["--timeout", "0"], "argument --timeout: must be a finite number > 0, got 0"),
+    (["--timeout", "nan"], "argument --timeout: must be a finite number > 0, got nan"),
+    (["--timeout", "inf"], "argument --timeout: must be a finite number > 0, got inf"),
     (["--tools", "perl"], "--tools must name some of python, sh"),
     (["--max-result-chars", "2"], "--max-result-chars must be >= 8"),
     (["--script", "/nonexistent.json"], "/nonexistent.json: No such file"),

@@ -128,8 +128,9 @@ def test_eos_among_the_best_finishes_a_hypothesis():
 @pytest.mark.parametrize("argv, what", [
     (["--width", "0"], "--width"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
-    (["--length-penalty", "nan"], "--length-penalty"),
-    (["--length-penalty", "-1"], "--length-penalty"),
+    (["--length-penalty", "nan"], "--length-penalty: must be a finite number >= 0, got nan"),
+    (["--length-penalty", "inf"], "--length-penalty: must be a finite number >= 0, got inf"),
+    (["--length-penalty", "-1"], "--length-penalty: must be a finite number >= 0, got -1"),
     (["--width", "two"], "--width"),
     ([], "--prompt"),
 ])

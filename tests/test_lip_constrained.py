@@ -356,3 +356,24 @@ def test_no_kernel_is_reported(tmp_path):
                        env={**os.environ, "SYMPHONY_SOCKET": str(tmp_path / "none.sock")})
     assert r.returncode == 1
     assert r.stderr.startswith("constrained: ") and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["--help"],
+    ["--prompt-ids", "1,2", "--regex", "[a-z]{4}", "--max-new-tokens", "8"],
+    ["--prompt-ids", "1,2", "--regex", "[a-z]{4}", "--max-new-tokens", "8", "--json"],
+])
+def test_a_reader_gone_from_stdout_stops_it_quietly(daemon, args):
+    """`constrained ... | head -1`: --help's write was a traceback, and output still waiting
+    at exit Python's "Exception ignored ... BrokenPipeError", status 120; now nothing, 141
+    (128 + SIGPIPE), as every lip_main LIP."""
+    # stdout buffered, as a user's is (PYTHONUNBUFFERED would write each print at once)
+    env = {k: v for k, v in daemon.env().items() if k != "PYTHONUNBUFFERED"}
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        out = subprocess.run([sys.executable, "lips/constrained.py", *args], env=env, cwd=ROOT,
+                             stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (out.returncode, out.stderr) == (141, "")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -173,20 +174,23 @@ def test_the_lip_streams_text(daemon, monkeypatch, capsys):
     (["--window", "8", "--slide", "9"], "--slide"),
 ])
 def test_bad_flags_exit_2_with_a_message(daemon, monkeypatch, capsys, flags, message):
+    """argparse's exit for what it checks; the status, as lip_main's, for what only the model's
+    context shows."""
     monkeypatch.setenv("SYMPHONY_SOCKET", str(daemon.socket))
-    with pytest.raises(SystemExit) as e:
-        main(["--prompt-ids", "1,2", *flags])
+    try:
+        code = main(["--prompt-ids", "1,2", *flags])
+    except SystemExit as e:
+        code = e.code
     err = capsys.readouterr().err
-    assert e.value.code == 2 and message in err and "Traceback" not in err
+    assert code == 2 and "sink: error: " in err and message in err and "Traceback" not in err
 
 
 def test_a_text_prompt_is_not_printed_before_a_flag_is_refused(daemon, monkeypatch, capsys):
     """The prompt was echoed, then the flags refused against the model's context."""
     monkeypatch.setenv("SYMPHONY_SOCKET", str(daemon.socket))
-    with pytest.raises(SystemExit) as e:
-        main(["--prompt", "hello there", "--window", str(CONTEXT)])
+    assert main(["--prompt", "hello there", "--window", str(CONTEXT)]) == 2
     out, err = capsys.readouterr()
-    assert (e.value.code, out) == (2, "") and "context" in err
+    assert out == "" and "context" in err
 
 
 def test_a_missing_stream_file_and_a_missing_kernel(tmp_path, monkeypatch, capsys):
@@ -196,3 +200,24 @@ def test_a_missing_stream_file_and_a_missing_kernel(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("SYMPHONY_SOCKET", str(tmp_path / "no.sock"))
     assert main(["--prompt-ids", "1,2"]) == 1
     assert "no Symphony kernel" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [
+    ["--help"],
+    ["--prompt-ids", "1,2", "--max-new-tokens", "4", "--json"],
+    ["--stream", "docs/programs.md", "--limit", "40"],
+])
+def test_a_reader_gone_from_stdout_stops_it_quietly(daemon, args):
+    """`sink ... | head -1`: --help's write was a traceback, and output still waiting at
+    exit Python's "Exception ignored ... BrokenPipeError", status 120; now nothing, 141
+    (128 + SIGPIPE), as every lip_main LIP."""
+    # stdout buffered, as a user's is (PYTHONUNBUFFERED would write each print at once)
+    env = {k: v for k, v in daemon.env().items() if k != "PYTHONUNBUFFERED"}
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        out = subprocess.run([sys.executable, "lips/sink.py", *args], env=env, cwd=ROOT,
+                             stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (out.returncode, out.stderr) == (141, "")
