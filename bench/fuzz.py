@@ -26,11 +26,12 @@ A FINDING is: an EIO (a kernel fault: no client mistake may cause one); an excep
 not an OSError with an errno (client-range: the library let an int too big for its field
 escape as ValueError); a call that hangs; a wrong answer; a traceback in the kernel's log; a
 process not reaped, or a page not freed, once every worker is gone (meminfo's used pages
-against the pages the named files hold, shared pages once, and against the pages charged to
-users); a stop (SIGTERM) that does not exit 0; a restart that does not bring the named files
-back. Each comes with a reproducer line: the call, its arguments, its fds' story and who
-made it (the seed fixes every worker's choices, though not how the workers interleave); a
-finding about the whole run names the command. The summary lists calls per (call, errno)
+against the pages the named files hold, shared pages once, and the pages charged to users
+against the pages each user's named files hold, a page once per user holding it); a stop
+(SIGTERM) that does not exit 0; a restart that does not bring the named files back. Each
+comes with a reproducer line: the call, its arguments, its fds' story and who made it (the
+seed fixes every worker's choices, though not how the workers interleave); a finding about
+the whole run names the command. The summary lists calls per (call, errno)
 and the findings, grouped; the exit status is 1 when any was found (but --ignore'd kinds).
 --ops narrows the calls to find which ones a finding needs.
 """
@@ -1687,17 +1688,24 @@ class Fuzz:
     @staticmethod
     def pages(k: Kernel, files: dict[int, Any]) -> dict[str, int]:
         """meminfo's used pages, against the pages the named files hold, shared ones once
-        (a page in more than one place shows in /proc/kv with its references)."""
+        (a page in more than one place shows in /proc/kv with its references and files);
+        and the pages charged to users (meminfo's quota lines), against what the named
+        files hold counted once per user holding a page (a page shared by files of two
+        users is charged to both: `owned` is `named` and one more for each such other
+        user)."""
         mem = proc_fields(k.procfs("meminfo"))
         used = sum(int(mem.get(f"{tier}_used", 0)) for tier in ("device", "host", "disk"))
         charged = sum(int(v.split("/")[0]) for key, v in mem.items() if key.startswith("quota_"))
         held = sum(st.pages for st in files.values())
-        extra_refs, strangers = 0, set()
+        extra_refs, extra_users, strangers = 0, 0, set()
         for row in k.procfs("kv").splitlines()[1:]:
             _, _, refs, inodes = row.split("\t")
             extra_refs += int(refs) - 1
-            strangers |= {int(i) for i in inodes.split(",") if i} - set(files)
+            inos = {int(i) for i in inodes.split(",") if i}
+            strangers |= inos - set(files)
+            extra_users += max(0, len({files[i].uid for i in inos if i in files}) - 1)
         return {"used": used, "charged": charged, "named": held - extra_refs,
+                "owned": held - extra_refs + extra_users,
                 "files": len(files), "held_by_unnamed_inodes": len(strangers)}
 
     def check_after(self) -> dict[str, Any]:
@@ -1724,7 +1732,8 @@ class Fuzz:
                 # Walked again each time: a file's stat counts such a page while it is held.
                 files, self.persisted = self.walk(k)  # no worker changes them any more
                 pages = self.pages(k, files)
-                ok = pages["used"] == pages["named"] == pages["charged"]
+                ok = (pages["used"] == pages["named"]
+                      and pages["charged"] == pages["owned"])
                 if ok or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
@@ -1732,7 +1741,8 @@ class Fuzz:
             if not ok or pages["held_by_unnamed_inodes"]:
                 self.found("leak", "meminfo", f"pages used {pages['used']}, charged to "
                            f"users {pages['charged']}, held by named files "
-                           f"{pages['named']} ({pages['files']} files); inodes without a "
+                           f"{pages['named']} ({pages['files']} files), by each user's "
+                           f"named files {pages['owned']}; inodes without a "
                            f"name hold shared pages: {pages['held_by_unnamed_inodes']}"
                            + ("; the walk did not reach every file"
                               if self.walk_incomplete else ""),
@@ -1878,7 +1888,7 @@ def print_summary(s: dict[str, Any]) -> None:
     if "pages" in s:
         p = s["pages"]
         print(f"pages after the run: used {p['used']}, charged {p['charged']}, held by "
-              f"{p['files']} named files {p['named']}")
+              f"{p['files']} named files {p['named']}, once per user {p['owned']}")
     if "stop_rc" in s:
         print(f"stop: exit {s['stop_rc']}; restart: {s.get('restored', '-')} of "
               f"{s.get('persisted', '-')} files back; second stop: exit "

@@ -119,7 +119,7 @@ def main() -> None:
 
             def load():
                 inode = h.inode  # noqa: B023
-                fs.store.unref(inode.pages)
+                fs.store.unref(inode.pages, inode.uid)
                 inode.pages = []
                 state.load_pages(inode)
 

@@ -294,9 +294,11 @@ class FileSystem:
         if not cred.root:
             raise FSError(errno.EPERM, f"{path!r}: only root may chown")
         check_ids(uid, gid, f"chown {path!r}", leave=True)
-        if uid != -1 and uid != inode.uid:  # the inode's count moves, even past the limit
+        if uid != -1 and uid != inode.uid:  # its counts move, even past the limits
             self.inodes.drop(inode.uid)
             self.inodes.add(uid)
+            # The file's holds of its pages (those a pred reserved too) become uid's.
+            self.store.transfer(inode.pages, inode.uid, uid)
         inode.uid = inode.uid if uid == -1 else uid
         inode.gid = inode.gid if gid == -1 else gid
         inode.touch(modified=False)
@@ -324,7 +326,9 @@ class FileSystem:
         """Give an open file (anonymous or not) another name.
 
         As Linux's protected_hardlinks: only its owner, or who may read and write it, may
-        link a file, since a name keeps its pages charged to the owner's quota."""
+        link a file, since a name keeps its pages charged to the owner's quota. (A fork or
+        splice of a file the caller may read is the caller's own to link: its pages are
+        charged to the caller too, pages.py, so the name keeps nothing on another's quota.)"""
         inode = self._live(handle)
         cred = handle.cred
         if not (cred.uid == inode.uid or allowed(cred, inode, R | W)):
@@ -480,7 +484,7 @@ class FileSystem:
         """Free a file's pages, and give back its inode, once it has neither a name nor
         an open handle."""
         if inode.nlink == 0 and inode.opens == 0 and not inode.is_dir:
-            self.store.unref(inode.pages)
+            self.store.unref(inode.pages, inode.uid)
             inode.pages, inode.table = [], None
             self.inodes.drop(inode.uid)
 
@@ -526,7 +530,7 @@ class FileSystem:
         inode.tokens, inode.positions = list(imported.tokens), list(imported.positions)
         inode.excluded = excluded
         inode.fingerprint = self.fingerprint  # parse checked it: even over another model's file
-        self.store.unref(old)
+        self.store.unref(old, inode.uid)
 
     def _import_target(self, cred: Cred, path: str) -> tuple[Inode, str, Inode | None]:
         """Where an import to `path` goes: its directory, name, and the file it rewrites (None:
@@ -652,12 +656,14 @@ class FileSystem:
         inode.pages[i] = (self.store.copy(page, inode.uid) if page is not None
                           else self.store.new(1, inode.uid)[0])
         inode.table = None
-        self.store.unref([page])
+        self.store.unref([page], inode.uid)
 
-    def _room(self, inode: Inode, extra_device: int, new: int) -> None:
-        """Fail (EDQUOT, ENOSPC) unless `new` pages may be charged to the file's owner and
-        `extra_device` more device pages are free."""
-        self.store.charge(inode.uid, new)
+    def _room(self, inode: Inode, extra_device: int, new: int,
+              shared: Sequence[Page | None] = ()) -> None:
+        """Fail (EDQUOT, ENOSPC) unless `new` pages, and those of `shared` the file's owner
+        holds in no file yet, may be charged to the owner, and `extra_device` more device
+        pages are free."""
+        self.store.charge(inode.uid, new, shared)
         free = self.store.pool.free_in("device")
         if extra_device > free:
             raise NoRoom(f"kv pool: {extra_device} device pages needed, {free} free",
@@ -679,7 +685,7 @@ class FileSystem:
                        and inode.pages[keep - 1].refs > 1)
         if shared_tail:
             self._room(inode, 1, 1)
-        self.store.unref(inode.pages[keep:])
+        self.store.unref(inode.pages[keep:], inode.uid)
         del inode.pages[keep:]
         inode.table = None
         if shared_tail:
@@ -699,7 +705,7 @@ class FileSystem:
         size = self.page_size
         for i in range(start // size, min(self._pages_for(end), inode.length // size)):
             if inode.pages[i] is not None and covered(inode.excluded, i * size, (i + 1) * size):
-                self.store.unref([inode.pages[i]])
+                self.store.unref([inode.pages[i]], inode.uid)
                 inode.pages[i] = inode.table = None
         inode.touch()
 
@@ -744,7 +750,7 @@ class FileSystem:
             if pages[i] is not None and covered(excluded, i * size, (i + 1) * size):
                 freed.append(pages[i])
                 pages[i] = None
-        self.store.unref(freed)
+        self.store.unref(freed, inode.uid)
         inode.table = None
         inode.tokens[start:] = [inode.tokens[e] for e in entries]
         inode.positions[start:] = [inode.positions[e] for e in entries]
@@ -802,26 +808,28 @@ class FileSystem:
 
     def fork(self, handle: Handle, cred: Cred, *, snapshot: bool = False) -> Handle:
         """A copy-on-write clone, as a new anonymous file of the caller's: full pages are
-        shared, only a partly filled last page is copied. A `snapshot` (export's, which lives
-        as long as the export) counts against the caller's inodes but is not refused at
-        its limit: reading a file does not need room for one more."""
+        shared, only a partly filled last page is copied. The clone's pages are charged to
+        the caller: the copy, and each shared page it held in no file yet (pages.py), so a
+        fork of one's own file costs its last page at most. A `snapshot` (export's, which
+        lives as long as the export) counts against the caller's inodes and pages but is
+        never refused at their limits: reading a file does not need room for one more."""
         inode = self._readable(handle, "fork")
-        if not snapshot:
-            self.inodes.check(cred.uid, "fork")
         # Only the committed entries: a forward pass may have reserved pages past them.
         pages = inode.pages[: self._pages_for(inode.length)]
         tail = inode.length % self.page_size != 0 and pages[-1] is not None
-        self.store.charge(cred.uid, int(tail))
+        full = pages[:-1] if tail else pages
+        if not snapshot:
+            self.inodes.check(cred.uid, "fork")
+            self.store.charge(cred.uid, int(tail), full)
         if tail and self.store.pool.free_in("device") < 1:
             raise NoRoom("fork: no device page free for the last page", 1)
         clone = self._new_inode(stat.S_IFREG | 0o600, cred)
         clone.tokens, clone.positions = list(inode.tokens), list(inode.positions)
         clone.excluded = list(inode.excluded)
-        full = pages[:-1] if tail else pages
-        self.store.ref(full)
+        self.store.ref(full, cred.uid)
         clone.pages = list(full)
         if tail:
-            clone.pages.append(self.store.copy(pages[-1], cred.uid))
+            clone.pages.append(self.store.copy(pages[-1], cred.uid, quota=not snapshot))
         return self._handle(clone, cred, True, True)
 
     def splice(self, src: Handle, start: int, end: int, dst: Handle) -> None:
@@ -840,7 +848,9 @@ class FileSystem:
         new = self._pages_for(base + count) - len(d.pages) - shared
         down = int(base % size != 0 and d.pages[base // size] is not None
                    and d.pages[base // size].tier != "device")
-        self._room(d, down + new + tail, new + tail)
+        taken = s.pages[start // size: start // size + shared]
+        # The pages it takes are charged to dst's owner too, each it holds in no file yet.
+        self._room(d, down + new + tail, new + tail, taken)
         # Snapshot what is copied before anything of dst changes (src may be dst).
         src_pages = list(s.pages)
         tokens, positions = s.tokens[start:end], s.positions[start:end]
@@ -850,8 +860,7 @@ class FileSystem:
             self.store.bring_up([d.pages[base // size]])
             if tail:
                 self._private(d, base // size)
-        taken = src_pages[start // size: start // size + shared]
-        self.store.ref(taken)
+        self.store.ref(taken, d.uid)
         d.pages.extend(taken)
         d.pages.extend(self.store.new(new, d.uid))
         d.table = None

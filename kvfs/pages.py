@@ -1,8 +1,17 @@
-"""Logical KV pages: refcounted, movable between tiers, charged to the uid that made them.
+"""Logical KV pages: refcounted, movable between tiers, charged to each user holding them.
 
 A file's page list holds `Page` objects, never raw pool ids, so a page shared by many files
 moves tier once, for all of them. Full pages are immutable once shared; only the store
 writes page contents, and only into pages with a single reference.
+
+Every reference is a hold by a user (the holding file's owner, `Inode.uid`). A page is
+charged to each user that holds it, once per user however many of that user's files,
+forks and snapshots hold it, as XFS and btrfs quotas charge a reflinked extent to each
+owner: `PageStore.used[uid]` is the number of distinct pages uid holds. A user's first
+hold of a page charges it (refused with EDQUOT past its quota, when asked), its last hold
+gives it back; the page itself is freed when its last hold goes. So sharing a page with
+another user (a fork, a splice, then a link) never leaves the page on the first user's
+quota once it lets go, and forks by the user who holds the pages cost nothing.
 """
 
 from __future__ import annotations
@@ -17,15 +26,27 @@ import torch
 from kvfs.errors import FSError, NoRoom
 from kvfs.pool import DEVICE, DISK, HOST, KVPool
 
+SHARED = -1  # Page.uid of a page held by more than one user
+
 
 class Page:
-    __slots__ = ("tier", "slot", "refs", "owner")
+    """A page and its holds: `refs` in all; while every hold is one user's (almost always),
+    that user is `uid` and `holders` is None, else `uid` is SHARED and `holders` maps each
+    holding uid to its holds (they add up to refs). So `p.uid == uid` alone tells that uid
+    is the page's only holder: the fast path of ref and unref."""
 
-    def __init__(self, tier: str, slot: int, owner: int):
-        self.tier, self.slot, self.refs, self.owner = tier, slot, 1, owner
+    __slots__ = ("tier", "slot", "refs", "uid", "holders")
+
+    def __init__(self, tier: str, slot: int, uid: int):
+        self.tier, self.slot, self.refs, self.uid = tier, slot, 1, uid
+        self.holders: dict[int, int] | None = None
+
+    def held_by(self, uid: int) -> bool:
+        return self.uid == uid or (self.holders is not None and uid in self.holders)
 
     def __repr__(self) -> str:
-        return f"Page({self.tier}:{self.slot}, refs={self.refs}, uid={self.owner})"
+        who = self.uid if self.holders is None else self.holders
+        return f"Page({self.tier}:{self.slot}, refs={self.refs}, uid={who})"
 
 
 class SwapFile:
@@ -77,7 +98,7 @@ class PageStore:
                              pool.dtype) \
             if swap_path else None
         self.quota, self.default_quota = dict(quota or {}), default_quota
-        self.used: dict[int, int] = {}  # uid -> live pages it allocated
+        self.used: dict[int, int] = {}  # uid -> live pages it holds (distinct: see above)
         self.live: set[Page] = set()
         # Bumped whenever a page changes tier (and so slot): a page table kept since the last
         # bump still names every page where it is (FileSystem.reserve keeps one per file).
@@ -88,12 +109,21 @@ class PageStore:
     def limit(self, uid: int) -> int | None:
         return None if uid == 0 else self.quota.get(uid, self.default_quota)
 
-    def charge(self, uid: int, n: int) -> None:
-        """Fail with EDQUOT, changing nothing, when uid may not hold n more pages."""
+    def charge(self, uid: int, n: int, pages: Iterable[Page | None] = ()) -> None:
+        """Fail with EDQUOT, changing nothing, when uid may not hold n more pages and the
+        pages of `pages` it does not hold yet (each once)."""
         limit = self.limit(uid)
-        if limit is not None and self.used.get(uid, 0) + n > limit:
+        if limit is None:
+            return
+        used = self.used.get(uid, 0)
+        if not isinstance(pages, (list, tuple)):
+            pages = list(pages)
+        if used + n + len(pages) <= limit:  # even were every one new to uid: O(1)
+            return
+        more = n + len({id(p) for p in pages if p is not None and not p.held_by(uid)})
+        if used + more > limit:
             raise FSError(errno.EDQUOT, f"uid {uid} page quota {limit} "
-                          f"({self.used.get(uid, 0)} used, {n} more wanted)")
+                          f"({used} used, {more} more wanted)")
 
     def free_in(self, tier: str) -> int:
         if tier == DISK:
@@ -108,7 +138,8 @@ class PageStore:
     # -- life cycle ---------------------------------------------------------------------
 
     def new(self, n: int, owner: int, quota: bool = True) -> list[Page]:
-        """n fresh private device pages, all or none (ENOSPC; EDQUOT unless quota=False)."""
+        """n fresh private device pages held by owner, all or none (ENOSPC; EDQUOT unless
+        quota=False)."""
         if n == 0:
             return []
         if quota:
@@ -121,30 +152,67 @@ class PageStore:
         self.live.update(pages)
         return pages
 
-    def ref(self, pages: Iterable[Page | None]) -> None:
+    def ref(self, pages: Iterable[Page | None], uid: int) -> None:
+        """One more hold of each page by uid: charged to it where it held none (the caller
+        checked `charge(uid, 0, pages)` first, unless the charge may go past the limit)."""
         for p in pages:
             if p is not None:
                 p.refs += 1
+                if p.uid != uid:  # another's, or several users': the slow path
+                    self._hold(p, uid)
 
-    def unref(self, pages: Iterable[Page | None]) -> None:
+    def _hold(self, p: Page, uid: int) -> None:
+        h = p.holders
+        if h is None:  # one other user's until now
+            p.holders, p.uid = {p.uid: p.refs - 1, uid: 1}, SHARED
+        elif uid in h:
+            h[uid] += 1
+            return
+        else:
+            h[uid] = 1
+        self.used[uid] = self.used.get(uid, 0) + 1
+
+    def unref(self, pages: Iterable[Page | None], uid: int) -> None:
+        """Give back one hold of each page by uid (each held by it): a page uid holds no
+        more is no longer charged to it, and one nobody holds is freed."""
         for p in pages:
-            if p is None:
-                continue
-            p.refs -= 1
-            if p.refs == 0:
-                self._release(p)
+            if p is not None:
+                p.refs -= 1
+                if p.uid != uid:  # several users': the slow path
+                    self._drop(p, uid)
+                elif p.refs == 0:
+                    self._release(p)
+
+    def _drop(self, p: Page, uid: int) -> None:
+        h = p.holders
+        left = h[uid] - 1
+        if left:
+            h[uid] = left
+            return
+        del h[uid]
+        self.used[uid] -= 1
+        if len(h) == 1:  # one user's again
+            (p.uid,) = h
+            p.holders = None
+
+    def transfer(self, pages: Iterable[Page | None], old: int, new: int) -> None:
+        """Holds of old become new's (chown): charged to new even past its limit."""
+        if old != new:
+            pages = list(pages)
+            self.ref(pages, new)
+            self.unref(pages, old)
 
     def _release(self, p: Page) -> None:
         if p.tier == DISK:
             self.swap.free(p.slot)
         else:
             self.pool.free([p.slot], p.tier)
-        self.used[p.owner] -= 1
+        self.used[p.uid] -= 1
         self.live.discard(p)
 
-    def copy(self, page: Page, owner: int) -> Page:
-        """A private device copy of a page (copy-on-write)."""
-        (new,) = self.new(1, owner)
+    def copy(self, page: Page, owner: int, quota: bool = True) -> Page:
+        """A private device copy of a page (copy-on-write), held by owner."""
+        (new,) = self.new(1, owner, quota)
         if page.tier == DEVICE:
             self.pool.copy_page(page.slot, new.slot)
         else:

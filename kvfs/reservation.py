@@ -50,6 +50,10 @@ class Reservation:
     # was made after, while they are open.
     follower: Reservation | None = None
     leader: Reservation | None = None
+    # Who holds new_pages: the file's owner when it was reserved. Pages in the file's list
+    # move with a chown (fs.chown); a cutting reservation's are not there yet, so commit
+    # moves them to the owner then, and rollback gives them back as this uid's.
+    uid: int = -1
 
 
 def reserve(fs: FileSystem, handle: Handle, count: int, cut: int | None = None) -> Reservation:
@@ -82,7 +86,7 @@ def reserve(fs: FileSystem, handle: Handle, count: int, cut: int | None = None) 
     if tail:
         fs._private(inode, length // fs.page_size)
     res = Reservation(handle, length, count, store.new(new, inode.uid),
-                      excluded=inode.excluded)
+                      excluded=inode.excluded, uid=inode.uid)
     inode.pages.extend(res.new_pages)
     if table is None or tail:
         table = store.device_ids(inode.pages)
@@ -111,7 +115,7 @@ def reserve_after(fs: FileSystem, res: Reservation, count: int) -> Reservation:
     if new:
         fs._room(inode, new, new)
     after = Reservation(res.handle, start, count, store.new(new, inode.uid),
-                        excluded=res.excluded, leader=res)
+                        excluded=res.excluded, leader=res, uid=inode.uid)
     inode.pages.extend(after.new_pages)
     inode.table.extend(p.slot for p in after.new_pages)
     after.page_table = list(inode.table)
@@ -145,7 +149,7 @@ def _reserve_cut(fs: FileSystem, handle: Handle, count: int, cut: int) -> Reserv
     excluded = [(s, min(e, cut)) for s, e in inode.excluded if s < cut]
     inode.reserved = 1
     return Reservation(handle, cut, count, new_pages, page_table, excluded, cutting=True,
-                       table_moves=store.moves)
+                       table_moves=store.moves, uid=inode.uid)
 
 
 def commit(fs: FileSystem, res: Reservation, tokens: list[int], positions: list[int]) -> None:
@@ -161,8 +165,9 @@ def commit(fs: FileSystem, res: Reservation, tokens: list[int], positions: list[
     if res.cutting:
         first = res.start // fs.page_size
         old = inode.pages[first:]
+        fs.store.transfer(res.new_pages, res.uid, inode.uid)  # a chown since the reserve
         inode.pages[first:] = res.new_pages
-        fs.store.unref(old)
+        fs.store.unref(old, inode.uid)
         fs._cut_entries(inode, res.start)
         inode.table, inode.table_moves = list(res.page_table), res.table_moves
     inode.tokens.extend(tokens)
@@ -182,5 +187,6 @@ def rollback(fs: FileSystem, res: Reservation) -> None:
         del inode.pages[len(inode.pages) - len(res.new_pages):]
         if inode.table is not None:
             del inode.table[len(inode.pages):]
-    fs.store.unref(res.new_pages)
+    # Pages in the file's list were its owner's, chown or not; a cutting one's, res.uid's.
+    fs.store.unref(res.new_pages, res.uid if res.cutting else inode.uid)
     inode.reserved -= 1

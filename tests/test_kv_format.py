@@ -57,7 +57,7 @@ def make_file(store, layout, n, excluded=(), punched=(), seed=0) -> Inode:
         store.write(p, torch.randn(shape, generator=gen).to(layout.dtype),
                     torch.randn(shape, generator=gen).to(layout.dtype))
     for i in punched:
-        store.unref([pages[i]])
+        store.unref([pages[i]], 0)
         pages[i] = None
     rng = random.Random(seed)
     return Inode(ino=1, mode=stat.S_IFREG | 0o600, uid=0, gid=0,

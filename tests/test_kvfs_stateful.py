@@ -1,8 +1,10 @@
 """Random sequences of kvfs operations against a dictionary model of the file system.
 
 After every step: each file's entries equal the model's, every attended entry holds the K/V
-it was written with, and every page's refcount equals the number of page lists holding it.
-At the end, with everything closed and unlinked, the pool is back to where it started.
+it was written with, every page's refcount equals the number of page lists holding it, and
+each user is charged for the distinct pages its files hold (forks by other users and chown
+mix owners; uid 1001 has a small quota). At the end, with everything closed and unlinked,
+the pool is back to where it started.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from kvfs_helpers import append, assert_kv, kv_for, make_fs, write_kv
 from test_kvfs import excluded_runs, written
 
 from kvfs.errors import FSError
-from kvfs.perm import ROOT
+from kvfs.perm import ROOT, Cred
 from kvfs.ranges import merge_ranges
 
 LIMIT = 1000  # the context shift keeps positions under
 NAMES = st.sampled_from([f"/tmp/f{i}" for i in range(4)] + ["/home/u/a", "/home/u/b"])
+UIDS = st.sampled_from([0, 1000, 1001])
 
 
 class Model:
@@ -46,7 +49,7 @@ class KVFSMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.fs = make_fs(pages=48, host=16, disk=0)
+        self.fs = make_fs(pages=48, host=16, disk=0, quota={1001: 10})
         self.fs.mkdir(ROOT, "/home/u")
         self.start_free = self.fs.store.pool.free_in("device")
         self.names: dict[str, Model] = {}  # path -> model (hard links share the object)
@@ -221,15 +224,16 @@ class KVFSMachine(RuleBasedStateMachine):
         if pages:
             self.fs.store.move_down(data.draw(st.lists(st.sampled_from(pages), max_size=4)))
 
-    @rule(target=handles, h=handles)
-    def fork(self, h):
+    @rule(target=handles, h=handles, uid=UIDS, snapshot=st.booleans())
+    def fork(self, h, uid, snapshot):
         if id(h) not in self.open:
             return None
         m = self.model_of(h)
         try:
-            child = self.fs.fork(h, ROOT)
+            child = self.fs.fork(h, Cred(uid, uid), snapshot=snapshot)
         except FSError as e:
-            assert e.errno == errno.ENOSPC
+            assert e.errno == errno.ENOSPC or (e.errno == errno.EDQUOT and uid == 1001
+                                               and not snapshot), e
             return None
         self.open[id(child)] = (child, Model(m.tokens, m.positions, m.excluded))
         return child
@@ -284,6 +288,12 @@ class KVFSMachine(RuleBasedStateMachine):
         del self.names[path]
 
     @precondition(lambda self: self.names)
+    @rule(data=st.data(), uid=UIDS)
+    def chown(self, data, uid):
+        path = data.draw(st.sampled_from(sorted(self.names)))
+        self.fs.chown(ROOT, path, uid, -1)
+
+    @precondition(lambda self: self.names)
     @rule(data=st.data(), new=NAMES)
     def rename(self, data, new):
         old = data.draw(st.sampled_from(sorted(self.names)))
@@ -295,6 +305,8 @@ class KVFSMachine(RuleBasedStateMachine):
     def link(self, h, path):
         if id(h) not in self.open:
             return
+        if not h.cred.root and path.startswith("/home/"):  # root's 0755 directory
+            path = "/tmp/" + path.rsplit("/", 1)[1]
         if path in self.names:
             try:
                 self.fs.link(h, path)
@@ -327,6 +339,20 @@ class KVFSMachine(RuleBasedStateMachine):
             assert page.refs == n, page
         on_device = sum(p.tier == "device" for p in held)
         assert self.fs.store.pool.free_in("device") == self.start_free - on_device
+
+    @invariant()
+    def each_user_charged_for_the_distinct_pages_it_holds(self):
+        inodes = {id(h.inode): h.inode for h, _ in self.open.values()}
+        for path in self.names:
+            inode = self.fs.lookup(ROOT, path)
+            inodes[id(inode)] = inode
+        holds = Counter((id(p), inode.uid) for inode in inodes.values()
+                        for p in inode.pages if p is not None)
+        charged = Counter(uid for _, uid in holds)
+        assert {u: n for u, n in self.fs.store.used.items() if n} == dict(charged)
+        for page in self.fs.store.live:
+            assert {u: n for (i, u), n in holds.items() if i == id(page)} == (
+                page.holders or {page.uid: page.refs}), page
 
     @invariant()
     def page_tables_current(self):
