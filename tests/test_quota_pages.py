@@ -69,16 +69,23 @@ def quota_line(meminfo: dict, uid: int) -> str:
     return next(v for key, v in meminfo.items() if key.startswith("quota_") and str(uid) in key)
 
 
-@NEEDS_ROOT
-def test_a_fork_of_anothers_file_linked_leaves_nothing_on_its_quota(daemon):
+@pytest.fixture(scope="module")
+def story(daemon) -> dict:
+    """Alice makes a 6-page file others may read; bob forks it, links the fork and fills
+    his quota; alice unlinks hers and fills 8 pages anew. Each step's output, by name."""
     alice = run(ALICE, "make", env=daemon.env())
     user = alice["home"].rsplit("/", 1)[1]
-    bob = run(BOB, "take", user, env=daemon.env())
-    mem = bob["meminfo"]
+    return {"bob": run(BOB, "take", user, env=daemon.env()),
+            "again": run(ALICE, "again", env=daemon.env())}
+
+
+@NEEDS_ROOT
+def test_a_fork_of_anothers_file_linked_leaves_nothing_on_its_quota(story):
+    mem = story["bob"]["meminfo"]
     assert quota_line(mem, ALICE) == f"6 / {QUOTA}"
     assert quota_line(mem, BOB) == f"8 / {QUOTA}"  # the 6 pages he shares, and 2 his own
     assert int(mem["shared"]) == 6
-    again = run(ALICE, "again", env=daemon.env())
+    again = story["again"]
     assert again["fill"] is None, again["fill"]  # 8 pages: before, EDQUOT at 6 + 8
     assert quota_line(again["meminfo"], ALICE) == f"8 / {QUOTA}"
     assert quota_line(again["meminfo"], BOB) == f"8 / {QUOTA}"
@@ -87,10 +94,11 @@ def test_a_fork_of_anothers_file_linked_leaves_nothing_on_its_quota(daemon):
 
 @NEEDS_ROOT
 @NEEDS_MOUNT
-def test_a_user_at_its_page_quota_still_reads_anothers_file_through_the_mount(daemon, mnt):
-    """Bob is at his page quota (the test above): the mount's snapshot fork of alice's
-    8-page file would charge him 8 pages more, and is refused; the mount then reads the
-    file itself, each export stream a snapshot that is never refused."""
+def test_a_user_at_its_page_quota_still_reads_anothers_file_through_the_mount(
+        daemon, mnt, story):
+    """Bob is at his page quota (the story): the mount's snapshot fork of alice's 8-page
+    file would charge him 8 pages more, and is refused; the mount then reads the file
+    itself, each export stream a snapshot that is never refused."""
     with daemon.connect("root") as k:
         home = next(f"/home/{n}" for n, _ in k.readdir("/home")
                     if k.stat(f"/home/{n}").uid == ALICE)
