@@ -18,6 +18,7 @@ from kvfs.fs import FileSystem
 from kvfs.pages import PageStore
 from kvfs.perm import Cred
 from kvfs.state import StateDir, hold
+from symphony.connections import Connections, per_user_limit
 from symphony.engine.fingerprint import fingerprint
 from symphony.engine_process import EngineProcess
 from symphony.frame_hold import FrameHold
@@ -27,7 +28,7 @@ from symphony.process import Process, ProcessTable
 from symphony.procfs import ProcFS
 from symphony.reply_budget import ReplyBudget
 from symphony.scheduler import Scheduler
-from symphony.server import Front, Hello, grpc_options
+from symphony.server import Front, Hello, grpc_cap, grpc_options
 from syscalls import symphony_pb2 as pb
 from syscalls import wire
 from syscalls.session import hello_path
@@ -66,6 +67,7 @@ class Kernel:
                                opts.token_budget, opts.max_seqs, opts.decode_ahead,
                                pipeline=opts.pipeline)
         self.procfs = ProcFS(self)
+        self.connections: Connections | None = None  # the gRPC socket's, once it listens
         self._reaping: dict[Process, asyncio.Task] = {}
         self.engine_lost = False  # the kernel stopped because its engine process exited
 
@@ -147,6 +149,13 @@ class Kernel:
         if not server.add_insecure_port(f"unix:{sock}"):
             raise OSError(f"{sock}: cannot listen")
         await server.start()
+        # Counted per user: past its limit a user's connections are shut down, so that
+        # none fills the cap (connections.py). Looked over once the kernel holds an eighth
+        # of the cap in descriptors: below that no flood is near it.
+        cap = grpc_cap()
+        self.connections = Connections(
+            str(sock), per_user_limit(self.opts.max_procs_per_user, cap), cap // 8)
+        watch = loop.create_task(self.connections.watch())
         hello = await loop.create_unix_server(lambda: Hello(self, front), str(hello_path(sock)))
         # Every local user may connect; identity comes from SO_PEERCRED, not from access.
         for path in (sock, hello_path(sock)):
@@ -168,6 +177,7 @@ class Kernel:
             else:
                 log.info("shutting down")
             engine_exit.cancel()
+            watch.cancel()
             try:
                 hello.close()
                 for lifeline in self.lifelines.values():  # a clean stop, not a crash: the

@@ -297,11 +297,24 @@ def fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
+# A connection that has not sent HTTP/2's preface and settings this long after it was made
+# is closed (gRPC's default: 120 s). A client sends them at once (a Python or Node client
+# connects and handshakes in milliseconds), so only a connection that never speaks goes.
+HANDSHAKE_TIMEOUT_MS = 10_000
+
+
+def grpc_cap() -> int:
+    """The most connections the gRPC server holds at once: half the descriptors outside the
+    reserve, so that they leave hellos and running sessions their share. Its connections
+    need no hello, but they are counted per user all the same (symphony/connections.py),
+    so that no one user fills the cap."""
+    return max(1, (fd_limit() - FD_RESERVE) // 2)
+
+
 def grpc_options() -> list[tuple[str, int]]:
-    """The gRPC server's settings. Its connections need no hello, so they cannot be counted
-    per user: capped at half the descriptors outside the reserve, a flood of them leaves
-    hellos and running sessions their share."""
-    return [("grpc.max_allowed_incoming_connections", max(1, (fd_limit() - FD_RESERVE) // 2)),
+    """The gRPC server's settings."""
+    return [("grpc.max_allowed_incoming_connections", grpc_cap()),
+            ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
             *CALL_OPTIONS]
 
 
@@ -374,6 +387,8 @@ class Hello(asyncio.Protocol):
             transport.write(refusal(errno.EINVAL, e.message))
             transport.close()
             return
+        if self.kernel.connections is not None:  # before its gRPC connection comes
+            self.kernel.connections.hello()
         why = refused(self.kernel, uid, sock.fileno())
         if why is not None:
             transport.write(refusal(errno.EAGAIN, why))
