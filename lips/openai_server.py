@@ -26,7 +26,7 @@ http://HOST:PORT/v1. The endpoints:
                                  top_logprobs, logit_bias, response_format (text,
                                  json_object, json_schema: the output is held to the schema
                                  by logit masks, as lips/constrained.py does)
-    GET  /health                 200 while the kernel answers
+    GET  /health                 200 while the kernel answers (within 5 s), else 503
     GET  /metrics                Prometheus metrics, named as vLLM's (symphony:...)
     POST /tokenize, /detokenize  as vLLM's: {prompt} or {messages} -> {tokens, count,
                                  max_model_len}; {tokens} -> {prompt}
@@ -36,7 +36,7 @@ objects: a bad, unsupported or unknown field is a 400 naming it, a prompt past t
 context a 400 with the lengths, an unknown model 404, a missing or wrong key 401 (--api-key
 or $SYMPHONY_API_KEY guards /v1/*, /tokenize and /detokenize; /health and /metrics are
 open; checked before the body is read), a body over --max-body-bytes 413, the kernel out of
-KV memory 503.
+KV memory 503 (once the prefix cache has nothing idle left to evict).
 
 The engine's usual features are this program's logic over the syscalls: each request is a
 process's KV files (lips/serving/generation.py), stop strings and n are decided here, and
@@ -48,7 +48,8 @@ has its generation cancelled and its pages freed at once.
 Once it accepts connections it prints `symphony serve: listening on http://HOST:PORT` (the
 real port with --port 0). SIGTERM (or Ctrl-C): it stops accepting, ends every open stream
 with `data: [DONE]` (its generation cancelled), answers unfinished requests 503, closes the
-prefix cache and exits 0.
+prefix cache and exits 0. The kernel stopping or dying ends it the same way, but with exit
+status 1 and `symphony serve: the kernel has gone (REASON); the server exits` on stderr.
 """
 
 from __future__ import annotations
@@ -97,12 +98,15 @@ from lips.serving.protocol import (
 from lips.serving.request_gate import RequestGate
 from lips.serving.text import text_bytes, token_pieces
 from syscalls.aio import AsyncKernel
+from syscalls.client import reaped
 from syscalls.convert import ModelInfo, Vocabulary, proc_fields
 from syscalls.flags import report
 
 PROG = "symphony serve"
 LISTENING = "symphony serve: listening on"
 SHUTDOWN_GRACE_S = 30.0  # after SIGTERM: for responses already being written to finish
+PROBE_WAIT_S = 5.0  # /health's and /metrics' wait for the kernel's answer, then 503
+WATCH_S = 1.0  # how often the server checks that its kernel session is alive
 log = logging.getLogger("symphony.serve")
 T = TypeVar("T")
 
@@ -375,13 +379,18 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(ApiError(e.status_code, str(e.detail), type=kind).body(),
                             status_code=e.status_code, headers=e.headers)
 
-    @app.exception_handler(Exception)
-    async def internal(_request: Request, e: Exception) -> JSONResponse:
-        error = (from_kernel(e) if isinstance(e, OSError)
-                 else ApiError(500, f"internal error: {e}", type="internal_error"))
+    @app.exception_handler(OSError)  # a syscall's: the status its errno says
+    async def kernel_error(_request: Request, e: OSError) -> JSONResponse:
+        error = from_kernel(e)
         if error.status == 500:
             log.error("request failed", exc_info=e)
         return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(Exception)
+    async def internal(_request: Request, e: Exception) -> JSONResponse:
+        log.error("request failed", exc_info=e)
+        return JSONResponse(ApiError(500, f"internal error: {e}", type="internal_error").body(),
+                            status_code=500)
 
 
 def max_body_bytes(context: int) -> int:
@@ -437,7 +446,7 @@ def build_app(s: Service, max_body: int) -> FastAPI:
         prompt = await s.chat_tokens(chat_messages(req.messages), add_generation_prompt=True,
                                      add_special=req.add_special_tokens)
         max_tokens = context_check(info.context_length, len(prompt), req.max_completion,
-                                   "messages")
+                                   "messages", req.max_completion_param)
         reply = ChatReply(s.model, s.fingerprint, req)
         params = req.params(prompt, max_tokens, await req.grammar())
         return await s.respond(request, reply, [params], req.stream)
@@ -462,9 +471,13 @@ def build_app(s: Service, max_body: int) -> FastAPI:
         return {"prompt": await k.detokenize(req.tokens)}
 
     async def of_kernel(call: Awaitable[T]) -> T:
-        """/health's and /metrics' kernel call: 503 when the kernel does not answer."""
+        """/health's and /metrics' kernel call: 503 when the kernel does not answer, within
+        PROBE_WAIT_S (a kernel stopped with SIGSTOP, or stuck, answers nothing)."""
         try:
-            return await call
+            return await asyncio.wait_for(call, PROBE_WAIT_S)
+        except TimeoutError as e:
+            raise ApiError(503, f"the kernel did not answer within {PROBE_WAIT_S:g} s",
+                           type="overloaded_error") from e
         except OSError as e:
             raise ApiError(503, f"the kernel does not answer: {e}", type="overloaded_error") from e
 
@@ -532,6 +545,21 @@ async def special_prefix(k: AsyncKernel) -> list[int]:
     return special[:at]
 
 
+async def kernel_gone(k: AsyncKernel) -> OSError:
+    """Returns, with the reason, once the kernel has stopped or died: the session's calls
+    fail with EPIPE (unreachable, or stopping), or the kernel has reaped the process. A
+    kernel slow to answer (busy, stopped with SIGSTOP) is not gone."""
+    while True:
+        await asyncio.sleep(WATCH_S)
+        try:
+            await asyncio.wait_for(k.getpid(), PROBE_WAIT_S)
+        except TimeoutError:
+            continue
+        except OSError as e:
+            if e.errno == errno.EPIPE or reaped(e.errno or 0, e.strerror or ""):
+                return e
+
+
 async def default_cache_pages(k: AsyncKernel) -> int:
     """A quarter of the kernel's device pages."""
     return int(proc_fields(await k.procfs("meminfo")).get("device_total", 0)) // 4
@@ -557,19 +585,30 @@ async def serve(args: argparse.Namespace) -> int:
             server = HttpServer(config, url)
 
             closing: list[Awaitable[Any]] = []  # referenced until done
+            gone: list[OSError] = []
 
             def stop() -> None:
                 server.should_exit = True  # uvicorn stops accepting, then waits for streams
                 closing.append(service.stop())
 
+            async def watch_kernel() -> None:  # a kernel gone ends the server as SIGTERM
+                gone.append(await kernel_gone(k))
+                stop()
+
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop)
+            watcher = asyncio.create_task(watch_kernel())
             try:
                 await server.serve(sockets=[sock])
             finally:
+                watcher.cancel()
                 await service.stop()
                 await cache.close()
+    if gone:
+        reason = (gone[0].strerror or str(gone[0])).splitlines()[0]
+        print(f"{PROG}: the kernel has gone ({reason}); the server exits", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -295,6 +295,39 @@ def test_a_bad_completion_field_is_400_naming_it(http, server, model_name, field
     assert_alive(server, model_name)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("path,fields", [("/v1/completions", {"prompt": "Hi"}),
+                                         ("/v1/chat/completions", {"messages": MESSAGES})])
+def test_nan_and_infinity_are_400_saying_a_number_must_be_finite(http, model_name, value,
+                                                                 path, fields):
+    """JSON's parser takes NaN and Infinity: they were refused as "less than or equal to
+    2", or, as a logit_bias, not at all checked for being a number."""
+    for field in ({"temperature": value}, {"top_p": value}, {"logit_bias": {"5": value}}):
+        r = post_json(http, path, {"model": model_name, "max_tokens": 2, **fields, **field})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        name = next(iter(field))
+        assert error["param"].startswith(name), error
+        assert error["message"].endswith("Input should be a finite number"), error
+
+
+@pytest.mark.parametrize("path,fields,param", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 10**30}, "max_tokens"),
+    ("/v1/completions", {"prompt": ["Hi", "Ho"], "max_tokens": 5000}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 5000}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 5000},
+     "max_completion_tokens")])
+def test_max_tokens_past_the_context_alone_is_named(http, model_name, k, path, fields, param):
+    """A completion that alone leaves no room for any prompt names its field, not the
+    prompt (which was named, though it was one token long)."""
+    assert 5000 >= k.model_info().context_length
+    r = post_json(http, path, {"model": model_name, **fields})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == (param, "context_length_exceeded"), error
+    assert error["message"].startswith("This model's maximum context length is"), error
+
+
 UNKNOWN = [
     ("/v1/chat/completions", {"foo_bar": 1}, "foo_bar"),
     ("/v1/chat/completions", {"foo_bar": None}, "foo_bar"),
@@ -661,20 +694,60 @@ def test_sigterm_ends_streams_with_done_answers_the_rest_503_and_exits_0(daemon,
         s.stop()
 
 
-def test_health_and_metrics_are_503_once_the_kernel_is_gone(model, tmp_path):
-    """The server outlives a killed kernel: /health and /metrics both say 503, not a 500
-    with a traceback in the log."""
+def test_health_and_metrics_are_503_while_the_kernel_does_not_answer(server, daemon):
+    """A kernel stopped with SIGSTOP answers nothing: /health and /metrics wait 5 s for it,
+    then say 503 (they waited for ever), and 200 again once it goes on."""
+    daemon.process.send_signal(signal.SIGSTOP)
+    try:
+        for path in ("/health", "/metrics"):
+            start = time.monotonic()
+            r = httpx.get(server.url + path, timeout=30)
+            assert r.status_code == 503, (path, r.text)
+            error = r.json()["error"]
+            assert error["type"] == "overloaded_error", error
+            assert error["message"] == "the kernel did not answer within 5 s", error
+            assert time.monotonic() - start < 20
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_a_kernel_that_stops_or_dies_ends_the_server(model, tmp_path, how):
+    """`symphony stop` (SIGTERM) or a crash (SIGKILL): the server's session has gone for
+    good, so the server ends as a SIGTERM would: an open stream ends with [DONE], every
+    request meanwhile is a 503, never a 500, and it exits 1 saying why in one line (it ran
+    on, answering 500 with a traceback in its log)."""
     d = start_daemon(model, tmp_path)
     s = start_server(d)
     try:
-        assert httpx.get(s.url + "/metrics").status_code == 200
-        d.process.kill()
-        d.process.wait()
-        for path in ("/health", "/metrics"):
-            r = httpx.get(s.url + path, timeout=60)
-            assert r.status_code == 503, (path, r.text)
-            assert r.json()["error"]["type"] == "overloaded_error"
-        assert "Traceback" not in s.log_text()
+        body = {"prompt": "x", "max_tokens": 900, "ignore_eos": True}
+        with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as client:
+            with client.stream("POST", s.url + "/v1/completions",
+                               json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                assert next(line for line in lines if line).startswith("data: {")
+                if how == "stop":
+                    d.process.send_signal(signal.SIGTERM)
+                else:
+                    d.process.kill()
+                assert [line for line in lines if line][-1] == "data: [DONE]"
+            deadline = time.monotonic() + 30
+            while s.proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    r = client.post(s.url + "/v1/completions", json=body)
+                except httpx.TransportError:  # it has closed its socket
+                    break
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["type"] == "overloaded_error"
+        assert s.proc.wait(30) == 1
+        log = s.log_text()
+        assert "Traceback" not in log, log
+        said = [line for line in log.splitlines() if line.startswith("symphony serve:")]
+        assert len(said) == 1 and said[0].startswith(
+            "symphony serve: the kernel has gone ("), log
+        assert said[0].endswith("); the server exits"), log
     finally:
         s.stop()
         d.stop()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from daemon import meminfo
+from daemon import meminfo, start_server, wait_for
 
 DAEMON_FLAGS = ("--kv-pages", "8", "--host-pages", "0")
 SERVE_FLAGS = ("--prefix-cache-pages", "0")
@@ -56,3 +56,33 @@ def test_a_streamed_batch_with_one_prompt_past_memory_is_a_503(server, daemon, b
             # The small prompt's file too is closed (its pages freed) by the time the
             # refusal is sent: the request's generations are closed before it.
             assert meminfo(k)["device_used"] == used
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_prefix_cache_gives_its_pages_back_to_a_request_that_needs_them(daemon, stream):
+    """The cache's idle entries are evicted when the kernel is out of KV memory: a request
+    that fits the pool is served, never refused for the pages the cache keeps. The cache
+    evicted only to stay under its own budget, so with the pool full of cached pages the
+    request was a 503 every time."""
+    s = start_server(daemon, "--prefix-cache-pages", "4")
+    try:
+        with daemon.connect() as k:
+            info = k.model_info()
+            used = meminfo(k)["device_used"]
+            first = s.client.completions.create(model=info.name,
+                                                prompt=[5] * (4 * info.page_size + 1),
+                                                max_tokens=1, temperature=0)
+            assert first.usage.completion_tokens == 1
+            wait_for(lambda: int(meminfo(k)["device_used"]) == int(used) + 4,
+                     what="the cache's four pages")
+            # Seven pages of prompt and one more as it decodes: the whole pool of eight.
+            big = dict(model=info.name, prompt=[7] * (7 * info.page_size), max_tokens=2,
+                       temperature=0)
+            if stream:
+                chunks = list(s.client.completions.create(**big, stream=True))
+                assert chunks[-1].choices[0].finish_reason == "length"
+            else:
+                assert s.client.completions.create(**big).usage.completion_tokens == 2
+            wait_for(lambda: meminfo(k)["device_used"] == used, what="every page freed")
+    finally:
+        assert s.stop() == 0, s.log_text()

@@ -46,6 +46,7 @@ _KERNEL = {
     errno.ENOSPC: (503, "overloaded_error", "the kernel is out of KV memory; retry later"),
     errno.EDQUOT: (503, "overloaded_error", "the server's KV quota is used up; retry later"),
     errno.EAGAIN: (503, "overloaded_error", "the kernel is busy; retry later"),
+    errno.EPIPE: (503, "overloaded_error", "the kernel does not answer (stopped or gone)"),
     errno.EOVERFLOW: (400, "invalid_request_error", "the request passes the model's context"),
 }
 

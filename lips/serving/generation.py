@@ -13,7 +13,9 @@ forked): the rest of the prompt is sent with the first pred, so the prompt and t
 sample are one forward pass (as syscalls.context's Context does), and the file is handed
 to the cache afterwards, off the token path. With n choices the prompt is written once: the
 first choice goes on in that file, the others fork it (copy-on-write) and sample after the
-prompt again, each with its own seed, all concurrently.
+prompt again, each with its own seed, all concurrently. A syscall the kernel refuses for
+want of memory (ENOSPC, EDQUOT) is made again after the prefix cache evicts an idle entry,
+until the cache is empty: the cache never makes a request fail.
 
 A batch of prompts (a completions request's array) is a Batch: a Generation per prompt,
 all started at once, so the kernel batches their preds; their Deltas merge, renumbered in
@@ -37,9 +39,9 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import llguidance
 
@@ -52,6 +54,7 @@ from syscalls.aio import AsyncFile, AsyncKernel
 from syscalls.convert import LogitControl, ModelInfo, PredOutput, Sampling, Vocabulary
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # vLLM's stand-in for a top logprob of -inf (a token the grammar's mask leaves out): JSON
 # has no infinity.
@@ -325,9 +328,9 @@ class Generation:
             scored: list[TokenLogprob | None] = [None]
             if len(p.prompt) > 1:
                 file = await self._own(g.kernel.open())
-                outs = await file.pred(p.prompt, outputs=list(range(len(p.prompt) - 1)),
-                                       sampler=Sampling(top_logprobs=p.logprobs or 0),
-                                       score_next=True)
+                outs = await self._room(functools.partial(
+                    file.pred, p.prompt, outputs=list(range(len(p.prompt) - 1)),
+                    sampler=Sampling(top_logprobs=p.logprobs or 0), score_next=True))
                 scored += [g.logprob(t, o.next_logprob, o.top)
                            for t, o in zip(p.prompt[1:], outs, strict=True)]
             self.prompt_logprobs = scored
@@ -349,12 +352,17 @@ class Generation:
         file, self.usage.cached_tokens = await self.generator.cache.open(self.params.prompt)
         return file
 
-    async def _own(self, opening: Coroutine[Any, Any, AsyncFile]) -> AsyncFile:
+    async def _own(self, opening: Awaitable[AsyncFile]) -> AsyncFile:
         """A file for this request, closed at its end even if this wait is cancelled while
         the kernel opens it (the opening goes on, shielded)."""
         task = asyncio.ensure_future(opening)
         self._opened.append(task)
         return await asyncio.shield(task)
+
+    def _room(self, call: Callable[[], Awaitable[T]]) -> Awaitable[T]:
+        """call(), a syscall that may need pages: while the kernel has none (ENOSPC,
+        EDQUOT) the prefix cache evicts its idle entries and it is made again."""
+        return self.generator.cache.making_room(call)
 
     async def _first(self, file: AsyncFile, choice: _Choice) -> PredOutput:
         """The first pred: the prompt past the cached prefix, sampled after its last token
@@ -363,13 +371,15 @@ class Generation:
         rest = p.prompt[self.usage.cached_tokens:]
         control = choice.control()
         if not p.prompt_logprobs:
-            (out,) = await file.pred(rest, sampler=choice.sampler(), control=control)
+            (out,) = await self._room(functools.partial(
+                file.pred, rest, sampler=choice.sampler(), control=control))
             return out
         rows = len(rest)
         if control is not None:  # the prompt rows' logprobs are the model's own
             control = [LogitControl()] * (rows - 1) + [control]
-        outs = await file.pred(rest, outputs=list(range(rows)), sampler=choice.sampler(),
-                               control=control, score_next=True)
+        outs = await self._room(functools.partial(
+            file.pred, rest, outputs=list(range(rows)), sampler=choice.sampler(),
+            control=control, score_next=True))
         logprob = self.generator.logprob
         self.prompt_logprobs = [None, *(logprob(t, o.next_logprob, o.top)
                                         for t, o in zip(rest[1:], outs, strict=False))]
@@ -378,9 +388,10 @@ class Generation:
     async def _branch(self, choice: _Choice, root: AsyncFile) -> None:
         """Another choice: a fork of the prompt's file, sampled after the prompt again."""
         prompt = self.params.prompt
-        file = await self._own(root.fork())
-        (out,) = await file.pred(prompt[-1:], sampler=choice.sampler(),
-                                 control=choice.control(), truncate=len(prompt) - 1)
+        file = await self._own(self._room(root.fork))
+        (out,) = await self._room(functools.partial(
+            file.pred, prompt[-1:], sampler=choice.sampler(), control=choice.control(),
+            truncate=len(prompt) - 1))
         await self._decode(choice, file, out)
 
     async def _decode(self, choice: _Choice, file: AsyncFile, out: PredOutput) -> None:
@@ -393,8 +404,9 @@ class Generation:
             put(delta)
             if delta.finish_reason is not None:
                 return
-            (out,) = await file.pred(delta.token_ids, sampler=choice.sampler(),
-                                     control=choice.control())
+            (out,) = await self._room(functools.partial(
+                file.pred, delta.token_ids, sampler=choice.sampler(),
+                control=choice.control()))
 
     async def _remember(self, file: AsyncFile) -> None:
         """The prompt's file goes to the prefix cache (it forks it)."""

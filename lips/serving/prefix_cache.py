@@ -18,6 +18,8 @@ number of nodes: the pages the cache's files hold, each counted once however man
 share it (a page a request's file also shares still counts: it stays while the cache holds
 it). Whole entries are evicted, least recently used first, while `pages` is past the budget;
 an entry whose prefix a newer one extends is dropped at once (the newer holds all of it).
+A request's syscall the kernel refuses for want of memory evicts entries, least recently
+used first, until it goes (making_room): the cache never makes a request fail.
 
 Index updates happen under one lock (inserts and evictions: off the token path); `open`
 reads the index without awaiting and pins the entry it forks, so an eviction meanwhile
@@ -30,12 +32,14 @@ import asyncio
 import contextlib
 import errno
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from syscalls.aio import AsyncFile, AsyncKernel
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The kernel has no memory to spare: the cache gives some back instead of caching more.
 _OUT_OF_MEMORY = (errno.ENOSPC, errno.EDQUOT)
@@ -224,6 +228,27 @@ class PrefixCache:
     async def _close(self, entry: _Entry) -> None:
         with contextlib.suppress(OSError):  # the kernel gone: nothing left to free
             await entry.file.close()
+
+    async def making_room(self, call: Callable[[], Awaitable[T]]) -> T:
+        """call()'s result; while it fails for want of memory (ENOSPC: the kernel's pool is
+        full; EDQUOT: the session's quota, which the cache's pages count against), the
+        least recently used entry is evicted and call() made again, so that the cache is
+        never why a request fails: the error stands once the cache is empty. `call` must
+        be one a failure leaves undone (a syscall: a failed call changes nothing)."""
+        while True:
+            try:
+                return await call()
+            except OSError as e:
+                if e.errno not in _OUT_OF_MEMORY or not await self._evict():
+                    raise
+
+    async def _evict(self) -> bool:
+        """Evict the least recently used entry; False when there is none."""
+        async with self._lock:
+            if not self._lru:
+                return False
+            await self._drop(next(iter(self._lru)))
+            return True
 
     async def close(self) -> None:
         """Close every cached file; the cache is disabled after."""

@@ -61,9 +61,10 @@ class Body(BaseModel):
     default"), and text that is not valid Unicode a 400 naming its field. Types are strict,
     as OpenAI's: a value of another JSON type is a 400 naming its field (pydantic's lax
     mode took "3" and true as the integers 3 and 1, 2.0 as 2, "yes" as true), but for a
-    JSON integer where a number is expected (temperature: 1)."""
+    JSON integer where a number is expected (temperature: 1). A number must be finite: the
+    JSON parser takes NaN and Infinity, which are a 400 saying so."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -334,6 +335,11 @@ class ChatRequest(SamplingRequest):
     def max_completion(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def max_completion_param(self) -> str:
+        """The field max_completion comes from."""
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
     async def grammar(self) -> str | None:
         """response_format's grammar, compiled in a thread: llguidance may take seconds on
         a large schema (it releases the GIL), and the server's loop goes on meanwhile."""
@@ -362,9 +368,12 @@ class DetokenizeRequest(Body):
     tokens: list[int]
 
 
-def context_check(context: int, prompt: int, completion: int | None, where: str) -> int:
+def context_check(context: int, prompt: int, completion: int | None, where: str,
+                  completion_param: str = "max_tokens") -> int:
     """The completion's length; a 400 with the lengths when prompt and completion pass the
-    model's context (no completion length asked: what the context leaves)."""
+    model's context (no completion length asked: what the context leaves), naming the
+    prompt (`where`), or the completion's field (`completion_param`) when the completion
+    alone leaves no room for a prompt."""
     if completion is None and prompt < context:
         return context - prompt
     if completion is not None and prompt + completion <= context:
@@ -375,8 +384,9 @@ def context_check(context: int, prompt: int, completion: int | None, where: str)
     else:
         detail = (f"However, you requested {prompt + completion} tokens ({prompt} in the "
                   f"{what}, {completion} in the completion).")
+    param = completion_param if completion is not None and completion >= context else where
     raise ApiError(400, f"This model's maximum context length is {context} tokens. {detail} "
-                   f"Please reduce the length of the {what} or completion.", param=where,
+                   f"Please reduce the length of the {what} or completion.", param=param,
                    code="context_length_exceeded")
 
 
