@@ -70,10 +70,11 @@ class Connections:
             self.safe_look()
 
     async def watch(self) -> None:
-        """Look every INTERVAL (or less often, if looks take long)."""
+        """Look every INTERVAL (or less often, if looks take long; a hello's look counts)."""
         while True:
             await asyncio.sleep(max(INTERVAL, DUTY * self.took))
-            self.safe_look()
+            if self.due():
+                self.safe_look()
 
     def safe_look(self) -> None:
         try:
