@@ -47,11 +47,19 @@ log = logging.getLogger("kvfs.state")
 CHUNK = 8 << 20
 
 
+_held: dict[Path, int] = {}  # the state directories this process holds: their locks' fds
+
+
 def hold(path: Path) -> int:
     """Take the state directory for this process's life (an flock on STATE/lock, which goes
     with the process however it ends), or EBUSY naming the kernel that has it: two kernels on
     one directory write the same swap file, files and namespace, and the last to save loses
-    the other's names. Returns the lock's fd, to keep open."""
+    the other's names. Returns the lock's fd, to keep open. A directory this process holds
+    already is its own (`symphony kernel` takes it before it waits for its ranks; the
+    kernel takes it again): the same fd."""
+    key = path.resolve()
+    if key in _held:
+        return _held[key]
     fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -62,6 +70,7 @@ def hold(path: Path) -> int:
                       f"{holder})") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
+    _held[key] = fd
     return fd
 
 

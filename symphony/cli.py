@@ -84,6 +84,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
 
     import torch
 
+    from kvfs.state import hold
     from symphony.daemon import default_state_dir, run_kernel
     from symphony.engine.cuda_graphs import ENV as CUDA_GRAPHS_ENV
     from symphony.engine.settings import EngineSettings
@@ -91,17 +92,11 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     from syscalls.session import socket_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    log = logging.getLogger("symphony.kernel")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if args.cuda_graphs:  # for the engine processes, which inherit the environment
         os.environ[CUDA_GRAPHS_ENV] = args.cuda_graphs
-    rendezvous = rendezvous_of(args)
-    if rendezvous.node_rank != 0:
-        raise ValueError(f"--node-rank {rendezvous.node_rank}: the kernel lives on node 0; "
-                         "start the ranks of other nodes with `symphony rank`")
-    if rendezvous.nnodes > 1:
-        logging.getLogger("symphony.kernel").info(
-            "waiting up to %.0f s for the ranks of the other %d node(s) at %s",
-            RENDEZVOUS_SECONDS, rendezvous.nnodes - 1, rendezvous.init_method)
+    rendezvous = kernel_rendezvous(args)
     state_dir = Path(args.state_dir or default_state_dir())
     host_pages = args.host_pages if args.host_pages is not None else args.kv_pages or 0
     pools = [(f"--kv-pages {args.kv_pages}", args.kv_pages, "device"),
@@ -110,6 +105,23 @@ def cmd_kernel(args: argparse.Namespace) -> int:
              (f"--disk-pages {args.disk_pages}", args.disk_pages, state_dir)]
     check_pools(EngineSettings.resolve(args.model, device=args.device, dtype=dtype),
                 rendezvous.world, pools)
+    # The state directory and the socket's path are this kernel's before its engine loads
+    # and its ranks meet (up to RENDEZVOUS_SECONDS): a second kernel there is refused now,
+    # and `symphony status` and `stop` find this one (control.Claim).
+    state_dir.mkdir(parents=True, exist_ok=True)
+    hold(state_dir)  # for the process's life; the kernel takes it again, as its own
+    sock = socket_path(args.socket)
+    claim = control().Claim(sock)
+
+    def stopped(*_) -> None:  # `symphony stop` before the kernel serves: out, and the
+        claim.release()  # ranks with it (they die with their parent)
+        log.info("stopped by SIGTERM before serving")
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, stopped)
+    if rendezvous.nnodes > 1:
+        log.info("waiting up to %.0f s for the ranks of the other %d node(s) at %s",
+                 RENDEZVOUS_SECONDS, rendezvous.nnodes - 1, rendezvous.init_method)
     try:
         engine = EngineProcess(
             args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages,
@@ -122,14 +134,26 @@ def cmd_kernel(args: argparse.Namespace) -> int:
                  for flag in ("kv_pages", "host_pages") if getattr(args, flag) is not None]
         raise MemoryError(f"{', '.join(given) or '--kv-pages'}: the KV pages cannot be "
                           f"allocated ({str(e).splitlines()[0]})") from e
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        claim.release()  # for the kernel's own socket
     opts = Options(
-        socket=socket_path(args.socket), state_dir=state_dir,
+        socket=sock, state_dir=state_dir,
         token_budget=args.token_budget, max_seqs=args.max_seqs, disk_pages=args.disk_pages,
         quota=args.quota, inode_quota=args.inode_quota, decode_ahead=args.decode_ahead == "on",
         pipeline=args.pipeline == "on",
         max_procs_per_user=args.max_procs_per_user,
     )
     return run_kernel(engine, opts)
+
+
+def kernel_rendezvous(args: argparse.Namespace):
+    """The kernel's Rendezvous (on node 0); UsageError for flags that put it elsewhere."""
+    rendezvous = rendezvous_of(args)
+    if rendezvous.node_rank != 0:
+        raise UsageError(f"--node-rank {rendezvous.node_rank}: the kernel lives on node 0; "
+                         "start the ranks of other nodes with `symphony rank`")
+    return rendezvous
 
 
 def memory_total() -> int:
@@ -169,25 +193,33 @@ def check_pools(settings, world: int, pools: list[tuple[str, int | None, str | P
 
 
 def rendezvous_of(args: argparse.Namespace):
-    """The ranks' Rendezvous from the flags, else torchrun's environment variables."""
+    """The ranks' Rendezvous from the flags, else torchrun's environment variables;
+    UsageError for flags that do not make one."""
     from symphony.ranks import from_environment
 
-    return from_environment(args.tensor_parallel, args.nnodes, args.node_rank,
-                            args.master_addr, args.master_port)
+    try:
+        return from_environment(args.tensor_parallel, args.nnodes, args.node_rank,
+                                args.master_addr, args.master_port)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def cmd_rank(args: argparse.Namespace) -> int:
     """Start this node's ranks and wait for them: 0 when every one ended cleanly."""
-    from symphony.engine.engine import default_model_dir
+    from symphony.engine.fingerprint import fingerprint
+    from symphony.engine.settings import EngineSettings
     from symphony.ranks import start_node
 
     rendezvous = rendezvous_of(args)
     if rendezvous.node_rank == 0:
-        raise ValueError("--node-rank 0 is the kernel's node: start `symphony kernel` there")
-    model = Path(args.model) if args.model else default_model_dir()
+        raise UsageError("--node-rank 0 is the kernel's node: start `symphony kernel` there")
     device = args.device or ("cuda" if _cuda() else "cpu")
-    procs = start_node(rendezvous, device, model)
-    # The ranks die with this process (PR_SET_PDEATHSIG): a Ctrl-C here ends them.
+    # The checkpoint read now, before the wait for the kernel: a missing one said at once.
+    model = EngineSettings.resolve(args.model, device=device).model_dir
+    procs = start_node(rendezvous, device, model, fingerprint(model))
+    # The ranks die with this process (PR_SET_PDEATHSIG): a Ctrl-C or SIGTERM here ends
+    # them. SystemExit only while the ranks run: raised at exit, in an atexit callback, it
+    # would be printed as ignored.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     try:
         status = 0
@@ -200,6 +232,8 @@ def cmd_rank(args: argparse.Namespace) -> int:
         return status
     except KeyboardInterrupt:
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _cuda() -> bool:
@@ -222,7 +256,9 @@ KERNEL_OPTIONS = ("model", "state_dir", "device", "dtype", "kv_pages", "host_pag
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    """The kernel's own flags are passed on as given."""
+    """The kernel's own flags are passed on as given (the rendezvous's checked first: a
+    usage error here, not the kernel's exit)."""
+    kernel_rendezvous(args)
     flags = []
     for dest in KERNEL_OPTIONS:
         if getattr(args, dest) is not None:
@@ -243,6 +279,14 @@ def non_negative(text: str) -> int:
     n = int(text)
     if n < 0:
         raise argparse.ArgumentTypeError(f"{text} is not a count (0 or more)")
+    return n
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 1 to 65535."""
+    n = int(text)
+    if not 0 < n < 65536:
+        raise argparse.ArgumentTypeError(f"{text} is not a TCP port (1 to 65535)")
     return n
 
 
@@ -344,7 +388,7 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
                    "$NODE_RANK, else $GROUP_RANK, else 0)")
     p.add_argument("--master-addr", help="node 0's address, where the ranks meet (default: "
                    "$MASTER_ADDR, else 127.0.0.1)")
-    p.add_argument("--master-port", type=int, help="the port there (default: $MASTER_PORT; "
+    p.add_argument("--master-port", type=port, help="the port there (default: $MASTER_PORT; "
                    "else 29500 with several nodes, a free one with one)")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib.util
 import json
 import os
@@ -40,6 +41,30 @@ def kernel_pid(sock: Path) -> int | None:
         return None
     finally:
         probe.close()
+
+
+class Claim:
+    """The kernel's socket path, held by a kernel that starts (its engine loads, its ranks
+    meet) before it serves there: a socket that listens and answers nothing, so that
+    kernel_pid finds the kernel (`symphony status` says it starts, `symphony stop` stops
+    it, a second `symphony start` is refused), and that hello's path, absent, keeps clients
+    out (they find no kernel). OSError if a kernel listens there already."""
+
+    def __init__(self, sock: Path):
+        self.path = sock
+        pid = kernel_pid(sock)
+        if pid is not None:
+            raise OSError(errno.EADDRINUSE, f"{sock}: a kernel already listens there (pid {pid})")
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        sock.unlink(missing_ok=True)  # a dead kernel's
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(sock))
+        self.listener.listen()
+
+    def release(self) -> None:
+        """For the kernel to listen there itself."""
+        self.listener.close()
+        self.path.unlink(missing_ok=True)
 
 
 def start_wait(args: argparse.Namespace) -> float:
@@ -81,6 +106,11 @@ def cmd_start(args: argparse.Namespace, kernel_argv: list[str]) -> int:
         except OSError:
             time.sleep(0.2)
             continue
+        if (answering := kernel_pid(sock)) not in (child.pid, None):
+            child.terminate()
+            print(f"symphony: another kernel (pid {answering}) took {sock} while kernel "
+                  f"{child.pid} started (log: {log})", file=sys.stderr)
+            return 1
         print(f"kernel {child.pid} serves {info.name} on {sock} (log: {log})")
         return 0
     child.terminate()
@@ -116,8 +146,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             info, procs = k.model_info(), k.ps()
             meminfo = k.procfs("meminfo")
     except OSError as e:
-        print(f"not running: {e}")
-        return 3  # as in LSB status: not running
+        pid = kernel_pid(sock)  # a kernel that starts holds the socket's path (Claim)
+        if pid is None:
+            print(f"not running: {e}")
+        else:
+            print(f"starting: kernel {pid} holds {sock} but does not serve yet (its model "
+                  "loads, or it waits for its ranks)")
+        return 3  # as in LSB status: not running (yet)
     print(f"kernel {kernel_pid(sock) or '?'} on {sock}")
     print(f"model {info.name} ({info.architecture}, {info.dtype}), fingerprint "
           f"{info.fingerprint[:16]}, context {info.context_length}, page {info.page_size}")

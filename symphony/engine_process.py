@@ -54,6 +54,7 @@ from kvfs.errors import FSError
 from kvfs.pool import KVPool, PageShape, pool_shard_shape
 from symphony.engine.config import ModelConfig
 from symphony.engine.engine import Engine
+from symphony.engine.fingerprint import fingerprint
 from symphony.engine.rope import Rotary, rotate_keys
 from symphony.engine.sampler import mask_words
 from symphony.engine.settings import PAGE_SIZE, EngineSettings, HasSettings
@@ -67,6 +68,7 @@ from symphony.ranks import (
     RankInfo,
     RankSetup,
     Rendezvous,
+    claim,
     die_with_parent,
     gather_infos,
     info,
@@ -234,8 +236,11 @@ class EngineProcess(HasSettings):
                 if r == 0:
                     self._sock = ours
                     self._sndbuf = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-                    ranks = None if world == 1 else (rdv, {m: shipped[m] for m in remote},
-                                                     shapes)
+                    # Off node 0 a rank reads a checkpoint of its own: rank 0 compares
+                    # theirs with this one's at the rendezvous (ranks.meet).
+                    ranks = None if world == 1 else (
+                        rdv, {m: shipped[m] for m in remote}, shapes,
+                        fingerprint(self.model_dir) if remote else None)
                     message = (os.getpid(), self.model_dir, self.device, self.dtype,
                                shapes[0], None if simulated else shipped[0], simulated,
                                weights, ranks)
@@ -631,9 +636,9 @@ def _build(model_dir: Path, device: torch.device, dtype: torch.dtype, shape: tup
     if ranks is None:
         engine = Engine(model_dir, device=str(device), dtype=dtype, pool=pool, weights=weights)
         return engine, None, [RankInfo(0, os.getpid(), socket.gethostname(), 0, str(device))]
-    rdv, mirror_tiers, shapes = ranks
+    rdv, mirror_tiers, shapes, model_print = ranks
     dev = rank_device(device.type, rdv, 0)
-    cpu_group = join(rdv, 0, dev)
+    cpu_group = join(rdv, claim(0, rdv, dev, model_dir, model_print), dev)
     group = Group(shard_of(ModelConfig.from_file(Path(model_dir) / "config.json"), 0, rdv.world),
                   cpu_group)
     remote = tuple(sorted(mirror_tiers))

@@ -5,9 +5,12 @@ pool (kvfs.pool).
 Who starts them. The kernel lives on node 0 and starts node 0's ranks as its children; rank
 0 is the engine process of engine_process.py, which talks to the kernel. On every other
 node `symphony rank` starts that node's ranks (`python -m symphony.ranks`). All of them meet
-by torch.distributed's TCP rendezvous at node 0's address (--master-addr, --master-port),
-rank r on node r // (N / nnodes). The backend is NCCL on GPUs (one a rank: cuda:LOCAL_RANK),
-gloo on the CPU; Python objects go over a gloo group either way.
+at node 0's address (--master-addr, --master-port), rank r on node r // (N / nnodes): rank
+0 serves a TCP store there, each other rank puts its Claim in it (rank count, node count,
+device kind, and off node 0 its checkpoint's fingerprint), and rank 0 refuses one that
+differs from its own (meet) before they form the torch.distributed group over the store.
+The backend is NCCL on GPUs (one a rank: cuda:LOCAL_RANK), gloo on the CPU; Python objects
+go over a gloo group either way.
 
 What flows. Rank 0 builds its engine from the kernel's settings and broadcasts them
 (`RankSetup`); the others build theirs, and rank 0 gathers what each is (`RankInfo`) or the
@@ -33,10 +36,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -75,7 +80,9 @@ class Rendezvous:
             )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} outside [0, {self.nnodes})")
-        if self.nnodes > 1 and not 0 < self.master_port < 65536:
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"--master-port {self.master_port}: not a TCP port (1 to 65535)")
+        if self.nnodes > 1 and not self.master_port:
             raise ValueError(
                 "--nnodes above 1 needs --master-port (and --master-addr, node 0's address)"
             )
@@ -155,22 +162,131 @@ def rank_device(kind: str, rdv: Rendezvous, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def join(rdv: Rendezvous, rank: int, device: torch.device) -> dist.ProcessGroup | None:
-    """Join the group as rank `rank`, once all N have come: the gloo group for objects where
-    the default one is NCCL (None: the default one is gloo)."""
+@dataclass(frozen=True)
+class Claim:
+    """What a rank says it is when it comes to the rendezvous: rank 0 refuses one that does
+    not agree with its own (`disagreement`), before any rank loads its weights. The
+    engine's other settings (dtype, weights, page size, KV pages) are rank 0's alone: it
+    hands them to the others (RankSetup)."""
+
+    rank: int
+    world: int
+    nnodes: int
+    host: str
+    device: str  # cpu (gloo) or cuda (NCCL)
+    model: str  # the checkpoint's path on the rank's node
+    fingerprint: str | None  # the checkpoint's, off node 0 (node 0's ranks read the kernel's)
+
+
+def claim(rank: int, rdv: Rendezvous, device: torch.device, model: Path,
+          fingerprint: str | None) -> Claim:
+    return Claim(rank, rdv.world, rdv.nnodes, socket.gethostname(), device.type, str(model),
+                 fingerprint)
+
+
+def disagreement(ours: Claim, theirs: Claim, came: dict[int, Claim]) -> str | None:
+    """Why rank 0 (`ours`) refuses a rank's claim, given those that came before: None if it
+    does not."""
+    who = f"rank {theirs.rank} (node {theirs.rank // (theirs.world // theirs.nnodes)}, " \
+          f"host {theirs.host})"
+    for flag, mine, its in (("--tensor-parallel", ours.world, theirs.world),
+                            ("--nnodes", ours.nnodes, theirs.nnodes),
+                            ("--device", ours.device, theirs.device)):
+        if mine != its:
+            return f"{who} has {flag} {its}, the kernel {flag} {mine}"
+    if theirs.rank in came:
+        return f"{who} came twice (first from host {came[theirs.rank].host})"
+    if theirs.fingerprint is not None and theirs.fingerprint != ours.fingerprint:
+        return (f"{who} has another checkpoint than the kernel: {theirs.model} (fingerprint "
+                f"{theirs.fingerprint[:16]}) there, {ours.model} (fingerprint "
+                f"{ours.fingerprint[:16]}) on node 0")
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def _reach(rdv: Rendezvous, rank: int) -> None:
+    """Wait until node 0's rendezvous port takes connections (rank 0 listens there): a
+    ModelError after TIMEOUT, in one line (torch's own client would log a C++ trace at each
+    try)."""
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
+    while True:
+        try:
+            socket.create_connection((rdv.master_addr, rdv.master_port), timeout=5.0).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise ModelError(f"rank {rank}: no kernel at {rdv.master_addr}:"
+                                 f"{rdv.master_port} after {TIMEOUT.total_seconds():.0f} s "
+                                 f"({e.strerror or e})") from None
+            time.sleep(1.0)
+
+
+def meet(rdv: Rendezvous, mine: Claim) -> dist.TCPStore:
+    """The rendezvous's store (rank 0 serves it at --master-port), once each of the N ranks
+    has come and rank 0 has found that its claim agrees with rank 0's; else ModelError, on
+    rank 0 and on the rank it refused alike, in one line naming what differs."""
+    where, wait = f"{rdv.master_addr}:{rdv.master_port}", TIMEOUT.total_seconds()
+    if mine.rank != 0:
+        _reach(rdv, mine.rank)
+        try:
+            store = dist.TCPStore(rdv.master_addr, rdv.master_port, is_master=False,
+                                  timeout=TIMEOUT, wait_for_workers=False)
+            store.set(f"claim/{store.add('claims', 1)}", pickle.dumps(mine))
+            verdict = store.get("verdict").decode()
+            store.add("heard", 1)
+        except dist.DistError as e:
+            raise ModelError(f"rank {mine.rank}: the kernel's rank 0 at {where} went away "
+                             f"before every rank came ({_first_line(e)})") from None
+        if verdict:
+            raise ModelError(f"rank {mine.rank}: refused by the kernel at {where}: {verdict}")
+        return store
+    try:
+        store = dist.TCPStore(rdv.master_addr, rdv.master_port, is_master=True,
+                              timeout=TIMEOUT, wait_for_workers=False)
+    except dist.DistError as e:
+        raise ModelError(f"rank 0: cannot listen at {where} ({_first_line(e)})") from None
+    came: dict[int, Claim] = {}
+    for n in range(1, rdv.world):
+        try:
+            store.wait([f"claim/{n}"])
+        except dist.DistError:  # a node that never came, a wrong port: said in one line
+            raise ModelError(f"rank 0: the {rdv.world} ranks did not all meet at "
+                             f"{rdv.init_method} (waiting {wait:.0f} s at most): {n} came"
+                             ) from None
+        theirs: Claim = pickle.loads(store.get(f"claim/{n}"))
+        problem = disagreement(mine, theirs, came)
+        if problem:
+            store.set("verdict", problem)
+            # Told before this process, and the store with it, goes: each rank that came.
+            deadline = time.monotonic() + 5.0
+            while (store.add("heard", 0) < store.add("claims", 0)
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+            raise ModelError(f"rank 0: {problem}")
+        came[theirs.rank] = theirs
+    store.set("verdict", "")
+    return store
+
+
+def join(rdv: Rendezvous, mine: Claim, device: torch.device) -> dist.ProcessGroup | None:
+    """Join the group, once all N have come and agree (meet): the gloo group for objects
+    where the default one is NCCL (None: the default one is gloo)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # the node's cores shared out: threads of ranks that outnumber them stall
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // rdv.per_node))
+    store = meet(rdv, mine)
     try:
-        dist.init_process_group(
-            backend, init_method=rdv.init_method, rank=rank, world_size=rdv.world,
-            timeout=TIMEOUT)
-    except dist.DistError as e:  # a node that never came, a wrong port: said in one line
-        raise ModelError(f"rank {rank}: the {rdv.world} ranks did not all meet at "
+        dist.init_process_group(backend, store=store, rank=mine.rank, world_size=rdv.world,
+                                timeout=TIMEOUT)
+    except dist.DistError as e:  # a rank that died after it came: said in one line
+        raise ModelError(f"rank {mine.rank}: the {rdv.world} ranks did not all meet at "
                          f"{rdv.init_method} (waiting {TIMEOUT.total_seconds():.0f} s at "
-                         f"most): {str(e).splitlines()[0]}") from e
+                         f"most): {_first_line(e)}") from e
     return dist.new_group(backend="gloo", timeout=TIMEOUT) if backend == "nccl" else None
 
 
@@ -405,14 +521,27 @@ def run_follower(
     device: str,
     model_dir: Path,
     arrays: tuple[torch.Tensor, torch.Tensor] | None,
+    fingerprint: str | None = None,
 ) -> int:
-    """A follower rank's life: join, build, follow; its exit status."""
+    """A follower rank's life: join, build, follow; its exit status. `fingerprint`: its
+    checkpoint's, off node 0, for rank 0 to compare with the kernel's."""
     try:
         dev = rank_device(device, rdv, rank)
-        cpu_group = join(rdv, rank, dev)
+        cpu_group = join(rdv, claim(rank, rdv, dev, model_dir, fingerprint), dev)
         group, engine, mirror = build_follower(rank, rdv, cpu_group, dev, model_dir, arrays)
-        follow(group, engine, mirror)
-    except Exception as e:  # the group broke (a rank or the kernel died), or setup failed
+        try:
+            follow(group, engine, mirror)
+        except RuntimeError as e:  # gloo's "Connection closed by peer", and the like
+            # gloo's own words, less its source file and its advice: "Connection closed
+            # by peer [ADDR]:PORT"
+            gist = _first_line(e).rpartition("] ")[2].split(". ")[0]
+            raise ModelError(f"the group broke: the kernel's rank 0 at {rdv.master_addr}:"
+                             f"{rdv.master_port}, or another rank, went away ({gist})") from e
+    except ModelError as e:  # said in a line of its own
+        print(f"symphony: {e if str(e).startswith('rank ') else f'rank {rank}: {e}'}",
+              file=sys.stderr)
+        return 1
+    except Exception as e:  # setup failed
         print(f"symphony: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     dist.destroy_process_group()
@@ -432,6 +561,7 @@ def follower_main(argv: list[str]) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--parent", type=int)
     p.add_argument("--model")
+    p.add_argument("--fingerprint", help="the checkpoint's (symphony.engine.fingerprint)")
     a = p.parse_args(argv)
     if a.socket is not None:
         from symphony.engine_process import mapped, receive  # it imports this module
@@ -448,11 +578,13 @@ def follower_main(argv: list[str]) -> int:
     rdv = Rendezvous(
         a.world, a.nnodes, a.rank // (a.world // a.nnodes), a.master_addr, a.master_port
     )
-    return run_follower(a.rank, rdv, a.device, Path(a.model), None)
+    return run_follower(a.rank, rdv, a.device, Path(a.model), None, a.fingerprint)
 
 
-def start_node(rdv: Rendezvous, device: str, model_dir: Path) -> list[subprocess.Popen]:
-    """`symphony rank`: start this node's ranks (a node other than 0)."""
+def start_node(rdv: Rendezvous, device: str, model_dir: Path, fingerprint: str
+               ) -> list[subprocess.Popen]:
+    """`symphony rank`: start this node's ranks (a node other than 0), with the fingerprint
+    of their checkpoint."""
     return [
         subprocess.Popen(
             [
@@ -475,6 +607,8 @@ def start_node(rdv: Rendezvous, device: str, model_dir: Path) -> list[subprocess
                 str(os.getpid()),
                 "--model",
                 str(model_dir),
+                "--fingerprint",
+                fingerprint,
             ],
             stdin=subprocess.DEVNULL,
         )
@@ -483,7 +617,11 @@ def start_node(rdv: Rendezvous, device: str, model_dir: Path) -> list[subprocess
 
 
 if __name__ == "__main__":
-    status = follower_main(sys.argv[1:])
+    # This module's classes under their own name, not __main__'s: what a follower pickles
+    # for rank 0 (its Claim, its RankInfo) is unpickled there by that name.
+    from symphony.ranks import follower_main as main
+
+    status = main(sys.argv[1:])
     # Out without the interpreter's finalization: gloo's threads and their buffers, torn
     # down there while the other ranks exit too, now and then end in std::terminate (an
     # exit status of -6 for a rank that ended cleanly).

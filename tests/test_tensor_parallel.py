@@ -4,7 +4,9 @@ through prefill chunks, decodes, a tree and an excluded range."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
+from datetime import timedelta
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from symphony.engine.loader import load_model
 from symphony.engine.tensor_parallel import Group, shard_of
 from symphony.engine.tree import ancestor_bits
 from symphony.engine_process import EngineProcess
-from symphony.ranks import Rendezvous, from_environment
+from symphony.ranks import Claim, Rendezvous, from_environment, meet
 from symphony.top import Sample, frame
 
 ATOL = 1e-4
@@ -217,7 +219,7 @@ def test_the_kernel_refuses_what_ranks_cannot_run(model, capsys):
     assert (
         main(
             [
-                "kernel",
+                "start",
                 "--tensor-parallel",
                 "2",
                 "--nnodes",
@@ -228,7 +230,7 @@ def test_the_kernel_refuses_what_ranks_cannot_run(model, capsys):
                 "1",
             ]
         )
-        == 1
+        == 2
     )
     assert (
         main(
@@ -244,10 +246,17 @@ def test_the_kernel_refuses_what_ranks_cannot_run(model, capsys):
                 "1",
             ]
         )
-        == 1
+        == 2
     )
     err = capsys.readouterr().err
     assert "the kernel lives on node 0" in err and "--node-rank 0 is the kernel's node" in err
+    # Flags that make no rendezvous are usage errors (2), named, before anything starts.
+    assert main(["kernel", "--tensor-parallel", "2", "--nnodes", "3"]) == 2
+    assert "--tensor-parallel 2 ranks over --nnodes 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["rank", "--tensor-parallel", "2", "--nnodes", "2", "--master-port", "70000"])
+    assert e.value.code == 2
+    assert "--master-port: 70000 is not a TCP port" in capsys.readouterr().err
     with pytest.raises(ValueError, match="sleep:MS loads no model"):
         EngineProcess(model, kv_pages=4, sleep_ms=1, rendezvous=Rendezvous(2))
     with pytest.raises(ModelError, match="attention heads \\(8\\) do not divide by 3"):
@@ -258,18 +267,72 @@ def test_ranks_that_do_not_all_meet_fail_in_one_line_naming_where(monkeypatch):
     """A node that never comes (or a wrong --master-port): rank 0's wait ends in a
     ModelError naming the rendezvous and the wait, which `symphony kernel` prints as one
     line, not torch's DistStoreError traceback."""
-    from datetime import timedelta
-
     from symphony import ranks
 
     monkeypatch.setattr(ranks, "TIMEOUT", timedelta(seconds=2))
     rdv = Rendezvous(world=2, nnodes=2, master_port=free_port())
     with pytest.raises(ModelError) as e:
-        ranks.join(rdv, 0, torch.device("cpu"))
+        ranks.join(rdv, Claim(0, 2, 2, "a", "cpu", "/m", "ab"), torch.device("cpu"))
     said = str(e.value)
     assert said.startswith(f"rank 0: the 2 ranks did not all meet at {rdv.init_method} "
                            "(waiting 2 s at most): "), said
     assert "\n" not in said and not dist.is_initialized()
+
+
+def meet_as(rdv: Rendezvous, claims: list[Claim]) -> list[str]:
+    """What each of `claims` meets at `rdv` with (ranks.meet), each in a thread: the
+    ModelError's message, or "met"."""
+    said = [""] * len(claims)
+
+    def one(i: int) -> None:
+        try:
+            meet(rdv, claims[i])
+            said[i] = "met"
+        except ModelError as e:
+            said[i] = str(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(claims))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return said
+
+
+def test_rank_0_refuses_a_rank_whose_checkpoint_or_rank_count_differs(monkeypatch):
+    """A node with another checkpoint was taken, and computed wrong tokens; one with another
+    --tensor-parallel left every rank waiting. Rank 0 now refuses it at the rendezvous,
+    before any weight loads, and both sides say why in a line."""
+    from symphony import ranks
+
+    monkeypatch.setattr(ranks, "TIMEOUT", timedelta(seconds=20))
+    kernel = Claim(0, 2, 2, "a", "cpu", "/m/tiny", "ab" * 32)
+    node1 = replace(kernel, rank=1, host="b", model="/n/tiny2", fingerprint="cd" * 32)
+    rdv = Rendezvous(2, 2, 0, "127.0.0.1", free_port())
+    refused = ("rank 1 (node 1, host b) has another checkpoint than the kernel: /n/tiny2 "
+               f"(fingerprint {'cd' * 8}) there, /m/tiny (fingerprint {'ab' * 8}) on node 0")
+    assert meet_as(rdv, [kernel, node1]) == [
+        f"rank 0: {refused}", f"rank 1: refused by the kernel at 127.0.0.1:{rdv.master_port}: "
+        f"{refused}"]
+    four = replace(node1, rank=2, world=4, fingerprint=kernel.fingerprint)
+    rdv = replace(rdv, master_port=free_port())
+    said = meet_as(rdv, [kernel, four])
+    assert said[0] == ("rank 0: rank 2 (node 1, host b) has --tensor-parallel 4, the kernel "
+                       "--tensor-parallel 2"), said
+    assert said[1].startswith("rank 2: refused by the kernel"), said
+    same = replace(node1, fingerprint=kernel.fingerprint)
+    assert meet_as(replace(rdv, master_port=free_port()), [kernel, same]) == ["met", "met"]
+
+
+def test_a_rank_with_no_kernel_at_its_port_says_so_in_a_line(monkeypatch):
+    from symphony import ranks
+
+    monkeypatch.setattr(ranks, "TIMEOUT", timedelta(seconds=1))
+    rdv = Rendezvous(2, 2, 1, "127.0.0.1", free_port())
+    with pytest.raises(ModelError) as e:
+        meet(rdv, Claim(1, 2, 2, "b", "cpu", "/m", "ab"))
+    assert str(e.value) == (f"rank 1: no kernel at 127.0.0.1:{rdv.master_port} after 1 s "
+                            "(Connection refused)")
 
 
 def test_symphony_start_waits_for_the_other_nodes_ranks(monkeypatch):

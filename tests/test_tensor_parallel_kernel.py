@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -174,34 +175,15 @@ def test_two_nodes_meet_over_tcp_and_the_kernel_keeps_node_1s_kv(model, two_rank
     assert node1.wait(30) == 0, (tmp_path / "node1.log").read_text()
 
 
-def test_a_rank_that_cannot_start_fails_the_kernels_start_naming_it(model, tmp_path):
-    rendezvous = two_nodes()
-    log = open(tmp_path / "node1.log", "wb")
-    node1 = subprocess.Popen(
-        [
-            *SYMPHONY,
-            "rank",
-            "--node-rank",
-            "1",
-            "--device",
-            "cpu",
-            "--model",
-            str(tmp_path / "nowhere"),
-            *rendezvous,
-        ],
-        cwd=ROOT,
-        stdout=log,
-        stderr=log,
-    )
-    with pytest.raises(
-        RuntimeError,
-        match=r"the kernel exited \(1\)(.|\n)*symphony: rank 1: "
-        r".*nowhere/config.json: no such file",
-    ):
-        start_daemon(model, None, *FLAGS, "--node-rank", "0", *rendezvous)
-    assert node1.wait(30) == 1
-    said = (tmp_path / "node1.log").read_text()  # `symphony rank` says which rank ended how
-    assert re.search(r"symphony rank: rank 1 \(pid \d+\) exited 1", said), said
+def test_a_node_without_the_checkpoint_says_so_before_it_waits(tmp_path):
+    """`symphony rank --model` of a path that holds no checkpoint waited for the kernel (up
+    to 10 minutes) and only then said config.json was missing: now at once."""
+    said = subprocess.run(
+        [*SYMPHONY, "rank", "--node-rank", "1", "--device", "cpu", "--model",
+         str(tmp_path / "nowhere"), *two_nodes()],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert said.returncode == 1
+    assert said.stderr == f"symphony: {tmp_path}/nowhere/config.json: no such file\n", said
 
 
 def test_a_killed_kernel_takes_every_rank_with_it(two_ranks):
@@ -255,3 +237,69 @@ def test_a_dead_rank_stops_the_kernel_and_loses_no_saved_file(model, victim):
                 assert k.stat(x).tokens == 40
     finally:
         d.stop()
+
+
+def test_a_node_with_another_checkpoint_is_refused_on_both_sides(model, tmp_path):
+    """Node 1 with another checkpoint (its config.json one byte longer) was taken, and the
+    tokens were wrong: rank 0 refuses it at the rendezvous, naming both, and both exit 1."""
+    other = tmp_path / "other"
+    shutil.copytree(model, other)
+    with open(other / "config.json", "a") as f:
+        f.write("\n")
+    rendezvous = two_nodes()
+    node1 = subprocess.Popen(
+        [*SYMPHONY, "rank", "--node-rank", "1", "--device", "cpu", "--model", str(other),
+         *rendezvous],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    why = (rf"rank 1 \(node 1, host [^)]+\) has another checkpoint than the kernel: "
+           rf"{other} \(fingerprint [0-9a-f]{{16}}\) there, {model} \(fingerprint "
+           r"[0-9a-f]{16}\) on node 0")
+    with pytest.raises(RuntimeError,
+                       match=rf"the kernel exited \(1\)(.|\n)*symphony: rank 0: {why}"):
+        start_daemon(model, None, *FLAGS, "--node-rank", "0", *rendezvous)
+    said, _ = node1.communicate(timeout=60)
+    assert node1.returncode == 1, said
+    assert re.search(rf"symphony: rank 1: refused by the kernel at 127.0.0.1:\d+: {why}",
+                     said), said
+
+
+def test_a_kernel_waiting_for_its_ranks_holds_its_socket_and_state(model, tmp_path):
+    """While the kernel waits for another node's ranks it held neither its socket nor its
+    state directory: status said "not running", stop found nothing, and a second kernel
+    started there. Now both are its own from the start: status says it starts, a second
+    kernel on either is refused, and stop ends it."""
+    from symphony.control import kernel_pid
+
+    sock, state = tmp_path / "k.sock", tmp_path / "state"
+    waiting = subprocess.Popen(
+        [*SYMPHONY, "kernel", "--model", str(model), "--socket", str(sock), "--state-dir",
+         str(state), *FLAGS, "--node-rank", "0", *two_nodes()],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: kernel_pid(sock) == waiting.pid, timeout=60,
+                 what="the waiting kernel to hold its socket")
+
+        def symphony(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([*SYMPHONY, *args], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=60)
+
+        said = symphony("status", "--socket", str(sock))
+        assert said.returncode == 3
+        assert said.stdout.startswith(f"starting: kernel {waiting.pid} holds {sock}"), said
+        said = symphony("kernel", "--model", str(model), "--socket", str(sock),
+                        "--state-dir", str(tmp_path / "other"))
+        assert said.returncode == 1
+        assert f"a kernel already listens there (pid {waiting.pid})" in said.stderr, said
+        said = symphony("kernel", "--model", str(model), "--socket", str(tmp_path / "o.sock"),
+                        "--state-dir", str(state))
+        assert said.returncode == 1
+        assert f"another kernel uses it (pid {waiting.pid})" in said.stderr, said
+        said = symphony("stop", "--socket", str(sock))
+        assert (said.returncode, said.stdout) == (0, f"kernel {waiting.pid} stopped\n"), said
+        out, _ = waiting.communicate(timeout=30)
+        assert waiting.returncode == 1 and "stopped by SIGTERM before serving" in out, out
+        assert not sock.exists()
+    finally:
+        waiting.kill()
+        waiting.wait()
