@@ -20,7 +20,7 @@ from kvfs.perm import Cred
 from kvfs.state import StateDir, hold
 from symphony.connections import Connections, per_user_limit
 from symphony.engine.fingerprint import fingerprint
-from symphony.engine_process import EngineProcess
+from symphony.engine_process import EngineDied, EngineProcess
 from symphony.frame_hold import FrameHold
 from symphony.options import Options
 from symphony.owed import Owed
@@ -172,7 +172,11 @@ class Kernel:
         finally:
             self.engine_lost = engine_exit.done() or scheduler.done()
             if self.engine_lost:
-                log.critical("shutting down: %s", self.engine.deaths())
+                bug = scheduler_defect(scheduler)
+                if bug is None:
+                    log.critical("shutting down: %s", self.engine.deaths())
+                else:  # a defect of the kernel's, not the engine's: its traceback
+                    log.critical("shutting down: the scheduler failed: %r", bug, exc_info=bug)
                 await self._fail_in_flight(scheduler)
             else:
                 log.info("shutting down")
@@ -202,6 +206,14 @@ class Kernel:
         if scheduler.done() and not scheduler.cancelled():
             scheduler.exception()  # the EngineDied logged above: seen, so asyncio logs none
         await asyncio.sleep(0)  # the replies' bells, rung on the next turn
+
+
+def scheduler_defect(scheduler: asyncio.Task) -> BaseException | None:
+    """What ended the scheduler, where it is not the engine's death (EngineDied)."""
+    if not scheduler.done() or scheduler.cancelled():
+        return None
+    e = scheduler.exception()
+    return None if isinstance(e, EngineDied) else e
 
 
 def _answers(path: Path) -> bool:

@@ -4,7 +4,9 @@ cannot break; and reaping that a failed save cannot stop."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import errno
 import os
 import signal
 import subprocess
@@ -16,7 +18,8 @@ from collections.abc import Callable
 import pytest
 from daemon import ROOT, alive, meminfo, prompt, sched, start_daemon, wait_for
 
-from symphony.daemon import pid_path
+from symphony.daemon import pid_path, scheduler_defect
+from symphony.engine_process import EngineDied
 
 pytestmark = pytest.mark.slow
 
@@ -306,3 +309,29 @@ def test_a_second_kernel_on_a_state_directory_in_use_is_refused(model, tmp_path)
             assert k.stat(k.home + "/kept.kv").tokens == 8
     finally:
         again.stop()
+
+
+def test_the_log_tells_a_scheduler_defect_from_the_engine_s_death():
+    """A scheduler that ended on its own exception (a defect of the kernel's, as a
+    TypeError in a kvfs call) is logged as itself: it read "the engine process exited
+    with status None". The engine's death (EngineDied) and a stop (cancelled) are not."""
+    async def ended(e: BaseException | None) -> asyncio.Task:
+        async def run() -> None:
+            if e is not None:
+                raise e
+            await asyncio.sleep(60)
+
+        task = asyncio.get_running_loop().create_task(run())
+        await asyncio.sleep(0)
+        if e is None:
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return task
+
+    async def bugs() -> list:
+        bug = TypeError("unref() missing 1 required positional argument: 'uid'")
+        died = EngineDied(errno.EIO, "rank 0")
+        return [scheduler_defect(await ended(e)) for e in (bug, died, None)]
+
+    found = asyncio.run(bugs())
+    assert isinstance(found[0], TypeError) and found[1:] == [None, None]
