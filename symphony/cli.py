@@ -134,9 +134,9 @@ def cmd_kernel(args: argparse.Namespace) -> int:
                  for flag in ("kv_pages", "host_pages") if getattr(args, flag) is not None]
         raise MemoryError(f"{', '.join(given) or '--kv-pages'}: the KV pages cannot be "
                           f"allocated ({str(e).splitlines()[0]})") from e
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        claim.release()  # for the kernel's own socket
+    except BaseException:
+        claim.release()
+        raise
     opts = Options(
         socket=sock, state_dir=state_dir,
         token_budget=args.token_budget, max_seqs=args.max_seqs, disk_pages=args.disk_pages,
@@ -144,7 +144,10 @@ def cmd_kernel(args: argparse.Namespace) -> int:
         pipeline=args.pipeline == "on",
         max_procs_per_user=args.max_procs_per_user,
     )
-    return run_kernel(engine, opts)
+    try:  # `stopped` stays until the kernel's own handlers replace it, as it serves
+        return run_kernel(engine, opts, claim.release)
+    finally:
+        claim.release()
 
 
 def kernel_rendezvous(args: argparse.Namespace):

@@ -57,14 +57,17 @@ class Claim:
             raise OSError(errno.EADDRINUSE, f"{sock}: a kernel already listens there (pid {pid})")
         sock.parent.mkdir(parents=True, exist_ok=True)
         sock.unlink(missing_ok=True)  # a dead kernel's
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(sock))
         self.listener.listen()
 
     def release(self) -> None:
-        """For the kernel to listen there itself."""
-        self.listener.close()
-        self.path.unlink(missing_ok=True)
+        """For the kernel to listen there itself (once: later calls do nothing, so that a
+        kernel's socket is never taken for the placeholder's)."""
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+            self.path.unlink(missing_ok=True)
 
 
 def start_wait(args: argparse.Namespace) -> float:

@@ -10,6 +10,7 @@ import os
 import resource
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -19,7 +20,6 @@ from kvfs.pages import PageStore
 from kvfs.perm import Cred
 from kvfs.state import StateDir, hold
 from symphony.connections import Connections, per_user_limit
-from symphony.engine.fingerprint import fingerprint
 from symphony.engine_process import EngineDied, EngineProcess
 from symphony.frame_hold import FrameHold
 from symphony.options import Options
@@ -49,7 +49,7 @@ class Kernel:
     def __init__(self, engine: EngineProcess, opts: Options):
         self.engine, self.opts = engine, opts
         self.model_name = engine.model_dir.name
-        self.fingerprint = fingerprint(engine.model_dir)
+        self.fingerprint = engine.fingerprint
         opts.state_dir.mkdir(parents=True, exist_ok=True)
         self.state_lock = hold(opts.state_dir)  # before the swap file is opened
         store = PageStore(engine.pool, opts.state_dir / "swap", opts.disk_pages,
@@ -130,7 +130,9 @@ class Kernel:
 
     # -- life cycle -------------------------------------------------------------------
 
-    async def serve(self) -> None:
+    async def serve(self, release: Callable[[], None] | None = None) -> None:
+        """Serve until stopped. release: gives up the placeholder that held the socket's
+        path while the kernel started (control.Claim), called just before it listens."""
         loop = asyncio.get_running_loop()
         # First: a signal while the sockets are made stops the kernel once they are, and
         # the shutdown below removes them.
@@ -139,6 +141,8 @@ class Kernel:
             loop.add_signal_handler(sig, stop.set)
         sock = self.opts.socket
         sock.parent.mkdir(parents=True, exist_ok=True)
+        if release is not None:
+            release()
         for path in (sock, hello_path(sock)):
             if path.exists():
                 if _answers(path):
@@ -227,8 +231,10 @@ def _answers(path: Path) -> bool:
         probe.close()
 
 
-def run_kernel(engine: EngineProcess, opts: Options) -> int:
-    """Serve until SIGTERM or SIGINT, on uvloop: 0. Or until the engine process dies: 1."""
+def run_kernel(engine: EngineProcess, opts: Options,
+               release: Callable[[], None] | None = None) -> int:
+    """Serve until SIGTERM or SIGINT, on uvloop: 0. Or until the engine process dies: 1.
+    release: as Kernel.serve's."""
     import uvloop
 
     # Each session holds descriptors (its lifeline, a pidfd, its gRPC connection): take as
@@ -238,7 +244,7 @@ def run_kernel(engine: EngineProcess, opts: Options) -> int:
     try:
         kernel = Kernel(engine, opts)
         gc.freeze()  # see engine_process.py's main
-        uvloop.run(kernel.serve())
+        uvloop.run(kernel.serve(release))
     finally:
         gc.unfreeze()
         engine.close()

@@ -176,6 +176,7 @@ class EngineProcess(HasSettings):
                  weights: str = "quantized", rendezvous: Rendezvous | None = None):
         self.settings = EngineSettings.resolve(model_dir, device=device, dtype=dtype,
                                                page_size=page_size)
+        self.fingerprint = fingerprint(self.model_dir)  # the kernel's, and each node's to match
         self.mode = "model" if sleep_ms is None else f"sleep:{sleep_ms:g}"  # as --engine
         simulated = None if sleep_ms is None else sleep_engine(self.config, self.tokenizer,
                                                                 sleep_ms / 1e3)
@@ -240,7 +241,7 @@ class EngineProcess(HasSettings):
                     # theirs with this one's at the rendezvous (ranks.meet).
                     ranks = None if world == 1 else (
                         rdv, {m: shipped[m] for m in remote}, shapes,
-                        fingerprint(self.model_dir) if remote else None)
+                        self.fingerprint if remote else None)
                     message = (os.getpid(), self.model_dir, self.device, self.dtype,
                                shapes[0], None if simulated else shipped[0], simulated,
                                weights, ranks)
