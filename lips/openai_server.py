@@ -36,7 +36,8 @@ objects: a bad, unsupported or unknown field is a 400 naming it, a prompt past t
 context a 400 with the lengths, an unknown model 404, a missing or wrong key 401 (--api-key
 or $SYMPHONY_API_KEY guards /v1/*, /tokenize and /detokenize; /health and /metrics are
 open; checked before the body is read), a body over --max-body-bytes 413, the kernel out of
-KV memory 503 (once the prefix cache has nothing idle left to evict).
+KV memory 503 (once the prefix cache has nothing idle left to evict and waiting for other
+requests to end cannot help: lips/serving/prefix_cache.py).
 
 The engine's usual features are this program's logic over the syscalls: each request is a
 process's KV files (lips/serving/generation.py), stop strings and n are decided here, and
@@ -76,7 +77,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from lips.serving.errors import ApiError, bad_field, from_kernel
+from lips.serving.errors import ApiError, bad_field, from_kernel, gone
 from lips.serving.generation import Batch, Delta, Generator, GenParams
 from lips.serving.metrics import Metrics
 from lips.serving.prefix_cache import PrefixCache
@@ -98,7 +99,6 @@ from lips.serving.protocol import (
 from lips.serving.request_gate import RequestGate
 from lips.serving.text import text_bytes, token_pieces
 from syscalls.aio import AsyncKernel
-from syscalls.client import reaped
 from syscalls.convert import ModelInfo, Vocabulary, proc_fields
 from syscalls.flags import report
 
@@ -556,7 +556,7 @@ async def kernel_gone(k: AsyncKernel) -> OSError:
         except TimeoutError:
             continue
         except OSError as e:
-            if e.errno == errno.EPIPE or reaped(e.errno or 0, e.strerror or ""):
+            if gone(e):
                 return e
 
 

@@ -1,8 +1,11 @@
 """`symphony serve` on a kernel with almost no KV memory: a request that cannot get its
 pages is a 503 in OpenAI's shape, nothing is left behind, and the server goes on serving
-requests that fit."""
+requests that fit; requests that fit one after another wait for each other's pages."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import openai
 import pytest
@@ -86,3 +89,53 @@ def test_the_prefix_cache_gives_its_pages_back_to_a_request_that_needs_them(daem
             wait_for(lambda: meminfo(k)["device_used"] == used, what="every page freed")
     finally:
         assert s.stop() == 0, s.log_text()
+
+
+def test_requests_past_the_pool_together_wait_for_each_other_and_all_succeed(server, daemon):
+    """Six concurrent requests of four pages each on the eight-page pool: two fit at once,
+    and the others wait for them to end rather than fail (four were 503s)."""
+    with daemon.connect() as k:
+        info = k.model_info()
+        used = meminfo(k)["device_used"]
+        prompt = [7] * (3 * info.page_size + 4)  # and 8 tokens: within the fourth page
+
+        async def burst() -> list[int]:
+            client = server.aclient
+            async with client:
+                done = await asyncio.gather(*(client.completions.create(
+                    model=info.name, prompt=prompt, max_tokens=8, temperature=0, seed=i)
+                    for i in range(6)))
+            return [c.usage.completion_tokens for c in done]
+
+        assert asyncio.run(burst()) == [8] * 6
+        wait_for(lambda: meminfo(k)["device_used"] == used, what="every page freed")
+
+
+def test_when_every_request_waits_for_pages_one_fails_and_the_other_goes_on(server, daemon):
+    """Two requests that fill the pool with their prompts, each needing one page more to
+    decode: neither would ever free one, so one (the older) is a 503 and the other
+    completes, at once, not after the wait's limit. (Both complete when the first ends
+    before the second's prompt is in.)"""
+    with daemon.connect() as k:
+        info = k.model_info()
+        used = meminfo(k)["device_used"]
+        prompt = [7] * (4 * info.page_size - 1)  # four pages; the fifth as it decodes
+
+        async def both() -> list[object]:
+            client = server.aclient
+            async with client:
+                return await asyncio.gather(*(client.completions.create(
+                    model=info.name, prompt=prompt, max_tokens=8, temperature=0)
+                    for _ in range(2)), return_exceptions=True)
+
+        start = time.monotonic()
+        done = asyncio.run(both())
+        assert time.monotonic() - start < 30  # the wait's limit is 60 s
+        failed = [r for r in done if isinstance(r, Exception)]
+        assert len(failed) <= 1, failed
+        for e in failed:
+            assert isinstance(e, openai.APIStatusError) and e.status_code == 503, e
+            assert "1 device pages needed" in e.body["message"]
+        served = [r.usage.completion_tokens for r in done if r not in failed]
+        assert served == [8] * (2 - len(failed))
+        wait_for(lambda: meminfo(k)["device_used"] == used, what="every page freed")

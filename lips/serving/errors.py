@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 from typing import Any
 
+from syscalls.client import reaped
+
 
 class ApiError(Exception):
     """A request the server answers with an error object and `status`."""
@@ -56,3 +58,9 @@ def from_kernel(e: OSError) -> ApiError:
     status, kind, what = _KERNEL.get(e.errno or 0, (500, "internal_error", "kernel error"))
     return ApiError(status, f"{what} ({e.strerror or e})", type=kind,
                     code=errno.errorcode.get(e.errno or 0))
+
+
+def gone(e: OSError) -> bool:
+    """Whether a syscall's error says the kernel has stopped or died: its session's calls
+    fail with EPIPE (unreachable, or stopping), or the kernel has reaped the process."""
+    return e.errno == errno.EPIPE or reaped(e.errno or 0, e.strerror or "")

@@ -15,7 +15,8 @@ to the cache afterwards, off the token path. With n choices the prompt is writte
 first choice goes on in that file, the others fork it (copy-on-write) and sample after the
 prompt again, each with its own seed, all concurrently. A syscall the kernel refuses for
 want of memory (ENOSPC, EDQUOT) is made again after the prefix cache evicts an idle entry,
-until the cache is empty: the cache never makes a request fail.
+or once another request ends (PrefixCache.making_room: the request holds a claim while it
+is in flight), within a bounded wait.
 
 A batch of prompts (a completions request's array) is a Batch: a Generation per prompt,
 all started at once, so the kernel batches their preds; their Deltas merge, renumbered in
@@ -46,7 +47,7 @@ from typing import Any, TypeVar
 import llguidance
 
 from lips.constrained import GrammarError, grammar_tokenizer, matcher
-from lips.serving.errors import ApiError, bad_field, from_kernel
+from lips.serving.errors import ApiError, bad_field, from_kernel, gone
 from lips.serving.metrics import Metrics, RequestClock
 from lips.serving.prefix_cache import PrefixCache
 from lips.serving.text import Detokenizer, StopStrings, text_bytes
@@ -242,6 +243,7 @@ class Generation:
         self._insert: asyncio.Task[None] | None = None
         self._cancelled = False
         self._ended = False  # the queue has its last item
+        self._claim = generator.cache.claim()
         self._runner = asyncio.get_running_loop().create_task(self._run())
         self._deltas = self._iterate()
 
@@ -270,7 +272,9 @@ class Generation:
             self._end(_END)
 
     def _end(self, last: object) -> None:
+        """The request has ended, its files closed: `last` is the queue's last item."""
         self._ended = True
+        self.generator.cache.release(self._claim)
         self._clock.finish()
         self._queue.put_nowait(last)
 
@@ -361,8 +365,8 @@ class Generation:
 
     def _room(self, call: Callable[[], Awaitable[T]]) -> Awaitable[T]:
         """call(), a syscall that may need pages: while the kernel has none (ENOSPC,
-        EDQUOT) the prefix cache evicts its idle entries and it is made again."""
-        return self.generator.cache.making_room(call)
+        EDQUOT) it is made again as the prefix cache frees some or other requests end."""
+        return self.generator.cache.making_room(call, self._claim)
 
     async def _first(self, file: AsyncFile, choice: _Choice) -> PredOutput:
         """The first pred: the prompt past the cached prefix, sampled after its last token
@@ -489,7 +493,8 @@ async def _close(opened: asyncio.Task[AsyncFile]) -> None:
     try:
         await opened.result().close()
     except OSError as e:
-        log.warning("could not close a request's KV file: %s", e)
+        if not gone(e):  # the kernel gone: its files with it
+            log.warning("could not close a request's KV file: %s", e)
 
 
 async def _all(steps: list[Awaitable[None]]) -> None:

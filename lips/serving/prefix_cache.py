@@ -18,8 +18,14 @@ number of nodes: the pages the cache's files hold, each counted once however man
 share it (a page a request's file also shares still counts: it stays while the cache holds
 it). Whole entries are evicted, least recently used first, while `pages` is past the budget;
 an entry whose prefix a newer one extends is dropped at once (the newer holds all of it).
-A request's syscall the kernel refuses for want of memory evicts entries, least recently
-used first, until it goes (making_room): the cache never makes a request fail.
+
+The cache also decides who gets memory when the kernel has none (making_room). Each request
+in flight holds a Claim (claim() ... release()). A request's syscall the kernel refuses for
+want of memory (ENOSPC, EDQUOT) is made again at once after the least recently used entry
+is evicted; with no entry left, it waits until another request ends or pages are freed and
+is made again then (the waiting requests oldest first), for at most WAIT_S in all. It fails
+only when its wait is used up, or no other request is in flight; when every request in
+flight waits (none would free a page), the oldest gives up, so the rest go on.
 
 Index updates happen under one lock (inserts and evictions: off the token path); `open`
 reads the index without awaiting and pins the entry it forks, so an eviction meanwhile
@@ -43,6 +49,7 @@ T = TypeVar("T")
 
 # The kernel has no memory to spare: the cache gives some back instead of caching more.
 _OUT_OF_MEMORY = (errno.ENOSPC, errno.EDQUOT)
+WAIT_S = 60.0  # a request's wait for memory, in all, before its ENOSPC/EDQUOT stands
 
 
 @dataclass(eq=False)
@@ -65,6 +72,14 @@ class _Entry:
     dropped: bool = False
 
 
+@dataclass(eq=False)
+class Claim:
+    """One request in flight, as the wait for memory sees it (PrefixCache.claim)."""
+
+    left: float = WAIT_S  # seconds it may still wait
+    wakes: list[asyncio.Future[bool]] = field(default_factory=list)  # its waits now
+
+
 class PrefixCache:
     """KV files of recent prompts' page-aligned prefixes, LRU under a page budget."""
 
@@ -78,6 +93,8 @@ class PrefixCache:
         self._root = _Node(None, ())
         self._lru: dict[_Entry, None] = {}  # least recently used first
         self._lock = asyncio.Lock()
+        self._claims: dict[Claim, None] = {}  # the requests in flight, oldest first
+        self._changes = 0  # requests ended and entries closed, ever: pages maybe freed
 
     def _blocks(self, tokens: list[int], pages: int) -> Iterator[tuple[int, ...]]:
         p = self.page_size
@@ -228,19 +245,72 @@ class PrefixCache:
     async def _close(self, entry: _Entry) -> None:
         with contextlib.suppress(OSError):  # the kernel gone: nothing left to free
             await entry.file.close()
+        self._changed()
 
-    async def making_room(self, call: Callable[[], Awaitable[T]]) -> T:
-        """call()'s result; while it fails for want of memory (ENOSPC: the kernel's pool is
-        full; EDQUOT: the session's quota, which the cache's pages count against), the
-        least recently used entry is evicted and call() made again, so that the cache is
-        never why a request fails: the error stands once the cache is empty. `call` must
-        be one a failure leaves undone (a syscall: a failed call changes nothing)."""
+    def claim(self) -> Claim:
+        """A request is in flight (until release): making_room's calls are its."""
+        claim = Claim()
+        self._claims[claim] = None
+        return claim
+
+    def release(self, claim: Claim) -> None:
+        """The request has ended, its files closed: the waiting requests try again."""
+        del self._claims[claim]
+        self._changed()
+
+    def _changed(self) -> None:
+        """Pages may have been freed: every waiting request tries again, oldest first (the
+        order their calls reach the kernel)."""
+        self._changes += 1
+        for claim in self._claims:
+            self._wake(claim, True)
+
+    @staticmethod
+    def _wake(claim: Claim, again: bool) -> None:
+        for wake in claim.wakes:
+            if not wake.done():
+                wake.set_result(again)
+        claim.wakes.clear()
+
+    async def making_room(self, call: Callable[[], Awaitable[T]], claim: Claim) -> T:
+        """call()'s result, made by claim's request; while it fails for want of memory
+        (ENOSPC: the kernel's pool is full; EDQUOT: the session's quota, which the cache's
+        pages count against), the least recently used entry is evicted and call() made
+        again; with the cache empty, call() is made again once another request ends or
+        pages are freed (_wait). `call` must be one a failure leaves undone (a syscall: a
+        failed call changes nothing)."""
         while True:
+            seen = self._changes
             try:
                 return await call()
             except OSError as e:
-                if e.errno not in _OUT_OF_MEMORY or not await self._evict():
+                if e.errno not in _OUT_OF_MEMORY or not (
+                        await self._evict() or await self._wait(claim, seen)):
                     raise
+
+    async def _wait(self, claim: Claim, seen: int) -> bool:
+        """Whether to make claim's failed call (made when _changes was `seen`) again: at once
+        if pages may have been freed since; else once they may be, within claim's
+        wait left. False (it fails) when no other request is in flight, its wait is used
+        up, or it is the oldest and every request in flight is waiting."""
+        if self._changes != seen:
+            return True
+        if claim.left <= 0 or len(self._claims) < 2:
+            return False
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        wake = loop.create_future()
+        claim.wakes.append(wake)
+        if all(c.wakes for c in self._claims):  # no request would free a page
+            self._wake(next(iter(self._claims)), False)  # the oldest gives up
+        try:
+            return await asyncio.wait_for(wake, claim.left)
+        except TimeoutError:
+            return False
+        finally:
+            claim.left -= loop.time() - start
+            if wake in claim.wakes:
+                claim.wakes.remove(wake)
 
     async def _evict(self) -> bool:
         """Evict the least recently used entry; False when there is none."""
