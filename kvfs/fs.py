@@ -812,7 +812,10 @@ class FileSystem:
         the caller: the copy, and each shared page it held in no file yet (pages.py), so a
         fork of one's own file costs its last page at most. A `snapshot` (export's, which
         lives as long as the export) counts against the caller's inodes and pages but is
-        never refused at their limits: reading a file does not need room for one more."""
+        not refused at their limits for what it shares: reading a file needs no room for
+        pages that are there already. Its copy of a partly filled last page is new memory,
+        refused past the quota as any other (else each export stream held open would hold
+        one page more, without bound)."""
         inode = self._readable(handle, "fork")
         # Only the committed entries: a forward pass may have reserved pages past them.
         pages = inode.pages[: self._pages_for(inode.length)]
@@ -821,6 +824,8 @@ class FileSystem:
         if not snapshot:
             self.inodes.check(cred.uid, "fork")
             self.store.charge(cred.uid, int(tail), full)
+        elif tail:
+            self.store.charge(cred.uid, 1)
         if tail and self.store.pool.free_in("device") < 1:
             raise NoRoom("fork: no device page free for the last page", 1)
         clone = self._new_inode(stat.S_IFREG | 0o600, cred)
@@ -829,7 +834,7 @@ class FileSystem:
         self.store.ref(full, cred.uid)
         clone.pages = list(full)
         if tail:
-            clone.pages.append(self.store.copy(pages[-1], cred.uid, quota=not snapshot))
+            clone.pages.append(self.store.copy(pages[-1], cred.uid, quota=False))
         return self._handle(clone, cred, True, True)
 
     def splice(self, src: Handle, start: int, end: int, dst: Handle) -> None:

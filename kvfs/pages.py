@@ -121,7 +121,7 @@ class PageStore:
         if used + n + len(pages) <= limit:  # even were every one new to uid: O(1)
             return
         more = n + len({id(p) for p in pages if p is not None and not p.held_by(uid)})
-        if used + more > limit:
+        if more and used + more > limit:  # nothing more is never refused, even past it
             raise FSError(errno.EDQUOT, f"uid {uid} page quota {limit} "
                           f"({used} used, {more} more wanted)")
 
