@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-from daemon import meminfo, prompt, run_script, sched, wait_for, world_dir
+from daemon import ROOT, meminfo, prompt, run_script, sched, start_daemon, wait_for, world_dir
 
 pytestmark = pytest.mark.slow
 
@@ -302,3 +302,32 @@ def test_root_s_import_streams_in_flight_are_not_bounded(in_flight):
     out = run("root", 0)
     assert out["probe"][0] == errno.EINVAL, out["probe"]
     assert out["held"] == [errno.EINVAL] * len(out["held"])
+
+
+def test_exports_cancelled_mid_stream_leave_no_traceback_in_the_log(monkeypatch):
+    """A client that stops reading an export ends its call while the kernel still writes
+    it: gRPC logged a traceback for each such write (any user could fill the kernel's log
+    with them, cancelling exports in a loop: 1686 in 10 s). The client here reads no
+    further ahead than one chunk, so the kernel is still writing when it goes; models/tiny
+    (20 KiB of K/V a token) makes an export of many chunks."""
+    import syscalls.client as client
+
+    monkeypatch.setattr(client, "CHANNEL_OPTIONS", [
+        *client.CHANNEL_OPTIONS, ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", 65536)])
+    d = start_daemon(ROOT / "models" / "tiny")
+    try:
+        with d.connect() as k:
+            path = k.home + "/cancelled"
+            with k.open(path, os.O_CREAT | os.O_RDWR) as f:
+                f.pred(prompt(1000), no_outputs=True)
+            for _ in range(20):
+                it = k.export_iter(path)
+                next(it)
+                it.close()
+            whole = k.export(path)  # after the cancelled ones, on the kernel's one loop
+        assert len(whole) > 4 << 20
+        log = d.log_text()
+        assert "ExecuteBatchError" not in log and "Traceback" not in log, log[-3000:]
+    finally:
+        d.stop()
