@@ -6,9 +6,20 @@ Who starts them. The kernel lives on node 0 and starts node 0's ranks as its chi
 0 is the engine process of engine_process.py, which talks to the kernel. On every other
 node `symphony rank` starts that node's ranks (`python -m symphony.ranks`). All of them meet
 at node 0's address (--master-addr, --master-port), rank r on node r // (N / nnodes): rank
-0 serves a TCP store there, each other rank puts its Claim in it (rank count, node count,
-device kind, and off node 0 its checkpoint's fingerprint), and rank 0 refuses one that
-differs from its own (meet) before they form the torch.distributed group over the store.
+0 serves a TCP store there (bound to --master-addr's interface only), each other rank puts
+its Claim in it under its rank (rank count, node count, device kind, and off node 0 its
+checkpoint's fingerprint), as JSON parsed strictly, never unpickled, and rank 0 refuses one
+that differs from its own (meet) before they form the torch.distributed group over the
+store. A second claimant of a rank (a duplicate --node-rank, a node restarted after it
+claimed, a node started after the group formed) is refused at once; the first keeps its
+place.
+
+Trust. Before the group forms, nothing read from the store is unpickled. Once it forms, the
+ranks exchange pickled Python objects over the group (torch.distributed's object
+collectives: RankSetup, RankInfo, each step's batch), and the group's own wiring goes through
+the store: as with torch.distributed itself, whoever can reach the master port, or the
+ranks' gloo ports, can run code as the kernel. Those ports must be reachable from the
+trusted nodes only.
 The backend is NCCL on GPUs (one a rank: cuda:LOCAL_RANK), gloo on the CPU; Python objects
 go over a gloo group either way.
 
@@ -35,14 +46,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
-import pickle
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -158,8 +169,17 @@ class RankInfo:
 def rank_device(kind: str, rdv: Rendezvous, rank: int) -> torch.device:
     """A rank's device: its own GPU of its node's (cuda:LOCAL_RANK), or the CPU."""
     if kind == "cuda":
+        no_cuda()
         return torch.device("cuda", rank - rdv.node_rank * rdv.per_node)
     return torch.device("cpu")
+
+
+def no_cuda() -> None:
+    """ModelError, in a line, where this node has no CUDA (torch's own error was an
+    AttributeError on _cuda_setDevice)."""
+    if not torch.cuda.is_available():
+        raise ModelError(f"--device cuda: no CUDA on this node (host {socket.gethostname()}): "
+                         "use --device cpu, or a node with a GPU")
 
 
 @dataclass(frozen=True)
@@ -182,6 +202,75 @@ def claim(rank: int, rdv: Rendezvous, device: torch.device, model: Path,
           fingerprint: str | None) -> Claim:
     return Claim(rank, rdv.world, rdv.nnodes, socket.gethostname(), device.type, str(model),
                  fingerprint)
+
+
+CLAIM_BYTES = 16384  # a claim's JSON at most
+_TEXT = {"host": 255, "device": 8, "model": 4096}
+MAX_RANKS = 1 << 16
+
+
+def encode(c: Claim) -> bytes:
+    """A claim as the store holds it: JSON, never a pickle (see decode)."""
+    return json.dumps({"rank": c.rank, "world": c.world, "nnodes": c.nnodes, "host": c.host,
+                       "device": c.device, "model": c.model,
+                       "fingerprint": c.fingerprint}).encode()
+
+
+def decode(raw: bytes, slot: int) -> Claim:
+    """The claim in rank `slot`'s key of the store, parsed strictly: JSON with exactly the
+    known keys, each of its type and in its range, naming rank `slot`; else ValueError in
+    one line, 'claim for rank N is not a claim: ...'. Anyone who reaches the store can write
+    there: nothing is unpickled."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"claim for rank {slot} is not a claim: {why}")
+
+    if len(raw) > CLAIM_BYTES:
+        raise bad(f"{len(raw)} bytes, at most {CLAIM_BYTES}")
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad(f"not JSON ({_first_line(e)}): {bytes(raw[:32])!r}") from None
+    if not isinstance(d, dict):
+        raise bad(f"a JSON {type(d).__name__}, not an object")
+    keys = {f.name for f in fields(Claim)}
+    if set(d) != keys:
+        raise bad(f"keys {sorted(d)[:10]}, want {sorted(keys)}")
+    for key in ("rank", "world", "nnodes"):
+        if type(d[key]) is not int:
+            raise bad(f"{key} {str(d[key])[:32]!r} is not an integer")
+    if not 1 <= d["nnodes"] <= d["world"] <= MAX_RANKS or d["world"] % d["nnodes"]:
+        raise bad(f"world {d['world']} over nnodes {d['nnodes']}")
+    if not 0 <= d["rank"] < d["world"]:
+        raise bad(f"rank {d['rank']} outside [0, {d['world']})")
+    if d["rank"] != slot:
+        raise bad(f"it names rank {d['rank']}")
+    for key, most in _TEXT.items():
+        if type(d[key]) is not str or len(d[key]) > most:
+            raise bad(f"{key} is not a string of at most {most} characters")
+    if d["device"] not in ("cpu", "cuda"):
+        raise bad(f"device {d['device']!r}, not cpu or cuda")
+    fp = d["fingerprint"]
+    if fp is not None and (type(fp) is not str or not 0 < len(fp) <= 128
+                           or any(ch not in "0123456789abcdef" for ch in fp)):
+        raise bad("fingerprint is neither null nor a hex digest")
+    return Claim(**d)
+
+
+def _verdict(problem: str | None) -> bytes:
+    return json.dumps({"refused": problem}).encode()
+
+
+def _read_verdict(raw: bytes) -> str | None:
+    """Rank 0's verdict on a claim: None (taken) or why it is refused; a ValueError for
+    anything else."""
+    try:
+        d = json.loads(raw.decode("utf-8")) if len(raw) <= CLAIM_BYTES else None
+    except (UnicodeDecodeError, ValueError):
+        d = None
+    if not (isinstance(d, dict) and set(d) == {"refused"}
+            and (d["refused"] is None or type(d["refused"]) is str)):
+        raise ValueError(f"the kernel's verdict is not one: {bytes(raw[:32])!r}")
+    return d["refused"] and d["refused"].splitlines()[0]
 
 
 def disagreement(ours: Claim, theirs: Claim, came: dict[int, Claim]) -> str | None:
@@ -224,50 +313,119 @@ def _reach(rdv: Rendezvous, rank: int) -> None:
             time.sleep(1.0)
 
 
+def _listener(rdv: Rendezvous) -> int:
+    """A socket listening at --master-addr:--master-port, on that address's interface
+    alone (torch's TCPStore would listen on all of them): its descriptor, the store's."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        rdv.master_addr, rdv.master_port, type=socket.SOCK_STREAM)[0]
+    s = socket.socket(family, kind, proto)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(address)
+        s.listen(128)
+    except BaseException:
+        s.close()
+        raise
+    return s.detach()
+
+
 def meet(rdv: Rendezvous, mine: Claim) -> dist.TCPStore:
     """The rendezvous's store (rank 0 serves it at --master-port), once each of the N ranks
     has come and rank 0 has found that its claim agrees with rank 0's; else ModelError, on
-    rank 0 and on the rank it refused alike, in one line naming what differs."""
+    rank 0 and on the rank it refused alike, in one line naming what differs.
+
+    In the store, all JSON (encode, decode): rank 0's own claim at `kernel`; rank r's at
+    `claim/r`, put there by its first claimant alone (`claimed/r` counts them: a second one
+    is refused at once, the first keeps its place); rank 0's verdict on it at `verdict/r`.
+    A rank outside the kernel's range puts its claim at `stray`, for rank 0 to name."""
     where, wait = f"{rdv.master_addr}:{rdv.master_port}", TIMEOUT.total_seconds()
     if mine.rank != 0:
         _reach(rdv, mine.rank)
+        refused = f"rank {mine.rank}: refused by the kernel at {where}"
         try:
             store = dist.TCPStore(rdv.master_addr, rdv.master_port, is_master=False,
                                   timeout=TIMEOUT, wait_for_workers=False)
-            store.set(f"claim/{store.add('claims', 1)}", pickle.dumps(mine))
-            verdict = store.get("verdict").decode()
-            store.add("heard", 1)
+            try:
+                kernel = decode(store.get("kernel"), 0)
+            except ValueError as e:
+                raise ModelError(f"rank {mine.rank}: no kernel's rendezvous at {where}: "
+                                 f"{e}") from None
+            if not 0 < mine.rank < kernel.world:
+                store.set("stray", encode(mine))
+                problem = disagreement(kernel, mine, {}) or (
+                    f"rank {mine.rank} is outside the kernel's ranks 0 to {kernel.world - 1}")
+                raise ModelError(f"{refused}: {problem}")
+            if store.add(f"claimed/{mine.rank}", 1) > 1:
+                raise ModelError(
+                    f"{refused}: rank {mine.rank} was claimed already (another node with "
+                    f"--node-rank {rdv.node_of(mine.rank)}, this node before a restart, or "
+                    "a group formed already); the first claimant keeps it")
+            store.set(f"claim/{mine.rank}", encode(mine))
+            raw = store.get(f"verdict/{mine.rank}")
+            if raw != _verdict(None):  # heard, for rank 0 that waits to exit (not to go on)
+                store.add("heard", 1)
         except dist.DistError as e:
             raise ModelError(f"rank {mine.rank}: the kernel's rank 0 at {where} went away "
                              f"before every rank came ({_first_line(e)})") from None
-        if verdict:
-            raise ModelError(f"rank {mine.rank}: refused by the kernel at {where}: {verdict}")
+        try:
+            problem = _read_verdict(raw)
+        except ValueError as e:
+            raise ModelError(f"{refused}: {e}") from None
+        if problem:
+            raise ModelError(f"{refused}: {problem}")
         return store
     try:
         store = dist.TCPStore(rdv.master_addr, rdv.master_port, is_master=True,
-                              timeout=TIMEOUT, wait_for_workers=False)
-    except dist.DistError as e:
+                              timeout=TIMEOUT, wait_for_workers=False,
+                              master_listen_fd=_listener(rdv))
+    except (OSError, dist.DistError) as e:
         raise ModelError(f"rank 0: cannot listen at {where} ({_first_line(e)})") from None
+    store.set("kernel", encode(mine))
     came: dict[int, Claim] = {}
-    for n in range(1, rdv.world):
-        try:
-            store.wait([f"claim/{n}"])
-        except dist.DistError:  # a node that never came, a wrong port: said in one line
-            raise ModelError(f"rank 0: the {rdv.world} ranks did not all meet at "
-                             f"{rdv.init_method} (waiting {wait:.0f} s at most): {n} came"
-                             ) from None
-        theirs: Claim = pickle.loads(store.get(f"claim/{n}"))
-        problem = disagreement(mine, theirs, came)
+    missing = list(range(1, rdv.world))
+    deadline = time.monotonic() + wait
+    while missing:
+        problem = None
+        for r in list(missing):
+            if store.check([f"claim/{r}"]):
+                try:
+                    theirs = decode(store.get(f"claim/{r}"), r)
+                except ValueError as e:
+                    problem = str(e)
+                else:
+                    problem = disagreement(mine, theirs, came)
+                    came[r] = theirs
+                missing.remove(r)
+                if problem:
+                    break
+        if not problem and store.check(["stray"]):
+            raw = store.get("stray")
+            try:
+                stray = decode(raw, json.loads(raw).get("rank"))
+            except (ValueError, AttributeError, TypeError) as e:
+                problem = f"a claim outside the kernel's ranks is not a claim ({e})"
+            else:
+                problem = disagreement(mine, stray, {}) or (
+                    f"rank {stray.rank} is outside the kernel's ranks 0 to {rdv.world - 1}")
         if problem:
-            store.set("verdict", problem)
             # Told before this process, and the store with it, goes: each rank that came.
+            for r in range(1, rdv.world):
+                store.set(f"verdict/{r}", _verdict(problem))
+            told = len(came)  # the ranks whose claims were claims (junk hears nothing)
             deadline = time.monotonic() + 5.0
-            while (store.add("heard", 0) < store.add("claims", 0)
-                   and time.monotonic() < deadline):
+            while store.add("heard", 0) < told and time.monotonic() < deadline:
                 time.sleep(0.05)
             raise ModelError(f"rank 0: {problem}")
-        came[theirs.rank] = theirs
-    store.set("verdict", "")
+        if not missing:
+            break
+        if time.monotonic() > deadline:  # a node that never came, a wrong port: one line
+            raise ModelError(f"rank 0: the {rdv.world} ranks did not all meet at "
+                             f"{rdv.init_method} (waiting {wait:.0f} s at most): "
+                             f"{rdv.world - len(missing)} came, not rank "
+                             f"{', '.join(map(str, missing))}")
+        time.sleep(0.05)
+    for r in range(1, rdv.world):
+        store.set(f"verdict/{r}", _verdict(None))
     return store
 
 
@@ -584,7 +742,13 @@ def follower_main(argv: list[str]) -> int:
 def start_node(rdv: Rendezvous, device: str, model_dir: Path, fingerprint: str
                ) -> list[subprocess.Popen]:
     """`symphony rank`: start this node's ranks (a node other than 0), with the fingerprint
-    of their checkpoint."""
+    of their checkpoint. ModelError, before any starts, for --device cuda where this node
+    has no CUDA."""
+    if device == "cuda":
+        no_cuda()
+    # torch's C++ warnings off (a rank whose kernel stops while it waits for its verdict
+    # printed TCPStore's 'recvValueWithTimeout failed' and its C++ frames before its line).
+    env = {**os.environ, "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
     return [
         subprocess.Popen(
             [
@@ -611,6 +775,7 @@ def start_node(rdv: Rendezvous, device: str, model_dir: Path, fingerprint: str
                 fingerprint,
             ],
             stdin=subprocess.DEVNULL,
+            env=env,
         )
         for r in rdv.local_ranks()
     ]

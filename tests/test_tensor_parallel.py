@@ -4,7 +4,9 @@ through prefill chunks, decodes, a tree and an excluded range."""
 
 from __future__ import annotations
 
+import pickle
 import threading
+import time
 from dataclasses import replace
 from datetime import timedelta
 
@@ -348,3 +350,118 @@ def test_symphony_start_waits_for_the_other_nodes_ranks(monkeypatch):
     assert start_wait(argparse.Namespace(nnodes=2)) == START_TIMEOUT + RENDEZVOUS_SECONDS
     monkeypatch.setenv("NNODES", "3")
     assert start_wait(argparse.Namespace(nnodes=None)) == START_TIMEOUT + RENDEZVOUS_SECONDS
+
+
+def meet_in_threads(rdv: Rendezvous, claims: list[Claim], stagger: float = 0.0
+                    ) -> tuple[list[str], list]:
+    """meet_as, the stores kept (a group formed keeps its store), each claim started
+    `stagger` s after the one before."""
+    said, stores = [""] * len(claims), []
+
+    def one(i: int) -> None:
+        try:
+            stores.append(meet(rdv, claims[i]))
+            said[i] = "met"
+        except ModelError as e:
+            said[i] = str(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(claims))]
+    for t in threads:
+        t.start()
+        time.sleep(stagger)
+    for t in threads:
+        t.join(60)
+    return said, stores
+
+
+class Planted:
+    """A pickle that would create a file when unpickled."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("junk", ["pickle", "bytes"])
+def test_a_claim_that_is_not_one_is_refused_in_a_line_and_never_unpickled(
+        monkeypatch, tmp_path, junk):
+    """Anyone who reaches the master port could put a pickle at a rank's claim, and rank 0
+    unpickled it (code run as the kernel); junk there killed it with a traceback. A claim
+    is JSON now, parsed strictly: either is refused in one line naming the rank's slot."""
+    from symphony import ranks
+
+    monkeypatch.setattr(ranks, "TIMEOUT", timedelta(seconds=10))
+    planted = tmp_path / "planted"
+    raw = pickle.dumps(Planted(str(planted))) if junk == "pickle" else b"not a pickle"
+    rdv = Rendezvous(2, 2, 0, "127.0.0.1", free_port())
+    said = [""]
+
+    def kernel() -> None:
+        try:
+            meet(rdv, Claim(0, 2, 2, "a", "cpu", "/m", "ab"))
+            said[0] = "met"
+        except ModelError as e:
+            said[0] = str(e)
+
+    t = threading.Thread(target=kernel)
+    t.start()
+    ranks._reach(rdv, 1)
+    client = dist.TCPStore("127.0.0.1", rdv.master_port, is_master=False,
+                           timeout=timedelta(seconds=10), wait_for_workers=False)
+    for key in ("claims", "claimed/1"):  # the old protocol's counter, and the new one's
+        client.add(key, 1)
+    client.set("claim/1", raw)
+    t.join(30)
+    assert not planted.exists()
+    assert said[0].startswith("rank 0: claim for rank 1 is not a claim: not JSON "), said
+    assert "\n" not in said[0]
+
+
+def test_claims_are_keyed_by_rank_and_a_second_claimant_is_refused(monkeypatch):
+    """A counter bumped with no claim behind it left rank 0 waiting for claim/1; a second
+    node with the same --node-rank (or one restarted after it claimed) killed the kernel
+    ('came twice') or, once the group formed, joined it under the same rank. Now each rank
+    claims its own key; a second claimant is refused at once and the first keeps its place."""
+    from symphony import ranks
+
+    monkeypatch.setattr(ranks, "TIMEOUT", timedelta(seconds=8))
+    rdv = Rendezvous(3, 3, 0, "127.0.0.1", free_port())
+    kernel = Claim(0, 3, 3, "a", "cpu", "/m", "ab")
+    one, two = replace(kernel, rank=1, host="b"), replace(kernel, rank=2, host="c")
+    # A bump of the old protocol's counter, before the ranks come.
+    threading.Timer(0.2, lambda: dist.TCPStore(
+        "127.0.0.1", rdv.master_port, is_master=False, timeout=timedelta(seconds=4),
+        wait_for_workers=False).add("claims", 1)).start()
+    again = replace(one, host="d")
+    said, stores = meet_in_threads(rdv, [kernel, one, again, two], stagger=0.7)
+    claimed = (f"rank 1: refused by the kernel at 127.0.0.1:{rdv.master_port}: rank 1 was "
+               "claimed already (another node with --node-rank 1, this node before a "
+               "restart, or a group formed already); the first claimant keeps it")
+    assert said == ["met", "met", claimed, "met"], said
+    # A node that comes after the group formed: refused at once.
+    start = time.monotonic()
+    late, _ = meet_in_threads(rdv, [replace(two, host="e")])
+    assert late == [claimed.replace("rank 1", "rank 2").replace("--node-rank 1",
+                                                                 "--node-rank 2")], late
+    assert time.monotonic() - start < 3
+    del stores
+
+
+def test_symphony_rank_with_cuda_on_a_node_without_says_so(monkeypatch, tmp_path):
+    """`symphony rank --device cuda` on a CPU node: an AttributeError (_cuda_setDevice) in
+    each rank; now one line before any rank starts. The ranks run with torch's C++ warnings
+    off (a stopped kernel's TCPStore printed C++ frames before the rank's own line)."""
+    from symphony import ranks
+
+    started = []
+    monkeypatch.setattr(ranks.subprocess, "Popen", lambda *a, **k: started.append(k))
+    rdv = Rendezvous(2, 2, 1, "127.0.0.1", 1)
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelError, match="--device cuda: no CUDA on this node"):
+            ranks.start_node(rdv, "cuda", tmp_path, "ab")
+        assert not started
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    ranks.start_node(rdv, "cpu", tmp_path, "ab")
+    assert started[-1]["env"]["TORCH_CPP_LOG_LEVEL"] == "ERROR"
