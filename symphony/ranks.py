@@ -783,7 +783,7 @@ def start_node(rdv: Rendezvous, device: str, model_dir: Path, fingerprint: str
 
 if __name__ == "__main__":
     # This module's classes under their own name, not __main__'s: what a follower pickles
-    # for rank 0 (its Claim, its RankInfo) is unpickled there by that name.
+    # for rank 0 over the formed group (its RankInfo) is unpickled there by that name.
     from symphony.ranks import follower_main as main
 
     status = main(sys.argv[1:])
