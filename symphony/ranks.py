@@ -273,9 +273,9 @@ def _read_verdict(raw: bytes) -> str | None:
     return d["refused"] and d["refused"].splitlines()[0]
 
 
-def disagreement(ours: Claim, theirs: Claim, came: dict[int, Claim]) -> str | None:
-    """Why rank 0 (`ours`) refuses a rank's claim, given those that came before: None if it
-    does not."""
+def disagreement(ours: Claim, theirs: Claim) -> str | None:
+    """Why rank 0 (`ours`) refuses a rank's claim: None if it does not. (A second claimant
+    of a rank never gets here: `claimed/<rank>` refuses it first.)"""
     who = f"rank {theirs.rank} (node {theirs.rank // (theirs.world // theirs.nnodes)}, " \
           f"host {theirs.host})"
     for flag, mine, its in (("--tensor-parallel", ours.world, theirs.world),
@@ -283,8 +283,6 @@ def disagreement(ours: Claim, theirs: Claim, came: dict[int, Claim]) -> str | No
                             ("--device", ours.device, theirs.device)):
         if mine != its:
             return f"{who} has {flag} {its}, the kernel {flag} {mine}"
-    if theirs.rank in came:
-        return f"{who} came twice (first from host {came[theirs.rank].host})"
     if theirs.fingerprint is not None and theirs.fingerprint != ours.fingerprint:
         return (f"{who} has another checkpoint than the kernel: {theirs.model} (fingerprint "
                 f"{theirs.fingerprint[:16]}) there, {ours.model} (fingerprint "
@@ -352,7 +350,7 @@ def meet(rdv: Rendezvous, mine: Claim) -> dist.TCPStore:
                                  f"{e}") from None
             if not 0 < mine.rank < kernel.world:
                 store.set("stray", encode(mine))
-                problem = disagreement(kernel, mine, {}) or (
+                problem = disagreement(kernel, mine) or (
                     f"rank {mine.rank} is outside the kernel's ranks 0 to {kernel.world - 1}")
                 raise ModelError(f"{refused}: {problem}")
             if store.add(f"claimed/{mine.rank}", 1) > 1:
@@ -393,7 +391,7 @@ def meet(rdv: Rendezvous, mine: Claim) -> dist.TCPStore:
                 except ValueError as e:
                     problem = str(e)
                 else:
-                    problem = disagreement(mine, theirs, came)
+                    problem = disagreement(mine, theirs)
                     came[r] = theirs
                 missing.remove(r)
                 if problem:
@@ -405,7 +403,7 @@ def meet(rdv: Rendezvous, mine: Claim) -> dist.TCPStore:
             except (ValueError, AttributeError, TypeError) as e:
                 problem = f"a claim outside the kernel's ranks is not a claim ({e})"
             else:
-                problem = disagreement(mine, stray, {}) or (
+                problem = disagreement(mine, stray) or (
                     f"rank {stray.rank} is outside the kernel's ranks 0 to {rdv.world - 1}")
         if problem:
             # Told before this process, and the store with it, goes: each rank that came.
