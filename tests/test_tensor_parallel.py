@@ -283,22 +283,9 @@ def test_ranks_that_do_not_all_meet_fail_in_one_line_naming_where(monkeypatch):
 
 def meet_as(rdv: Rendezvous, claims: list[Claim]) -> list[str]:
     """What each of `claims` meets at `rdv` with (ranks.meet), each in a thread: the
-    ModelError's message, or "met"."""
-    said = [""] * len(claims)
-
-    def one(i: int) -> None:
-        try:
-            meet(rdv, claims[i])
-            said[i] = "met"
-        except ModelError as e:
-            said[i] = str(e)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(claims))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return said
+    ModelError's message, or "met" (meet_in_threads's, its stores kept till all are done:
+    rank 0's store closed as its thread ended, before rank 1 had read its verdict)."""
+    return meet_in_threads(rdv, claims)[0]
 
 
 def test_rank_0_refuses_a_rank_whose_checkpoint_or_rank_count_differs(monkeypatch):
