@@ -325,3 +325,15 @@ def start_server(daemon: Daemon, *flags: str, api_key: str = "test-key") -> Serv
         raise RuntimeError(f"symphony serve did not start ({process.returncode}): {line!r}\n"
                            f"{log.read_text(errors='replace')}")
     return Server(line[len(LISTENING):].strip(), api_key, process, log)
+
+
+def run_reader_gone(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run argv (from the repository root) with a stdout whose reader has gone before
+    anything is written, as `... | head -1` leaves it; its stderr captured."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(argv, env=env, cwd=ROOT, stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from daemon import ROOT, SYMPHONY
+from daemon import ROOT, SYMPHONY, run_reader_gone
 
 from syscalls import convert
 from syscalls.aio import AsyncKernel
@@ -123,13 +123,7 @@ def test_kv_cp_of_a_path_that_is_not_utf8_names_it(daemon, tmp_path):
 def test_a_command_whose_reader_has_gone_stops_quietly(daemon, command):
     """`symphony ps | head -1` said "symphony: Broken pipe", exit 1, or Python's "Exception
     ignored ... BrokenPipeError" at exit: now nothing, exit 141 (128 + SIGPIPE)."""
-    read, write = os.pipe()
-    os.close(read)  # the reader is gone before anything is written
-    try:
-        out = subprocess.run([*SYMPHONY, *command], env=daemon.env(), cwd=ROOT, stdout=write,
-                             stderr=subprocess.PIPE, text=True, timeout=120)
-    finally:
-        os.close(write)
+    out = run_reader_gone([*SYMPHONY, *command], daemon.env())
     assert (out.returncode, out.stderr) == (141, "")
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
 import pytest
-from daemon import ROOT, make_model, meminfo
+from daemon import ROOT, make_model, meminfo, run_reader_gone
 
 from lips.sink import Sink, main
 from syscalls.context import Context
@@ -213,11 +212,5 @@ def test_a_reader_gone_from_stdout_stops_it_quietly(daemon, args):
     (128 + SIGPIPE), as every lip_main LIP."""
     # stdout buffered, as a user's is (PYTHONUNBUFFERED would write each print at once)
     env = {k: v for k, v in daemon.env().items() if k != "PYTHONUNBUFFERED"}
-    read, write = os.pipe()
-    os.close(read)  # the reader is gone before anything is written
-    try:
-        out = subprocess.run([sys.executable, "lips/sink.py", *args], env=env, cwd=ROOT,
-                             stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
-    finally:
-        os.close(write)
+    out = run_reader_gone([sys.executable, "lips/sink.py", *args], env)
     assert (out.returncode, out.stderr) == (141, "")
