@@ -148,7 +148,9 @@ class FileSystem:
         return node
 
     def lookup(self, cred: Cred, path: str) -> Inode:
-        return self._walk(cred, split(path), path)
+        inode = self._walk(cred, split(path), path)
+        self._names_a_directory(path, inode, False)
+        return inode
 
     def _parent(self, cred: Cred, path: str) -> tuple[Inode, str]:
         """The directory a path's last name lives in, checked for search, and that name."""
@@ -160,6 +162,16 @@ class FileSystem:
             raise FSError(errno.ENOTDIR, f"{path!r}: parent is not a directory")
         check(cred, parent, X, f"{path!r}: search permission denied")
         return parent, parts[-1]
+
+    @staticmethod
+    def _names_a_directory(path: str, inode: Inode | None, making: bool) -> None:
+        """As POSIX: a path that ends in / names a directory: ENOTDIR for a file there,
+        EISDIR for a file a call would make there (`making`)."""
+        if path.endswith("/") and (inode is None or not inode.is_dir):
+            if inode is not None:
+                raise FSError(errno.ENOTDIR, f"{path!r}: not a directory")
+            if making:
+                raise FSError(errno.EISDIR, f"{path!r}: a KV file's name cannot end in /")
 
     def _writable_dir(self, cred: Cred, parent: Inode, path: str) -> None:
         check(cred, parent, W | X, f"{path!r}: write permission denied on the directory")
@@ -311,6 +323,7 @@ class FileSystem:
         inode = parent.entries.get(name)
         if inode is None:
             raise enoent(repr(path))
+        self._names_a_directory(path, inode, False)
         self._writable_dir(cred, parent, path)  # first, as rmdir
         check_sticky(cred, parent, inode, repr(path))
         if inode.is_dir:
@@ -337,6 +350,7 @@ class FileSystem:
         parent, name = self._parent(cred, path)
         if name in parent.entries:
             raise FSError(errno.EEXIST, repr(path))
+        self._names_a_directory(path, None, True)
         self._writable_dir(cred, parent, path)
         parent.entries[name] = inode
         parent.touch()
@@ -353,6 +367,8 @@ class FileSystem:
         if inode is None:
             raise enoent(repr(old))
         target = dst_dir.entries.get(dst_name)
+        self._names_a_directory(old, inode, False)
+        self._names_a_directory(new, target, not inode.is_dir)
         if target is inode:
             return
         self._not_skeleton(inode, old)
@@ -410,12 +426,7 @@ class FileSystem:
             raise FSError(errno.EISDIR, repr(path))
         parent, name = self._parent(cred, path)
         inode = parent.entries.get(name)
-        if path.endswith("/") and (inode is None or not inode.is_dir):
-            # As POSIX: a trailing slash names a directory.
-            if inode is not None:
-                raise FSError(errno.ENOTDIR, f"{path!r}: not a directory")
-            if flags & os.O_CREAT:
-                raise FSError(errno.EISDIR, f"{path!r}: a KV file's name cannot end in /")
+        self._names_a_directory(path, inode, bool(flags & os.O_CREAT))
         if inode is None:
             if not flags & os.O_CREAT:
                 raise enoent(repr(path))
@@ -538,6 +549,7 @@ class FileSystem:
         and search the directory."""
         parent, name = self._parent(cred, path)
         old = parent.entries.get(name)
+        self._names_a_directory(path, old, True)
         if old is None:
             self._writable_dir(cred, parent, path)
         elif old.is_dir:

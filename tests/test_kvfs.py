@@ -991,3 +991,30 @@ def test_shift_is_checked_first():
     fs.rollback(res)
     assert snapshot(fs) == before and not calls
     assert fs.read(h, 0, 99)[1] == list(range(12))
+
+
+def test_a_path_ending_in_a_slash_names_a_directory(fs):
+    """As POSIX (an outside tester's `symphony kv cp kv:a.kv kv:b.kv/` overwrote b.kv, and
+    `kv:nodir/` made a file named nodir): a file there is ENOTDIR, a file made there
+    EISDIR, for every call that takes a path; a directory there is itself."""
+    h = fs.open(ALICE, "/home/alice/f", RW_CREAT)
+    append(fs, h, [1, 2, 3])
+    data = fs.export(h)
+    before = snapshot(fs)
+    for code, call, args in [
+            (errno.ENOTDIR, fs.stat, (ALICE, "/home/alice/f/")),
+            (errno.ENOTDIR, fs.open, (ALICE, "/home/alice/f/", os.O_RDONLY)),
+            (errno.ENOTDIR, fs.unlink, (ALICE, "/home/alice/f/")),
+            (errno.ENOTDIR, fs.rename, (ALICE, "/home/alice/f/", "/home/alice/g")),
+            (errno.ENOTDIR, fs.import_file, (ALICE, "/home/alice/f/", data, 0o600)),
+            (errno.EISDIR, fs.import_file, (ALICE, "/home/alice/new/", data, 0o600)),
+            (errno.EISDIR, fs.open, (ALICE, "/home/alice/new/", RW_CREAT)),
+            (errno.EISDIR, fs.rename, (ALICE, "/home/alice/f", "/home/alice/new/")),
+            (errno.EISDIR, fs.link, (h, "/home/alice/new/"))]:
+        raises(code, call, *args)
+    assert snapshot(fs) == before
+    assert fs.stat(ALICE, "/home/alice/").ino == fs.lookup(ALICE, "/home/alice").ino
+    fs.mkdir(ALICE, "/home/alice/d/")
+    fs.rename(ALICE, "/home/alice/d/", "/home/alice/e/")
+    fs.rmdir(ALICE, "/home/alice/e/")
+    fs.close(h)
