@@ -19,6 +19,7 @@ from pathlib import Path
 
 from symphony.options import RENDEZVOUS_SECONDS
 from syscalls.client import Kernel
+from syscalls.flags import each
 from syscalls.session import socket_path
 
 START_TIMEOUT = 300.0  # loading and fingerprinting a large checkpoint takes a while
@@ -228,7 +229,6 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
 
 def cmd_kill(args: argparse.Namespace) -> int:
+    """As kill(1): a pid that cannot be killed does not stop the others."""
     with Kernel.connect(args.socket, name="symphony-kill") as k:
-        for pid in args.pids:
-            k.kill(pid)
-    return 0
+        return each("kill", args.pids, k.kill)

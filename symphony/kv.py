@@ -31,6 +31,7 @@ from pathlib import Path
 
 from syscalls.client import Kernel
 from syscalls.convert import CHUNK_BYTES, Stat
+from syscalls.flags import each
 from syscalls.users import user_name
 
 PREFIX = "kv:"
@@ -105,13 +106,17 @@ def cmd_ls(kernels: Kernels, args: argparse.Namespace) -> int:
 
 
 def cmd_cat(kernels: Kernels, args: argparse.Namespace) -> int:
+    """As cat(1): a path that cannot be read does not stop the others."""
     out = sys.stdout.buffer
-    for arg in args.paths:
+
+    def cat(arg: str) -> None:
         k, path = kernels.of(arg)
         for chunk in k.export_iter(path):
             out.write(chunk)
+
+    status = each("kv cat", args.paths, cat)
     out.flush()
-    return 0
+    return status
 
 
 def read_chunks(path: str) -> Iterator[bytes]:
@@ -209,15 +214,12 @@ def cmd_cp(kernels: Kernels, args: argparse.Namespace) -> int:
 
 def cmd_rm(kernels: Kernels, args: argparse.Namespace) -> int:
     """As rm(1): one path that cannot be removed does not stop the others."""
-    status = 0
-    for arg in args.paths:
-        try:
-            k, path = kernels.of(arg)
-            k.unlink(path)
-        except OSError as e:
-            print(f"symphony: kv rm: {arg}: {os.strerror(e.errno)}", file=sys.stderr)
-            status = 1
-    return status
+
+    def rm(arg: str) -> None:
+        k, path = kernels.of(arg)
+        k.unlink(path)
+
+    return each("kv rm", args.paths, rm)
 
 
 def run(args: argparse.Namespace) -> int:

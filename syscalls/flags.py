@@ -13,7 +13,7 @@ import os
 import select
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -257,6 +257,23 @@ def report(prog: str, e: BaseException) -> int:
             message = f"{e.filename}: {message}"
     print(f"{prog}: {message}", file=sys.stderr)
     return 1
+
+
+def each(what: str, items: Iterable[Any], act: Callable[[Any], None]) -> int:
+    """act(item) for every item, as rm(1), cat(1) and kill(1) go on: one that fails
+    (OSError) does not stop the others; each failure is said, `symphony: WHAT: ITEM:
+    REASON`; the status is 1 if any failed. A reader gone from stdout stops it (report)."""
+    status = 0
+    for item in items:
+        try:
+            act(item)
+        except OSError as e:
+            if reader_gone(e):
+                raise
+            reason = os.strerror(e.errno) if e.errno else str(e)
+            print(f"symphony: {what}: {item}: {reason}", file=sys.stderr)
+            status = 1
+    return status
 
 
 def stdout_flushed(prog: str, main: Callable[[], int]) -> int:

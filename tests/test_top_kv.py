@@ -252,6 +252,33 @@ def test_kv_rm_removes_what_it_can_and_says_what_it_cannot(daemon, doc):
         assert "a.kv" not in names and "b.kv" not in names and "doc.kv" in names
 
 
+
+def test_kv_cat_and_kill_go_on_past_what_they_cannot_do(daemon):
+    """As cat(1) and kill(1): `kv cat a.kv nope a.kv` printed one file and stopped, and
+    `symphony kill 9999 PID` left PID running."""
+    with daemon.connect() as k:
+        with k.open(f"{k.home}/c.kv", os.O_CREAT | os.O_RDWR) as f:
+            f.pred(IDS[:5], no_outputs=True)
+        one = k.export(f"{k.home}/c.kv")
+        out = kv(daemon, "cat", "c.kv", "nope.kv", "c.kv")
+        assert out.returncode == 1 and out.stdout == one + one
+        assert out.stderr.decode().splitlines() == [
+            "symphony: kv cat: nope.kv: No such file or directory"]
+        code = ("import time; from syscalls.client import Kernel; "
+                "k = Kernel.connect(name='victim'); print(k.getpid(), flush=True); "
+                "time.sleep(60)")
+        lip = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=daemon.env(),
+                               stdout=subprocess.PIPE, text=True)
+        try:
+            pid = int(lip.stdout.readline())
+            out = symphony(daemon, "kill", "99999", str(pid))
+            assert out.returncode == 1, out
+            assert out.stderr.decode().splitlines() == ["symphony: kill: 99999: No such process"]
+            assert lip.wait(30) == -9
+        finally:
+            lip.kill()
+        k.unlink(f"{k.home}/c.kv")
+
 # -- top --------------------------------------------------------------------------------
 
 
