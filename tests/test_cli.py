@@ -103,7 +103,8 @@ def test_pages_the_allocator_refuses_name_the_flags(tmp_path, capsys, monkeypatc
                            "can't allocate memory: you tried to allocate 8 bytes.\nmore")
 
     monkeypatch.setattr(symphony.engine_process, "EngineProcess", refuse)
-    assert main(["kernel", "--socket", str(tmp_path / "k.sock"), "--kv-pages", "7"]) == 1
+    assert main(["kernel", "--socket", str(tmp_path / "k.sock"), "--kv-pages", "7",
+                 "--state-dir", str(tmp_path / "state")]) == 1  # not the user's: one may run
     err = capsys.readouterr().err
     assert err.startswith("symphony: --kv-pages 7: the KV pages cannot be allocated "
                           "([enforce fail"), err
