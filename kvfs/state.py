@@ -74,6 +74,13 @@ def hold(path: Path) -> int:
     return fd
 
 
+def release(path: Path) -> None:
+    """Give back a state directory this process holds (hold); nothing if it holds none."""
+    fd = _held.pop(path.resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     # 0600 whatever the umask: a state directory others can enter must not hand them the

@@ -84,7 +84,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
 
     import torch
 
-    from kvfs.state import hold
+    from kvfs.state import hold, release
     from symphony.daemon import default_state_dir, run_kernel
     from symphony.engine.cuda_graphs import ENV as CUDA_GRAPHS_ENV
     from symphony.engine.settings import EngineSettings
@@ -109,45 +109,47 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     # and its ranks meet (up to RENDEZVOUS_SECONDS): a second kernel there is refused now,
     # and `symphony status` and `stop` find this one (control.Claim).
     state_dir.mkdir(parents=True, exist_ok=True)
-    hold(state_dir)  # for the process's life; the kernel takes it again, as its own
-    sock = socket_path(args.socket)
-    claim = control().Claim(sock)
-
-    def stopped(*_) -> None:  # `symphony stop` before the kernel serves: out, and the
-        claim.release()  # ranks with it (they die with their parent)
-        log.info("stopped by SIGTERM before serving")
-        os._exit(1)
-
-    signal.signal(signal.SIGTERM, stopped)
-    if rendezvous.nnodes > 1:
-        log.info("waiting up to %.0f s for the ranks of the other %d node(s) at %s",
-                 RENDEZVOUS_SECONDS, rendezvous.nnodes - 1, rendezvous.init_method)
+    hold(state_dir)  # the kernel takes it again, as its own
+    claim, previous = None, signal.getsignal(signal.SIGTERM)
     try:
-        engine = EngineProcess(
-            args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages,
-            host_pages=host_pages, sleep_ms=parse_engine(args.engine), weights=args.weights,
-            rendezvous=rendezvous)
-    except RuntimeError as e:  # torch's allocators' failures (OutOfMemoryError is one)
-        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
-            raise
-        given = [f"--{flag.replace('_', '-')} {getattr(args, flag)}"
-                 for flag in ("kv_pages", "host_pages") if getattr(args, flag) is not None]
-        raise MemoryError(f"{', '.join(given) or '--kv-pages'}: the KV pages cannot be "
-                          f"allocated ({str(e).splitlines()[0]})") from e
-    except BaseException:
-        claim.release()
-        raise
-    opts = Options(
-        socket=sock, state_dir=state_dir,
-        token_budget=args.token_budget, max_seqs=args.max_seqs, disk_pages=args.disk_pages,
-        quota=args.quota, inode_quota=args.inode_quota, decode_ahead=args.decode_ahead == "on",
-        pipeline=args.pipeline == "on",
-        max_procs_per_user=args.max_procs_per_user,
-    )
-    try:  # `stopped` stays until the kernel's own handlers replace it, as it serves
+        sock = socket_path(args.socket)
+        claim = control().Claim(sock)
+
+        def stopped(*_) -> None:  # `symphony stop` before the kernel serves: out, and the
+            claim.release()  # ranks with it (they die with their parent)
+            log.info("stopped by SIGTERM before serving")
+            os._exit(1)
+
+        signal.signal(signal.SIGTERM, stopped)  # till the kernel's own handlers, as it serves
+        if rendezvous.nnodes > 1:
+            log.info("waiting up to %.0f s for the ranks of the other %d node(s) at %s",
+                     RENDEZVOUS_SECONDS, rendezvous.nnodes - 1, rendezvous.init_method)
+        try:
+            engine = EngineProcess(
+                args.model, device=args.device, dtype=dtype, kv_pages=args.kv_pages,
+                host_pages=host_pages, sleep_ms=parse_engine(args.engine),
+                weights=args.weights, rendezvous=rendezvous)
+        except RuntimeError as e:  # torch's allocators' failures (OutOfMemoryError is one)
+            if (not isinstance(e, torch.OutOfMemoryError)
+                    and "can't allocate memory" not in str(e)):
+                raise
+            given = [f"--{flag.replace('_', '-')} {getattr(args, flag)}"
+                     for flag in ("kv_pages", "host_pages") if getattr(args, flag) is not None]
+            raise MemoryError(f"{', '.join(given) or '--kv-pages'}: the KV pages cannot be "
+                              f"allocated ({str(e).splitlines()[0]})") from e
+        opts = Options(
+            socket=sock, state_dir=state_dir,
+            token_budget=args.token_budget, max_seqs=args.max_seqs,
+            disk_pages=args.disk_pages, quota=args.quota, inode_quota=args.inode_quota,
+            decode_ahead=args.decode_ahead == "on", pipeline=args.pipeline == "on",
+            max_procs_per_user=args.max_procs_per_user,
+        )
         return run_kernel(engine, opts, claim.release)
-    finally:
-        claim.release()
+    finally:  # on every way out: a kernel in a process that goes on (a test's) holds nothing
+        if claim is not None:
+            claim.release()
+        signal.signal(signal.SIGTERM, previous)
+        release(state_dir)
 
 
 def kernel_rendezvous(args: argparse.Namespace):

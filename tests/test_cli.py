@@ -1,5 +1,6 @@
 """The `symphony` command's own checks of its flags (no kernel is started)."""
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -103,12 +104,22 @@ def test_pages_the_allocator_refuses_name_the_flags(tmp_path, capsys, monkeypatc
                            "can't allocate memory: you tried to allocate 8 bytes.\nmore")
 
     monkeypatch.setattr(symphony.engine_process, "EngineProcess", refuse)
+    handler = signal.getsignal(signal.SIGTERM)
     assert main(["kernel", "--socket", str(tmp_path / "k.sock"), "--kv-pages", "7",
                  "--state-dir", str(tmp_path / "state")]) == 1  # not the user's: one may run
     err = capsys.readouterr().err
     assert err.startswith("symphony: --kv-pages 7: the KV pages cannot be allocated "
                           "([enforce fail"), err
     assert "more" not in err
+    # Nothing held after: the socket's placeholder, the state directory's lock (this
+    # process went on holding them), the SIGTERM handler.
+    assert not (tmp_path / "k.sock").exists()
+    fd = os.open(tmp_path / "state" / "lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    assert signal.getsignal(signal.SIGTERM) is handler
 
 
 SIGNALLED = """\
