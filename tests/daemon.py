@@ -337,3 +337,23 @@ def run_reader_gone(argv: list[str], env: dict[str, str]) -> subprocess.Complete
                               text=True, timeout=120)
     finally:
         os.close(write)
+
+
+# The start of a script (python -c) run as root that becomes the user whose uid is its
+# argv[1], after its imports, and says a call's refusal as data: refusal(fn) is
+# [errno, message], or None when fn() succeeds.
+AS_UID = """
+import json, os, sys
+from syscalls.client import Kernel
+from syscalls.convert import proc_fields
+uid = int(sys.argv[1])
+os.setgroups([])
+os.setgid(uid)
+os.setuid(uid)
+def refusal(fn):
+    try:
+        fn()
+    except OSError as e:
+        return [e.errno, str(e)]
+    return None
+"""

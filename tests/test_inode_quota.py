@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from daemon import NEEDS_MOUNT, ROOT, as_user, make
+from daemon import AS_UID, NEEDS_MOUNT, ROOT, as_user, make
 
 from syscalls.convert import proc_fields
 
@@ -24,20 +24,8 @@ UID = 60021
 DAEMON_FLAGS = ("--kv-pages", "512", "--inode-quota", str(LIMIT))
 NEEDS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
 
-# Imports first, then become the user.
-BODY = """
-import json, os, sys
-from syscalls.client import Kernel
-uid = int(sys.argv[1])
-os.setgroups([])
-os.setgid(uid)
-os.setuid(uid)
-def refusal(fn):
-    try:
-        fn()
-    except OSError as e:
-        return [e.errno, str(e)]
-    return None
+# As the user.
+BODY = AS_UID + """
 k = Kernel.connect(name="inodes")  # its home: 1
 k.mkdir(k.home + "/d")  # 2
 k.open(k.home + "/f", os.O_CREAT | os.O_RDWR).close()  # 3

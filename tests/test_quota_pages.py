@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from daemon import NEEDS_MOUNT, ROOT, as_user
+from daemon import AS_UID, NEEDS_MOUNT, ROOT, as_user
 
 from syscalls.convert import proc_fields
 
@@ -21,25 +21,13 @@ ALICE, BOB = 60031, 60032
 DAEMON_FLAGS = ("--kv-pages", "512", "--quota", str(QUOTA))
 NEEDS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
 
-# Imports first, then become the user; then one step of the story (argv[2]).
-BODY = """
-import json, os, sys
-from syscalls.client import Kernel
-from syscalls.convert import proc_fields
-uid, step = int(sys.argv[1]), sys.argv[2]
-os.setgroups([])
-os.setgid(uid)
-os.setuid(uid)
+# As the user; then one step of the story (argv[2]).
+BODY = AS_UID + """
+step = sys.argv[2]
 k = Kernel.connect(name="quota")
 size = k.model_info().page_size
 def fill(f, pages):
     f.pred([(7 * i) % 50 + 10 for i in range(pages * size)], no_outputs=True)
-def refusal(fn):
-    try:
-        fn()
-    except OSError as e:
-        return [e.errno, str(e)]
-    return None
 out = {"home": k.home}
 if step == "make":  # alice: a 6-page file others may read
     with k.open(k.home + "/f", os.O_CREAT | os.O_RDWR, 0o644) as f:
