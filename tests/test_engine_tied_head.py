@@ -1,5 +1,6 @@
-"""A config that ties the embedding and the LM head, and a checkpoint that holds both: the
-model is what transformers loads (tied where they are equal, the file's head where not)."""
+"""A config that ties the embedding and the LM head, and a checkpoint that holds both, or
+only one of them: the model is what transformers loads (tied where they are equal or one is
+missing, the file's head where they differ)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class Dense:
         return out.transpose(0, 1)
 
 
-@pytest.mark.parametrize("head", ["different", "equal"])
+@pytest.mark.parametrize("head", ["different", "equal", "only the head", "only the embedding"])
 def test_the_lm_head_in_the_file_is_used_as_transformers_uses_it(tmp_path, head):
     from transformers import AutoModelForCausalLM
 
@@ -34,11 +35,16 @@ def test_the_lm_head_in_the_file_is_used_as_transformers_uses_it(tmp_path, head)
     weights = load_file(tmp_path / "model.safetensors")
     embed = weights["model.embed_tokens.weight"]
     torch.manual_seed(1)
-    weights["lm_head.weight"] = torch.randn_like(embed) if head == "different" else embed.clone()
+    different = torch.randn_like(embed)
+    if head == "only the head":  # the one tied tensor saved under the head's name
+        weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")
+    elif head != "only the embedding":
+        weights["lm_head.weight"] = different if head == "different" else embed.clone()
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     tied = reference.lm_head.weight.data_ptr() == reference.model.embed_tokens.weight.data_ptr()
-    assert tied == (head == "equal")
+    assert tied == (head != "different")
+    assert torch.equal(reference.model.embed_tokens.weight, embed)
     model = load_model(tmp_path)
     assert model.config.tie_word_embeddings == tied
     with torch.no_grad():

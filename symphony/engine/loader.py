@@ -25,6 +25,7 @@ from symphony.engine.tensor_parallel import Group, Shard, whole
 
 # Tensors some checkpoints carry that we recompute rather than load.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,10 @@ def _layout(cfg: ModelConfig, shard: Shard | None = None) -> dict[str, Place]:
     def part(name: str, target: str, start: int, rows: int, dim: int, cut: tuple[int, int]):
         out[name] = Place(target, start, rows, dim if split else None, *cut)
 
-    whole_tensor("model.embed_tokens.weight", cfg.vocab_size)
+    whole_tensor(_EMBED, cfg.vocab_size)
     whole_tensor("model.norm.weight", cfg.hidden_size)
     if not cfg.tie_word_embeddings:
-        part("lm_head.weight", "lm_head.weight", 0, s.vocab[1] - s.vocab[0], 0, s.vocab)
+        part(_HEAD, _HEAD, 0, s.vocab[1] - s.vocab[0], 0, s.vocab)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         kinds = ["weight", "bias"] if cfg.attention_bias else ["weight"]
@@ -124,9 +125,11 @@ class _Filler:
     """Copies checkpoint tensors (Hugging Face names) into our stacked parameters, and checks
     that every row was filled."""
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: CausalLM, embedding: str = _EMBED):
+        """`embedding`: the checkpoint name the embedding is read from (`_tie`)."""
         self.cfg = model.config
         self.layout = _layout(self.cfg, model.group.shard)
+        self.layout[embedding] = self.layout.pop(_EMBED)
         self.params = dict(model.named_parameters())
         self.filled: dict[str, int] = {}
 
@@ -134,7 +137,7 @@ class _Filler:
         if name.endswith(_IGNORED_SUFFIXES):
             return False
         if name not in self.layout:
-            if self.cfg.tie_word_embeddings and name == "lm_head.weight":
+            if self.cfg.tie_word_embeddings and name == _HEAD:
                 return False  # a redundant copy of the tied embedding
             shown = shown or name
             raise ModelError(f"{source}: unexpected tensor {shown!r} for {self.cfg.architecture}")
@@ -187,9 +190,9 @@ def load_model(
     if is_gguf(path):
         return _load_gguf(path, device, dtype, group)
     files = _weight_files(path)
-    cfg = _untied(ModelConfig.from_file(path / "config.json"), files)
+    cfg, embedding = _tie(ModelConfig.from_file(path / "config.json"), files)
     model = _empty_model(cfg, device, dtype, group)
-    filler = _Filler(model)
+    filler = _Filler(model, embedding)
     for file in files:
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
@@ -202,23 +205,25 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def _untied(cfg: ModelConfig, files: list[Path]) -> ModelConfig:
-    """`cfg`, untied where it ties the embedding and the LM head but the checkpoint holds both,
-    different: transformers' tie_weights keeps them apart then, the file's LM head computing
-    the logits."""
+def _tie(cfg: ModelConfig, files: list[Path]) -> tuple[ModelConfig, str]:
+    """`cfg` with its tie of the embedding and the LM head settled against the checkpoint, as
+    transformers settles it, and the checkpoint name to read the embedding from. A checkpoint
+    that holds both, different, unties them (transformers' tie_weights keeps them apart then,
+    the file's head computing the logits); one that holds only the head gives it as the
+    embedding (transformers' tied parameter is one tensor under both names)."""
     if not cfg.tie_word_embeddings:
-        return cfg
+        return cfg, _EMBED
     both = {}
     for file in files:
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
-                for name in {"model.embed_tokens.weight", "lm_head.weight"} & set(f.keys()):
+                for name in {_EMBED, _HEAD} & set(f.keys()):
                     both[name] = f.get_tensor(name)
         except SafetensorError as e:
             raise ModelError(f"{file}: unreadable safetensors file ({e})") from e
     if len(both) == 2 and not torch.equal(*both.values()):
-        return replace(cfg, tie_word_embeddings=False)
-    return cfg
+        return replace(cfg, tie_word_embeddings=False), _EMBED
+    return cfg, _HEAD if set(both) == {_HEAD} else _EMBED
 
 
 def _read_slice(f, name: str, place: Place) -> torch.Tensor:
