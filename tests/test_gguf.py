@@ -55,6 +55,9 @@ FAMILIES = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "llama-tied": ("llama", "LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    # Linear scaling: the converter writes it as rope.scaling.type and rope.scaling.factor.
+    "llama-linear": ("llama", "LlamaConfig", "LlamaForCausalLM", dict(
+        rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "qwen2": ("qwen2", "Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=128,
                                                                 num_key_value_heads=1)),
@@ -136,10 +139,12 @@ def tokenizer_metadata(directory: Path, vocab_size: int) -> dict:
 
 
 def write_gguf(path: Path, family: str, kind, seed: int = 0, tokenizer_dir: Path | None = None,
-               raw_types: dict[str, object] | None = None, tokenizer_model: str = "gpt2"):
+               raw_types: dict[str, object] | None = None, tokenizer_model: str = "gpt2",
+               rope_metadata: dict[str, str | float] | None = None):
     """A random model of `family` written to `path` with its matrices in `kind`; returns the
     transformers model holding the weights the file dequantizes to. `tokenizer_model` names
-    the type of the tokenizer from `tokenizer_dir` (its metadata is written the same)."""
+    the type of the tokenizer from `tokenizer_dir` (its metadata is written the same);
+    `rope_metadata`, where given, is written instead of the converter's rope scaling keys."""
     import transformers
 
     arch, config_cls, model_cls, extra = FAMILIES[family]
@@ -163,6 +168,13 @@ def write_gguf(path: Path, family: str, kind, seed: int = 0, tokenizer_dir: Path
     w.add_vocab_size(config.vocab_size)
     if arch == "llama":
         w.add_rope_dimension_count(head_dim)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope_metadata is not None:
+        for key, value in rope_metadata.items():
+            (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
+    elif rope.get("rope_type") == "linear":  # convert_hf_to_gguf.py's LlamaModel
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
     if arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -266,6 +278,63 @@ def test_llama_logits_match_transformers_on_the_dequantized_weights(tmp_path, ki
     close(ours(model), theirs(reference))
 
 
+@pytest.mark.parametrize("kind", [Q.F32, Q.Q8_0], ids=lambda k: k.name)
+@pytest.mark.parametrize("keys", ["converter's", "older files'"])
+def test_linear_rope_scaling_matches_transformers(tmp_path, kind, keys):
+    """rope.scaling.type linear and its factor, as the converter writes a Hugging Face
+    config's linear rope_scaling; or, as older files say it, rope.scale_linear alone (llama.cpp
+    reads no type as linear). The reference is transformers on that config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path / "model.gguf"
+    old = {"llama.rope.scale_linear": 4.0} if keys == "older files'" else None
+    reference = write_gguf(path, "llama-linear", kind, rope_metadata=old)
+    model = load_model(path)
+    assert model.config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    close(ours(model), theirs(reference))
+    unscaled = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
+    unscaled.load_state_dict(reference.state_dict())
+    assert (theirs(unscaled) - theirs(reference)).abs().max() > 1e-3  # the scaling is seen
+
+
+@pytest.mark.parametrize("metadata,rope_scaling", [
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, {}),
+    ({"llama.rope.scaling.type": "linear"}, {}),  # llama.cpp: no factor is no scaling
+    ({}, {}),
+])
+def test_rope_scaling_that_scales_nothing(tmp_path, metadata, rope_scaling):
+    path = tmp_path / "model.gguf"
+    write_gguf(path, "llama-tied", Q.F32, rope_metadata=metadata)
+    assert load_model(path).config.rope_scaling == rope_scaling
+
+
+def test_linear_rope_scaling_with_rope_freqs_divides_the_factors(tmp_path):
+    """llama.cpp divides the frequencies by both: rope_freqs.weight and the linear factor."""
+    plain, scaled = tmp_path / "plain.gguf", tmp_path / "scaled.gguf"
+    write_gguf(plain, "llama", Q.F32)
+    write_gguf(scaled, "llama", Q.F32, rope_metadata={
+        "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0})
+    factors = GGUFFile(plain).config().rope_scaling["factors"]
+    assert GGUFFile(scaled).config().rope_scaling == {
+        "rope_type": "factors", "factors": tuple(2.0 * f for f in factors)}
+
+
+@pytest.mark.parametrize("metadata,why", [
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0},
+     "unsupported rope scaling 'yarn' (supported: none, linear)"),
+    ({"llama.rope.scaling.type": "longrope"},
+     "unsupported rope scaling 'longrope' (supported: none, linear)"),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": -2.0},
+     "rope scaling factor -2.0 is negative"),
+])
+def test_unsupported_rope_scaling_is_named(tmp_path, metadata, why):
+    path = tmp_path / "model.gguf"
+    write_gguf(path, "llama-tied", Q.F32, rope_metadata=metadata)
+    with pytest.raises(ModelError) as e:
+        load_model(path)
+    assert str(e.value) == f"{path}: {why}"
+
+
 @pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
 @pytest.mark.parametrize("family", ["llama-tied", "qwen2", "qwen3"])
 def test_families_match_transformers(tmp_path, family, kind):
@@ -281,8 +350,9 @@ def test_families_match_transformers(tmp_path, family, kind):
     close(ours(model), theirs(reference))
 
 
-@pytest.mark.parametrize("family,kind", [("llama", Q.Q4_1), ("qwen2", Q.Q8_0),
-                                         ("qwen3", Q.Q5_K)], ids=lambda p: getattr(p, "name", p))
+@pytest.mark.parametrize("family,kind", [("llama", Q.Q4_1), ("llama-linear", Q.Q8_0),
+                                         ("qwen2", Q.Q8_0), ("qwen3", Q.Q5_K)],
+                         ids=lambda p: getattr(p, "name", p))
 def test_engine_greedy_tokens_equal_transformers(tmp_path, family, kind):
     """The engine's real path (paged KV, batched prefill and decode) on the GGUF file."""
     path = tmp_path / "model.gguf"

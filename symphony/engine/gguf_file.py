@@ -51,6 +51,9 @@ _GLOBAL_NAMES = {
 }
 
 
+# `<arch>.rope.scaling.type` values read; any other is a ModelError naming it.
+ROPE_SCALING_TYPES = ("none", "linear")
+
 # The tensor types loaded, each dequantized by the gguf package (F64 by numpy); any other is a
 # ModelError naming the tensor and its type.
 TENSOR_TYPES = (
@@ -130,9 +133,16 @@ class GGUFFile:
         if rope_dims is not None and int(rope_dims) != head_dim:
             raise ModelError(f"{src}: partial rotary embeddings ({rope_dims} of {head_dim}) "
                              "are not supported")
-        scaling = self.get(f"{arch}.rope.scaling.type", "none")
-        if scaling not in ("none", ""):
-            raise ModelError(f"{src}: unsupported rope scaling {scaling!r}")
+        # Read as llama.cpp reads it: no type is linear, the factor (rope.scale_linear in older
+        # files) divides the frequencies, and none or 0 is no scaling.
+        scaling = self.get(f"{arch}.rope.scaling.type", "linear")
+        if scaling not in ROPE_SCALING_TYPES:
+            raise ModelError(f"{src}: unsupported rope scaling {scaling!r} "
+                             f"(supported: {', '.join(ROPE_SCALING_TYPES)})")
+        factor = float(self.get(f"{arch}.rope.scaling.factor")
+                       or self.get(f"{arch}.rope.scale_linear") or 0.0)
+        if factor < 0:
+            raise ModelError(f"{src}: rope scaling factor {factor} is negative")
         if self.get(f"{arch}.attention.sliding_window"):
             raise ModelError(f"{src}: sliding-window attention is not supported")
         heads_kv = self.get(f"{arch}.attention.head_count_kv", heads)
@@ -156,6 +166,8 @@ class GGUFFile:
             "head_dim": head_dim,
             "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
             "rope_theta": float(self.get(f"{arch}.rope.freq_base", 10000.0)),
+            "rope_scaling": {"rope_type": "linear", "factor": factor}
+            if scaling == "linear" and factor else None,
             "max_position_embeddings": int(self.get(f"{arch}.context_length", 2048)),
             "tie_word_embeddings": "output.weight" not in self.tensors,
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
@@ -170,6 +182,8 @@ class GGUFFile:
             if factors.numel() != head_dim // 2:
                 raise ModelError(f"{src}: rope_freqs.weight has {factors.numel()} factors, "
                                  f"expected {head_dim // 2}")
+            # A linear factor divides them all once more (llama.cpp's freq_scale).
+            factors = factors * cfg.rope_scaling.get("factor", 1.0)
             scaling = {"rope_type": "factors", "factors": tuple(factors.tolist())}
             cfg = _replace(cfg, rope_scaling=scaling)
         return cfg
