@@ -857,7 +857,11 @@ class KvFS(pyfuse3.Operations):
 
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         path = self.path_of(inode)
-        entries = []
+        # . and .. first, as a disk lists them (ls -a shows them); .. of the root is itself.
+        entries = [
+            (".", await self.attrs(path, ctx), path),
+            ("..", await self.attrs(parent_of(path), ctx), parent_of(path)),
+        ]
         if in_proc(path):
             for line in (await self.proc_text(path, ctx)).splitlines():
                 name = line.rstrip("/")
@@ -887,7 +891,8 @@ class KvFS(pyfuse3.Operations):
             name, a, path = listing.entries[i]
             if not pyfuse3.readdir_reply(token, name, a, i + 1):
                 return
-            self.remember(a, path)
+            if name not in (b".", b".."):  # FUSE counts no lookup for these (pyfuse3's rule)
+                self.remember(a, path)
 
     async def releasedir(self, fh: int) -> None:
         del self.handles[fh]

@@ -4,6 +4,7 @@ under it."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -769,3 +770,74 @@ def test_a_cut_is_always_taken_and_lifts_a_refused_header_it_cuts_into(k, mnt):
     finally:
         os.close(fd)
     assert k.export("/tmp/cut2.kv") == blob
+
+
+class Dirent(ctypes.Structure):
+    """glibc's struct dirent on a 64-bit Linux."""
+
+    _fields_ = [
+        ("d_ino", ctypes.c_uint64),
+        ("d_off", ctypes.c_int64),
+        ("d_reclen", ctypes.c_ushort),
+        ("d_type", ctypes.c_ubyte),
+        ("d_name", ctypes.c_char * 256),
+    ]
+
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+LIBC.opendir.restype = ctypes.c_void_p
+LIBC.opendir.argtypes = [ctypes.c_char_p]
+LIBC.readdir.restype = ctypes.POINTER(Dirent)
+LIBC.readdir.argtypes = [ctypes.c_void_p]
+LIBC.seekdir.argtypes = [ctypes.c_void_p, ctypes.c_long]
+LIBC.closedir.argtypes = [ctypes.c_void_p]
+DT_DIR = 4
+
+
+def dirents(path, start: int = 0) -> list[tuple[bytes, int, int, int]]:
+    """(name, d_ino, d_type, d_off) of each entry readdir(3) gives, from offset `start`
+    (seekdir(3)): what `ls -a` reads, . and .. included, unlike os.listdir and scandir."""
+    d = LIBC.opendir(os.fsencode(path))
+    assert d, os.strerror(ctypes.get_errno())
+    try:
+        if start:
+            LIBC.seekdir(d, start)
+        out = []
+        while e := LIBC.readdir(d):
+            out.append((e[0].d_name, e[0].d_ino, e[0].d_type, e[0].d_off))
+        return out
+    finally:
+        LIBC.closedir(d)
+
+
+def test_ls_a_lists_dot_and_dotdot_with_their_inodes(k, mnt):
+    """readdir gives . and .. (.. of the root is the root), as a disk's does; a directory
+    of more entries than one FUSE readdir reply holds, and one read again from each
+    offset, gives each entry once (ls -a showed neither . nor ..)."""
+    k.mkdir("/tmp/many")
+    names = [f"entry-with-a-longish-name-{i:03}" for i in range(80)]
+    for name in names:
+        k.mkdir(f"/tmp/many/{name}")
+    ls = subprocess.run(["ls", "-a", mnt / "tmp"], capture_output=True, text=True, check=True)
+    assert {".", "..", "many"} <= set(ls.stdout.splitlines()), ls.stdout
+    for d, parent in (
+        (mnt, mnt),
+        (mnt / "tmp", mnt),
+        (mnt / "proc", mnt),
+        (mnt / f"proc/{k.pid}", mnt / "proc"),
+        (mnt / "tmp/many", mnt / "tmp"),
+    ):
+        listed = dirents(d)
+        assert [(n, ino, t) for n, ino, t, _ in listed[:2]] == [
+            (b".", os.stat(d).st_ino, DT_DIR),
+            (b"..", os.stat(parent).st_ino, DT_DIR),
+        ], d
+        rest = [n for n, *_ in listed[2:]]
+        assert sorted(os.fsencode(n) for n in os.listdir(d)) == sorted(rest), d
+    listed = dirents(mnt / "tmp/many")
+    assert sorted(n for n, *_ in listed) == sorted([b".", b"..", *map(os.fsencode, names)])
+    for i, (_, _, _, off) in enumerate(listed[:-1]):
+        assert dirents(mnt / "tmp/many", off) == listed[i + 1 :], i
+    for name in names:
+        k.rmdir(f"/tmp/many/{name}")
+    k.rmdir("/tmp/many")
