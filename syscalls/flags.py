@@ -150,9 +150,27 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
+def stdin_text(data: bytes, offset: int = 0) -> str:
+    """`data`, read from standard input at byte `offset`, as text: UTF-8 whatever the locale
+    (as --NAME-file reads a file), newlines as text mode reads them; else UsageError naming
+    standard input and the offset of the first byte that is not UTF-8."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"standard input: not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                         f"offset {offset + e.start})") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def text_arg(value: str) -> str:
-    """A text flag's value; "-" reads the text from standard input."""
-    return sys.stdin.read() if value == "-" else value
+    """A text flag's value; "-" reads the text from standard input (stdin_text), bytes that
+    are not UTF-8 being the flag's usage error."""
+    if value != "-":
+        return value
+    try:
+        return stdin_text(sys.stdin.buffer.read())
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def text_file(path: str) -> str:

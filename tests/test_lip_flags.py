@@ -4,6 +4,9 @@ does not exist, so a flag that got past the checks would be status 1)."""
 
 from __future__ import annotations
 
+import io
+import sys
+
 import pytest
 
 BYTES = b'{"x": "' + b"y" * 17 + b'\xd0(' + b'"}\n'  # 0xd0 at offset 24 starts no UTF-8 char
@@ -32,3 +35,34 @@ def test_a_file_that_is_not_utf8_is_a_usage_error_naming_it(lip_main, tmp_path, 
     code, out, err = lip_main(prog, *[str(path) if a == "{}" else a for a in argv])
     assert (code, out) == (2, "")
     assert f"{prog}: error: {flag} {path}: not UTF-8 text (byte 0xd0 at offset 24)" in err
+
+
+@pytest.mark.parametrize(("prog", "flag", "argv"), [
+    ("complete", "--prompt", []),
+    ("sink", "--prompt", []),
+    ("chat", "--message", []),
+    ("chat", "--system", ["--message", "hi"]),
+    ("prompt_cache", "--question", ["--document", "{}", "--cache", "d.kv"]),
+    ("agent", "--question", []),
+])
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])  # the locale's choice
+def test_stdin_that_is_not_utf8_is_a_usage_error_naming_it(lip_main, monkeypatch, tmp_path,
+                                                           prog, flag, argv, errors):
+    """FLAG - reads the text from standard input as UTF-8, whatever the locale: a byte that
+    is not is the flag's usage error naming stdin and the byte's offset (it was argparse's
+    "invalid text_arg value: '-'" under a UTF-8 locale, and under C or C.UTF-8 the kernel's
+    EINVAL from tokenize, status 1, naming neither)."""
+    path = tmp_path / "doc.txt"
+    path.write_text("a document")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(BYTES), errors=errors))
+    code, out, err = lip_main(prog, flag, "-", *[str(path) if a == "{}" else a for a in argv])
+    assert (code, out) == (2, "")
+    assert err.endswith(f"{prog}: error: argument {flag}: standard input: not UTF-8 text "
+                        "(byte 0xd0 at offset 24)\n"), err
+
+
+def test_stdin_text_is_read_as_text_mode_reads_it(monkeypatch):
+    from syscalls.flags import text_arg
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("é\r\nx\ry\n".encode())))
+    assert text_arg("-") == "é\nx\ny\n"
