@@ -7,7 +7,8 @@
 Each turn renders the whole conversation and sends only the tokens the file does not hold
 yet, so earlier turns are never recomputed. Turns come from --message or --message-file
 (a whole file, or with "--message -" all of stdin, is one turn), else from stdin lines.
-Relative --save paths are under the user's home.
+Relative --save paths are under the user's home. A turn that with --max-new-tokens would
+pass the model's context ends the conversation before it; --save keeps the turns answered.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from collections.abc import Iterable, Iterator
 from syscalls.client import Kernel
 from syscalls.context import Context, TextStream
 from syscalls.flags import (
+    UsageError,
     add_sampling_flags,
     add_text_flags,
     check_flags,
     lip_main,
     sampling_kwargs,
     save_path,
+    stdin_text,
 )
 
 
@@ -47,16 +50,21 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def turns(args: argparse.Namespace) -> Iterator[str]:
+    """The user's turns: --message's, else stdin's lines (UsageError at one that is not
+    UTF-8, naming its offset)."""
     if args.message:
         yield from args.message
         return
     interactive = sys.stdin.isatty()
+    offset = 0
     while True:
         if interactive:
             print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
+        raw = sys.stdin.buffer.readline()
+        if not raw:
             return
+        line = stdin_text(raw, offset)
+        offset += len(raw)
         if line.strip():
             yield line.rstrip("\n")
 
@@ -72,18 +80,37 @@ def extend(ctx: Context, rendered: list[int]) -> None:
     ctx.fill(rendered[keep:])
 
 
+class ContextFull(ValueError):
+    """A turn and --max-new-tokens would pass the model's context: the conversation stops
+    before it (a pred past the context fails EOVERFLOW part way through a reply)."""
+
+
 def converse(
-    k: Kernel, ctx: Context, messages: list[dict], user: Iterable[str], args: argparse.Namespace
+    k: Kernel,
+    ctx: Context,
+    messages: list[dict],
+    user: Iterable[str],
+    args: argparse.Namespace,
+    context: int,
 ) -> None:
+    """Answer each user turn, streaming the replies. ContextFull before a turn that would
+    pass the context, nothing of it sent: the file holds the turns answered."""
     sampling = sampling_kwargs(args)
-    for text in user:
-        messages.append({"role": "user", "content": text})
-        extend(ctx, k.tokenize(messages=messages, add_generation_prompt=True))
+    for answered, text in enumerate(user):
+        asked = [*messages, {"role": "user", "content": text}]
+        rendered = k.tokenize(messages=asked, add_generation_prompt=True)
+        if len(rendered) + args.max_new_tokens > context:
+            raise ContextFull(
+                f"stopped after {answered} turns: the conversation with the next turn is "
+                f"{len(rendered)} tokens, and with --max-new-tokens {args.max_new_tokens} it "
+                f"would pass the model's context of {context} positions; start a new "
+                "conversation")
+        extend(ctx, rendered)
         stream = TextStream(k)
         for token in ctx.generate(args.max_new_tokens, **sampling):
             print(stream.push(token), end="", flush=True)
         print(stream.finish())
-        messages.append({"role": "assistant", "content": stream.text})
+        messages = [*asked, {"role": "assistant", "content": stream.text}]
 
 
 def run(k: Kernel, args: argparse.Namespace) -> int:
@@ -93,10 +120,16 @@ def run(k: Kernel, args: argparse.Namespace) -> int:
         raise ValueError(f"{info.name}: the model has no chat template")
     messages = [{"role": "system", "content": args.system}] if args.system else []
     save = save_path(k, args.save) if args.save else None
+    stopped = None
     with Context(k, stop=info.eos_ids) as ctx:
-        converse(k, ctx, messages, turns(args), args)
+        try:
+            converse(k, ctx, messages, turns(args), args, info.context_length)
+        except (ContextFull, UsageError) as e:  # --save keeps the turns answered before it
+            stopped = e
         if save:
             ctx.save(save)
+    if stopped is not None:
+        raise stopped
     return 0
 
 
