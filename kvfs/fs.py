@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -513,21 +513,30 @@ class FileSystem:
         """Bytes [offset, offset + size) of the export, reading only the pages they cover."""
         return read_range(self._readable(handle, "read"), self.store, self.layout, offset, size)
 
-    def fill(self, inode: Inode, imported: Imported, quota: bool = True) -> None:
+    def fill(self, inode: Inode, imported: Imported, quota: bool = True,
+             shared: Mapping[int, Page | int] | None = None) -> None:
         """Give a file the entries and K/V of an import in place of what it held, all or
         nothing: its old pages are freed only once the new ones are written. quota=False:
         the owner's quota is not asked (a restored file's pages were its owner's before the
-        restart, whatever the quota says now: root may chown a file to a user past it)."""
+        restart, whatever the quota says now: root may chown a file to a user past it).
+        `shared` (a restore's): full pages, none a hole, that hold the same K/V as the
+        import's at their index, so are held instead of allocated: a page the owner holds
+        already (it costs nothing), or the index of an earlier page of this import."""
+        shared = shared or {}
         n, size = len(imported.tokens), self.page_size
         excluded = merge_ranges(list(imported.excluded))
         holes = self._holes(n, excluded)
-        need = holes.count(False)
+        need = holes.count(False) - len(shared)
         self._room(inode, need, need if quota else 0)
         fresh = iter(self.store.new(need, inode.uid, quota))
-        pages = [None if hole else next(fresh) for hole in holes]
+        pages: list[Page | None] = []
+        for i, hole in enumerate(holes):
+            same = shared.get(i)
+            pages.append(None if hole else next(fresh) if same is None
+                         else pages[same] if isinstance(same, int) else same)
         pool, full = self.store.pool, n // size
         # Whole pages in one scatter, straight from views of the import; the tail by rows.
-        kept = [i for i in range(full) if not holes[i]]
+        kept = [i for i in range(full) if not holes[i] and i not in shared]
         if kept:
             k, v = (src[:, : full * size].view(src.shape[0], full, size, *src.shape[2:])
                     for src in (imported.k, imported.v))
@@ -537,6 +546,7 @@ class FileSystem:
         if n % size and pages[-1] is not None:
             pool.write_rows(pages[-1].slot, 0, imported.k[:, full * size:],
                             imported.v[:, full * size:])
+        self.store.ref([pages[i] for i in shared], inode.uid)
         old, inode.pages, inode.table = inode.pages, pages, None
         inode.tokens, inode.positions = list(imported.tokens), list(imported.positions)
         inode.excluded = excluded

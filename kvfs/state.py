@@ -25,19 +25,26 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import stat
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from kvfs import journal
 from kvfs.errors import FSError
-from kvfs.format import exported_size, parse, read_meta, read_range
+from kvfs.format import Imported, exported_size, parse, read_meta, read_range
 from kvfs.fs import FileSystem, NameChanges
 from kvfs.inode import Inode
 from kvfs.journal import JOURNAL
+from kvfs.pages import Page
+from kvfs.ranges import covered, merge_ranges
 
 NAMESPACE = "namespace.json"
 VERSION = 1
@@ -118,6 +125,11 @@ class StateDir:
         self.last: dict | None = None  # the namespace as last written, less next_ino
         self.generation = 0  # namespace.json's, which its journal carries
         self.journal_lines = 0  # changes in the journal since
+        # Where the full pages restored files loaded are, by owner and digest (_digest): the
+        # files (weakly: a file gone takes its places along) and page indices that held
+        # them, each checked as it is when looked up (load_pages), so no page is kept alive
+        # here and none changed or freed since is shared.
+        self.loaded: dict[tuple[int, bytes], list[tuple[weakref.ref[Inode], int]]] = {}
         fs.on_change = self.changed
         fs.on_namespace_change = self.namespace_changed
         fs.on_sync = self.sync
@@ -424,7 +436,99 @@ class StateDir:
         return inode
 
     def load_pages(self, inode: Inode) -> None:
-        """The K/V of a restored file, read and checked in full on its first open."""
-        data = self._data(inode.ino)
-        self.fs.fill(inode, parse(data.read_bytes(), self.fs.layout, self.fs.vocab_size),
-                     quota=False)
+        """The K/V of a restored file, read and checked in full on its first open. A full
+        page identical (token ids, positions, K/V bytes) to one the owner holds in a file
+        loaded before, or to an earlier page of this one, is shared instead of allocated
+        again: forks, links and aligned splices share their pages after a restart as they
+        did before it, and the owner's charge is what it was. Pages of other users' are
+        never looked at: sharing between users is not made again."""
+        imported = parse(self._data(inode.ino).read_bytes(), self.fs.layout,
+                         self.fs.vocab_size)
+        size, uid = self.fs.page_size, inode.uid
+        excluded = merge_ranges(imported.excluded)
+        keys: dict[int, tuple[int, bytes]] = {}
+        shared: dict[int, Page | int] = {}
+        first: dict[tuple[int, bytes], int] = {}  # this file's first page of each key
+        for i in range(len(imported.tokens) // size):
+            if covered(excluded, i * size, (i + 1) * size):
+                continue  # a hole stays one
+            keys[i] = key = (uid, _digest(imported, i, size))
+            j = first.get(key)
+            if j is not None and _same_kv(imported, i, size, *_rows(imported, j, size)):
+                shared[i] = j
+            elif (page := self._loaded_page(key, imported, i)) is not None:
+                shared[i] = page
+            else:
+                first.setdefault(key, i)
+        self.fs.fill(inode, imported, quota=False, shared=shared)
+        ref = weakref.ref(inode, lambda gone: self._forget(gone, set(keys.values())))
+        for i, key in keys.items():
+            self.loaded.setdefault(key, []).append((ref, i))
+
+    def _loaded_page(self, key: tuple[int, bytes], imported: Imported, i: int
+                     ) -> Page | None:
+        """A page of the owner's identical to page i of `imported`: found by its key among
+        the places of pages loaded before, then checked against that file as it is now,
+        entries and bytes (the digest is of a part: it may alias two pages). The page must
+        be full and below its file's length, where nothing is writing it (a forward pass
+        writes from the length on; other writes are over within their call): once
+        compared, it may be shared. Places passed on the way that hold no such page any
+        more are dropped."""
+        size, uid = self.fs.page_size, key[0]
+        lo, hi = i * size, (i + 1) * size
+        places = self.loaded.get(key, [])
+        found, kept, n = None, [], 0
+        while found is None and n < len(places):
+            ref, j = places[n]
+            n += 1
+            holder = ref()
+            page = (holder.pages[j] if holder is not None and holder.uid == uid
+                    and (j + 1) * size <= holder.length and j < len(holder.pages) else None)
+            if page is None:
+                continue
+            kept.append((ref, j))
+            if (holder.tokens[j * size:(j + 1) * size] == imported.tokens[lo:hi]
+                    and holder.positions[j * size:(j + 1) * size] == imported.positions[lo:hi]
+                    and _same_kv(imported, i, size, *self.fs.store.read(page))):
+                found = page
+        kept += places[n:]
+        if kept:
+            self.loaded[key] = kept
+        else:
+            self.loaded.pop(key, None)
+        return found
+
+    def _forget(self, ref: weakref.ref, keys: set[tuple[int, bytes]]) -> None:
+        """A loaded file is gone: its places leave the index."""
+        for key in keys:
+            places = [p for p in self.loaded.get(key, ()) if p[0] is not ref]
+            if places:
+                self.loaded[key] = places
+            else:
+                self.loaded.pop(key, None)
+
+
+def _rows(imported: Imported, i: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of page i of an import: [layers, size, heads, dim] each."""
+    return imported.k[:, i * size:(i + 1) * size], imported.v[:, i * size:(i + 1) * size]
+
+
+def _same_kv(imported: Imported, i: int, size: int, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether page i of an import holds exactly these K and V bytes (NaNs and signed
+    zeros included, as a float comparison would not)."""
+    return all(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+               for a, b in zip(_rows(imported, i, size), (k, v), strict=True))
+
+
+def _digest(imported: Imported, i: int, size: int) -> bytes:
+    """The index's key of page i of an import: sha256 of its token ids, positions and its
+    last entry's K/V in every layer (which, past the first layer, depend on every entry
+    before: pages of equal tokens after different ones part here), not of the whole page:
+    hashing every byte would cost more than the load; the bytes are compared on a match."""
+    lo, hi = i * size, (i + 1) * size
+    h = hashlib.sha256()
+    h.update(np.asarray(imported.tokens[lo:hi], dtype="<i8").tobytes())
+    h.update(np.asarray(imported.positions[lo:hi], dtype="<i8").tobytes())
+    for t in (imported.k, imported.v):
+        h.update(t[:, hi - 1].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.digest()
