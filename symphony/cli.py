@@ -108,11 +108,12 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     # The state directory and the socket's path are this kernel's before its engine loads
     # and its ranks meet (up to RENDEZVOUS_SECONDS): a second kernel there is refused now,
     # and `symphony status` and `stop` find this one (control.Claim).
+    sock = socket_path(args.socket)
+    control().socket_dir(sock)
     state_dir.mkdir(parents=True, exist_ok=True)
     hold(state_dir)  # the kernel takes it again, as its own
     claim, previous = None, signal.getsignal(signal.SIGTERM)
     try:
-        sock = socket_path(args.socket)
         claim = control().Claim(sock)
 
         def stopped(*_) -> None:  # `symphony stop` before the kernel serves: out, and the
@@ -276,6 +277,14 @@ def positive(text: str) -> int:
     n = int(text)
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a positive count")
+    return n
+
+
+def pid(text: str) -> int:
+    """An argparse type: a kernel pid (ps), which is at least 1."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a pid (the kernel's pids are 1 or more)")
     return n
 
 
@@ -448,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps.set_defaults(func=lambda a: control().cmd_ps(a))
     kill = sub.add_parser("kill", help="kill processes: their calls end, their files close")
     kill.add_argument("--socket", help=socket_help)
-    kill.add_argument("pids", type=positive, nargs="+", help="the kernel's pids (ps)")
+    kill.add_argument("pids", type=pid, nargs="+", help="the kernel's pids (ps)")
     kill.set_defaults(func=lambda a: control().cmd_kill(a))
     rk = sub.add_parser("rank", help="start this machine's ranks of a kernel's engine that "
                         "spans machines (every node but node 0, the kernel's)")
@@ -461,7 +470,20 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_parser(sub)
     kv.add_parser(sub)
     mount.add_parsers(sub)
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # "required: command" named none of them
+    own_usage(parser)
     return parser
+
+
+def own_usage(parser: argparse.ArgumentParser) -> None:
+    """Each command's parser (kv's operations' too) as its own `command_parser` default:
+    run_command says an unrecognized argument with that command's usage line, as argparse
+    says every other usage error of a command (its own check gives the top-level usage)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                command.set_defaults(command_parser=command)
+                own_usage(command)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -473,7 +495,7 @@ def run_command(argv: list[str] | None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and not getattr(args, "passes_flags", False):
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.command_parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
     try:
         return args.func(args)

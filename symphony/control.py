@@ -20,7 +20,7 @@ from pathlib import Path
 from symphony.options import RENDEZVOUS_SECONDS
 from syscalls.client import Kernel
 from syscalls.flags import each
-from syscalls.session import socket_path
+from syscalls.session import DEFAULT_SOCKET, socket_path
 
 START_TIMEOUT = 300.0  # loading and fingerprinting a large checkpoint takes a while
 STOP_TIMEOUT = 120.0  # stopping saves every changed KV file
@@ -44,6 +44,17 @@ def kernel_pid(sock: Path) -> int | None:
         probe.close()
 
 
+def socket_dir(sock: Path) -> None:
+    """Make the default socket's directory (in /tmp, which a reboot empties); another
+    socket's must be a directory already, as for bind(2): ENOENT or ENOTDIR naming it (a
+    mistyped --socket made directories)."""
+    if sock == Path(DEFAULT_SOCKET):
+        sock.parent.mkdir(parents=True, exist_ok=True)
+    elif not sock.parent.is_dir():
+        code = errno.ENOTDIR if sock.parent.exists() else errno.ENOENT
+        raise OSError(code, f"the socket's directory {sock.parent}: {os.strerror(code)}")
+
+
 class Claim:
     """The kernel's socket path, held by a kernel that starts (its engine loads, its ranks
     meet) before it serves there: a socket that listens and answers nothing, so that
@@ -56,7 +67,6 @@ class Claim:
         pid = kernel_pid(sock)
         if pid is not None:
             raise OSError(errno.EADDRINUSE, f"{sock}: a kernel already listens there (pid {pid})")
-        sock.parent.mkdir(parents=True, exist_ok=True)
         sock.unlink(missing_ok=True)  # a dead kernel's
         self.listener: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(sock))
@@ -84,7 +94,7 @@ def cmd_start(args: argparse.Namespace, kernel_argv: list[str]) -> int:
     if pid is not None:
         print(f"symphony: a kernel already runs on {sock} (pid {pid})", file=sys.stderr)
         return 1
-    sock.parent.mkdir(parents=True, exist_ok=True)
+    socket_dir(sock)
     log = sock.with_name(sock.name + ".log")
     with open(log, "ab") as out:
         # The log keeps every start's lines: a failure shows only what this kernel wrote.
@@ -152,7 +162,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     except OSError as e:
         pid = kernel_pid(sock)  # a kernel that starts holds the socket's path (Claim)
         if pid is None:
-            print(f"not running: {e}")
+            print(f"not running: {e.strerror or e}")
         else:
             print(f"starting: kernel {pid} holds {sock} but does not serve yet (its model "
                   "loads, or it waits for its ranks)")

@@ -25,13 +25,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from itertools import chain
 from pathlib import Path
 
 from syscalls.client import Kernel
 from syscalls.convert import CHUNK_BYTES, Stat
-from syscalls.flags import each
+from syscalls.flags import each, report
+from syscalls.session import socket_path
 from syscalls.users import user_name
 
 PREFIX = "kv:"
@@ -55,18 +57,20 @@ def split_kernel(arg: str) -> tuple[str | None, str]:
 
 
 class Kernels:
-    """The sessions `kv` opens: --socket's kernel and any that a path names, each once."""
+    """The sessions `kv` opens: --socket's kernel and any that a path names, each once
+    however its socket is spelled (one kernel, one session: cp compares its files)."""
 
     def __init__(self, default: str | None):
         self.default = default
-        self.open: dict[str | None, Kernel] = {}
+        self.open: dict[str, Kernel] = {}
 
     def of(self, arg: str) -> tuple[Kernel, str]:
         """The session of the kernel `arg` names and the absolute path in it."""
         sock, path = split_kernel(arg)
-        if sock not in self.open:
-            self.open[sock] = Kernel.connect(sock or self.default, name="symphony-kv")
-        k = self.open[sock]
+        key = os.path.realpath(socket_path(sock or self.default))
+        if key not in self.open:
+            self.open[key] = Kernel.connect(sock or self.default, name="symphony-kv")
+        k = self.open[key]
         return k, path if path.startswith("/") else f"{k.home}/{path}".rstrip("/")
 
     def close(self) -> None:
@@ -124,17 +128,30 @@ def read_chunks(path: str) -> Iterator[bytes]:
         yield from iter(partial(f.read, CHUNK_BYTES), b"")
 
 
-def source(kernels: Kernels, arg: str) -> tuple[str, int, Iterator[bytes]]:
-    """cp's SRC: its file name, permission bits and bytes in chunks. The first chunk is
-    fetched here so that a refusal (ENOENT, EACCES, EISDIR) raises as itself, not inside the
-    import stream, where gRPC would report it only as a failed request iterator."""
+@dataclass(frozen=True)
+class Source:
+    """cp's SRC: its file name, permission bits and bytes in chunks; `file` is a kernel
+    file's session, path and inode, None for a local file."""
+
+    name: str
+    mode: int
+    chunks: Iterator[bytes]
+    file: tuple[Kernel, str, int] | None
+
+
+def source(kernels: Kernels, arg: str) -> Source:
+    """cp's SRC. The first chunk is fetched here so that a refusal (ENOENT, EACCES, EISDIR)
+    raises as itself, not inside the import stream, where gRPC would report it only as a
+    failed request iterator."""
     if arg.startswith(PREFIX):
         k, path = kernels.of(arg)
-        mode, chunks = k.stat(path).mode, k.export_iter(path)
+        st = k.stat(path)
+        mode, chunks, file = st.mode, k.export_iter(path), (k, path, st.ino)
     else:
         path = arg
-        mode, chunks = os.stat(path).st_mode, read_chunks(path)
-    return posixpath.basename(path), stat.S_IMODE(mode), chain([next(chunks, b"")], chunks)
+        mode, chunks, file = os.stat(path).st_mode, read_chunks(path), None
+    return Source(posixpath.basename(path), stat.S_IMODE(mode),
+                  chain([next(chunks, b"")], chunks), file)
 
 
 def write_local(path: Path, chunks: Iterable[bytes], mode: int) -> None:
@@ -178,11 +195,12 @@ def _write_new(path: Path, chunks: Iterable[bytes], mode: int) -> None:
         raise
 
 
-def is_kernel_dir(k: Kernel, path: str) -> bool:
+def kernel_stat(k: Kernel, path: str) -> Stat | None:
+    """The file's Stat; None when there is none."""
     try:
-        return k.stat(path).is_dir
+        return k.stat(path)
     except FileNotFoundError:
-        return False
+        return None
 
 
 def cmd_cp(kernels: Kernels, args: argparse.Namespace) -> int:
@@ -191,24 +209,31 @@ def cmd_cp(kernels: Kernels, args: argparse.Namespace) -> int:
     (kv:SOCKET:PATH). A new copy gets SRC's permission bits; an existing DST, kernel or
     local, is rewritten in place, keeping its owner, mode and links, as cp(1) does, and
     either way it is touched only once the whole file has arrived. A DST that is a
-    directory receives a file of SRC's name; one ending in / must be a directory."""
+    directory receives a file of SRC's name; one ending in / must be a directory. A file is
+    not copied onto itself, as cp(1) refuses: the import would rewrite what it reads."""
     if not (args.src.startswith(PREFIX) or args.dst.startswith(PREFIX)):
         raise ValueError(
-            f"kv cp: neither {args.src} nor {args.dst} is a kernel path (write one as {PREFIX}PATH)"
+            f"neither {args.src} nor {args.dst} is a kernel path (write one as {PREFIX}PATH)"
         )
-    name, mode, chunks = source(kernels, args.src)
+    src = source(kernels, args.src)
     if args.dst.startswith(PREFIX):
         k, dst = kernels.of(args.dst)
-        if is_kernel_dir(k, dst):
-            dst = f"{dst.rstrip('/')}/{name}"
+        target = kernel_stat(k, dst)
+        if target is not None and target.is_dir:
+            dst = f"{dst.rstrip('/')}/{src.name}"
+            target = kernel_stat(k, dst)
         elif dst.endswith("/"):  # as cp(1): a name ending in / is a directory's or nothing
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), args.dst)
-        k.import_file(dst, chunks, mode)
+        if src.file is not None and target is not None:
+            kernel, path, ino = src.file
+            if kernel is k and ino == target.ino:
+                raise ValueError(f"'{PREFIX}{path}' and '{PREFIX}{dst}' are the same file")
+        k.import_file(dst, src.chunks, src.mode)
     else:
         local = Path(args.dst)
         if not local.is_dir() and args.dst.endswith("/"):
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), args.dst)
-        write_local(local / name if local.is_dir() else local, chunks, mode)
+        write_local(local / src.name if local.is_dir() else local, src.chunks, src.mode)
     return 0
 
 
@@ -223,9 +248,13 @@ def cmd_rm(kernels: Kernels, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The operation's status; a failure is said as `symphony: kv OP: ...`, as cat's and
+    rm's of each path are (each)."""
     kernels = Kernels(args.socket)
     try:
         return args.kv_command(kernels, args)
+    except (OSError, ValueError) as e:
+        return report(f"symphony: kv {args.kv_op}", e)
     finally:
         kernels.close()
 
@@ -266,3 +295,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rm = ops.add_parser("rm", parents=[common], help="remove files")
     rm.add_argument("paths", nargs="+")
     rm.set_defaults(kv_command=cmd_rm)
+    ops.metavar = "{" + ",".join(ops.choices) + "}"  # "required: kv_op" named none of them

@@ -14,6 +14,7 @@ import errno
 import functools
 import operator
 import os
+import socket
 import stat as _stat
 import struct
 import sys
@@ -726,10 +727,35 @@ def transport_error(e: grpc.RpcError, sock: os.PathLike | str) -> OSError:
 
 
 def connect_error(e: OSError, sock: os.PathLike | str) -> OSError:
-    """The hello handshake's failure, saying which socket had no kernel behind it. EAGAIN
-    comes only from a kernel that answered and refused the session (syscalls/session.py):
-    its own message says why."""
+    """The hello handshake's failure, saying which socket had no kernel behind it and why:
+    FileNotFoundError when there is no socket; ConnectionRefusedError saying what is there
+    when the path exists (a dead kernel's socket, whose hello socket is gone or dead too; a
+    kernel's that does not serve yet), not the hello socket's ENOENT. EAGAIN comes only from
+    a kernel that answered and refused the session (syscalls/session.py): its own message
+    says why."""
     if e.errno == errno.EAGAIN:
         return e
+    there = _unanswered(sock) if e.errno in (errno.ENOENT, errno.ECONNREFUSED) else None
+    if there is not None:
+        return errors.error(errno.ECONNREFUSED, f"no Symphony kernel at {sock}: {there}: "
+                            f"{os.strerror(errno.ECONNREFUSED)}")
     reason = e.strerror or str(e)
     return errors.error(e.errno or errno.ECONNREFUSED, f"no Symphony kernel at {sock}: {reason}")
+
+
+def _unanswered(sock: os.PathLike | str) -> str | None:
+    """What is at a kernel's socket path that answered no hello; None: nothing."""
+    try:
+        if not _stat.S_ISSOCK(os.stat(sock).st_mode):
+            return "it is not a socket"
+    except OSError:
+        return None
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(os.fspath(sock))
+    except OSError:
+        return "the socket exists but no kernel answers on it"
+    finally:
+        probe.close()
+    return ("something listens on the socket but answers no hello (as a kernel does while "
+            "its model loads)")

@@ -212,3 +212,71 @@ def test_a_bare_run_names_only_the_program_as_missing(capsys):
     assert e.value.code == 2 and capsys.readouterr().err.endswith(
         "error: the following arguments are required: program\n")
     assert build_parser().parse_args(["run", "p.py"]).args == []
+
+
+def symphony_main(capsys, *args: str) -> tuple[int, str]:
+    """`symphony ARGS` in this process: its exit status (argparse's too) and stderr."""
+    from symphony.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "usage", "says"), [
+    (["kv", "ls", "--bogus"], "symphony kv ls [-h]", "unrecognized arguments: --bogus"),
+    (["status", "--bogus"], "symphony status [-h]", "unrecognized arguments: --bogus"),
+    (["kv"], "symphony kv [-h]", "the following arguments are required: {ls,cat,cp,rm}"),
+    ([], "symphony [-h]", "the following arguments are required: {generate,kernel,start,"),
+])
+def test_a_usage_error_shows_its_commands_usage_and_names_what_it_lacks(capsys, args, usage,
+                                                                        says):
+    """An unrecognized argument of a command was said with the top-level usage, and a
+    missing command or kv operation as "the following arguments are required: kv_op"."""
+    code, err = symphony_main(capsys, *args)
+    prog = usage.split(" [")[0]
+    assert code == 2 and err.startswith(f"usage: {usage}"), err
+    assert f"\n{prog}: error: {says}" in err, err
+
+
+def test_kill_names_a_bad_pid_a_pid(capsys):
+    """`symphony kill 0` said "0 is not a positive count"."""
+    assert symphony_main(capsys, "kill", "0") == (2, (
+        "usage: symphony kill [-h] [--socket SOCKET] pids [pids ...]\n"
+        "symphony kill: error: argument pids: 0 is not a pid (the kernel's pids are 1 or more)\n"))
+
+
+@pytest.mark.parametrize("command", ["start", "kernel"])
+@pytest.mark.parametrize("parent", ["missing/dir", "afile"])
+def test_a_socket_in_no_directory_is_refused_naming_the_directory(tmp_path, command, parent):
+    """Both made the missing directories (a mistyped --socket left them behind, and a kernel
+    served there), and of a file where the directory should be said "File exists"."""
+    (tmp_path / "afile").write_text("")
+    sock, state = tmp_path / parent / "k.sock", tmp_path / "state"
+    out = subprocess.run(
+        [sys.executable, "-m", "symphony.cli", command, "--socket", str(sock), "--state-dir",
+         str(state), "--kv-pages", "4", "--engine", "sleep:1"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    reason = "Not a directory" if parent == "afile" else "No such file or directory"
+    assert (out.returncode, out.stdout, out.stderr) == (
+        1, "", f"symphony: the socket's directory {sock.parent}: {reason}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+@pytest.mark.parametrize("command", [["ps"], ["kv", "ls"], ["kill", "7"], ["status"]])
+def test_a_file_at_the_socket_path_is_said_not_a_socket(tmp_path, command):
+    """It said "no Symphony kernel at SOCK: No such file or directory" (the hello socket
+    beside it was missing), of a file that is there."""
+    sock = tmp_path / "k.sock"
+    sock.write_text("")
+    out = subprocess.run([sys.executable, "-m", "symphony.cli", *command, "--socket", str(sock)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    said = f"no Symphony kernel at {sock}: it is not a socket: Connection refused\n"
+    prefix = {"ps": "symphony: ", "kv": "symphony: kv ls: ", "kill": "symphony: ",
+              "status": "not running: "}[command[0]]
+    if command == ["status"]:
+        assert (out.returncode, out.stdout, out.stderr) == (3, prefix + said, "")
+    else:
+        assert (out.returncode, out.stdout, out.stderr) == (1, "", prefix + said)

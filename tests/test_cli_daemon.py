@@ -1,6 +1,7 @@
 """The command line against a real kernel: what a LIP says of its flags and of a kernel
-that stops."""
+that stops, and what `symphony kv cp` refuses."""
 
+import os
 import subprocess
 
 import pytest
@@ -41,3 +42,32 @@ def test_a_lip_says_the_kernel_is_stopping_when_it_stops(model, lip, tokens):
         daemon.stop()
     assert (run.returncode, out) == (1, ""), err
     assert err.startswith(f"{lip.removesuffix('.py')}: ") and "the kernel is stopping" in err, err
+
+
+def kv_cp(daemon, src: str, dst: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*SYMPHONY, "kv", "cp", "--socket", str(daemon.socket), src, dst],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_kv_cp_refuses_a_file_onto_itself_leaving_it_as_it_was(daemon, k):
+    """As cp(1) does: `kv cp kv:a.kv kv:a.kv` rewrote the file and exited 0, however the
+    destination named it (its directory; its kernel by its socket)."""
+    path = f"{k.home}/same.kv"
+    with k.open(path, os.O_CREAT | os.O_RDWR) as f:
+        f.pred([5, 6, 7, 8, 9] * 4, no_outputs=True)
+    kept = ("ino", "mtime_ns", "ctime_ns", "tokens")
+    before, exported = [getattr(k.stat(path), a) for a in kept], k.export(path)
+    for dst in ("kv:same.kv", "kv:", f"kv:{path}", f"kv:{daemon.socket}:{k.home}/"):
+        out = kv_cp(daemon, "kv:same.kv", dst)
+        assert (out.returncode, out.stdout, out.stderr) == (1, "", (
+            f"symphony: kv cp: 'kv:{path}' and 'kv:{path}' are the same file\n")), dst
+    assert ([getattr(k.stat(path), a) for a in kept], k.export(path)) == (before, exported)
+    k.unlink(path)
+
+
+def test_kv_cp_of_a_local_directory_names_the_operation_and_the_directory(daemon, k,
+                                                                          tmp_path):
+    """It said "symphony: DIR: Is a directory", as no other kv cp error did."""
+    out = kv_cp(daemon, str(tmp_path), "kv:x.kv")
+    assert (out.returncode, out.stderr) == (1, f"symphony: kv cp: {tmp_path}: Is a directory\n")
+    assert "x.kv" not in [name for name, _ in k.readdir(k.home)]

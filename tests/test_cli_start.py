@@ -54,3 +54,34 @@ def test_a_kernel_interrupted_while_it_starts_exits_quietly(tmp_path, starting):
     assert not list(tmp_path.glob("k.sock*"))
     for pid in engines:
         wait_for(lambda pid=pid: not alive(pid), what=f"engine process {pid} to end")
+
+
+def test_a_kernels_socket_that_no_kernel_serves_on_is_said_so(tmp_path):
+    """A kernel that starts holds its socket with no hello socket beside it, and one killed
+    then leaves that socket: every command said "no Symphony kernel at SOCK: No such file or
+    directory" of a socket that is there. Now what is there: a listener that answers no
+    hello, then a socket no kernel answers on."""
+    sock = tmp_path / "k.sock"
+    kernel = subprocess.Popen(
+        [sys.executable, "-m", "symphony.cli", "kernel", "--socket", str(sock),
+         "--state-dir", str(tmp_path / "st"), "--kv-pages", "16"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        wait_for(lambda: children(kernel.pid), what="the engine process")
+        engines = children(kernel.pid)
+        kernel.send_signal(signal.SIGSTOP)  # still starting, whatever the engine does now
+        starting = symphony("ps", "--socket", str(sock))
+        kernel.kill()
+        kernel.wait(60)
+        dead = [symphony(*command, "--socket", str(sock)) for command in (["ps"], ["kv", "ls"])]
+    finally:
+        kernel.kill()
+    for pid in engines:
+        wait_for(lambda pid=pid: not alive(pid), what=f"engine process {pid} to end")
+    said = f"no Symphony kernel at {sock}: "
+    assert (starting.returncode, starting.stderr) == (1, (
+        f"symphony: {said}something listens on the socket but answers no hello (as a kernel "
+        "does while its model loads): Connection refused\n"))
+    assert [(out.returncode, out.stderr) for out in dead] == [
+        (1, f"symphony: {prefix}{said}the socket exists but no kernel answers on it: "
+            "Connection refused\n") for prefix in ("", "kv ls: ")]
