@@ -60,6 +60,7 @@ import asyncio
 import contextlib
 import errno
 import hmac
+import json
 import logging
 import os
 import signal
@@ -354,8 +355,9 @@ def install_error_handlers(app: FastAPI) -> None:
         param = error_param(tuple(first.get("loc", ())))
         message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         content_type = request.headers.get("content-type")
-        if first.get("type") == "json_invalid":
-            error = ApiError(400, f"the body is not valid JSON: {message}")
+        if first.get("type") == "json_invalid":  # FastAPI's words lose json's: say them again
+            where = json.JSONDecodeError(first["ctx"]["error"], e.body, first["loc"][-1])
+            error = ApiError(400, f"the body is not valid JSON: {where}")
         elif param is None and first.get("type") == "missing":
             # FastAPI's "Field required" of the body as a whole: no body at all
             error = ApiError(400, "the body is not valid JSON: it is empty")
@@ -376,7 +378,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, e: HTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(ApiError(e.status_code, str(e.detail), type=kind).body(),
+        detail = str(e.detail)
+        if isinstance(bad := e.__cause__, UnicodeDecodeError):
+            # FastAPI words a body json.loads cannot decode as "an error parsing the body"
+            detail = (f"the body is not valid JSON: it is not valid {bad.encoding.upper()} "
+                      f"(byte {bad.object[bad.start]:#04x} at offset {bad.start}: {bad.reason})")
+        return JSONResponse(ApiError(e.status_code, detail, type=kind).body(),
                             status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(OSError)  # a syscall's: the status its errno says

@@ -434,6 +434,58 @@ def test_a_body_that_is_not_json_is_400(http, model_name):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("body", [b"{bad", b'{"prompt": "Hi",\n  "max_tokens": 2,,}'])
+def test_bad_json_is_400_with_pythons_error_and_its_place(http, body):
+    """It said only "the body is not valid JSON: JSON decode error"."""
+    with pytest.raises(json.JSONDecodeError) as parsed:
+        json.loads(body)
+    r = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", None), error
+    assert error["message"] == f"the body is not valid JSON: {parsed.value}", error
+    assert "line " in error["message"] and "column " in error["message"]
+
+
+def test_a_body_not_utf8_is_400_naming_the_bytes_offset(http):
+    """It was FastAPI's "There was an error parsing the body", not the documented error."""
+    r = http.post("/v1/completions", content=b'{"prompt":"\xff\xfe"}',
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", None), error
+    assert error["message"] == ("the body is not valid JSON: it is not valid UTF-8 (byte 0xff "
+                                "at offset 11: invalid start byte)"), error
+
+
+def test_a_logit_bias_out_of_range_names_the_token_and_the_bias(http, model_name):
+    """It said "the bias of 5 must be in [-100, 100]", as if the bias were 5."""
+    for bias, shown in [(101, "101"), (-100.5, "-100.5")]:
+        r = post_json(http, "/v1/chat/completions", {"model": model_name, "messages": MESSAGES,
+                                                     "logit_bias": {"5": bias}})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "logit_bias", error
+        assert error["message"] == (f"logit_bias: token 5's bias {shown} is not in "
+                                    "[-100, 100]"), error
+
+
+def test_a_json_schema_without_schema_is_a_json_object(http, model_name):
+    """OpenAI's json_schema.schema is optional, and its structured output is an object: with
+    none, the output is held as json_object holds it (it was any JSON value)."""
+    def content(response_format: dict, seed: int) -> str:
+        r = post_json(http, "/v1/chat/completions", {
+            "model": model_name, "messages": MESSAGES, "max_tokens": 12, "temperature": 1.0,
+            "seed": seed, "response_format": response_format})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    for seed in range(4):
+        schemaless = content({"type": "json_schema", "json_schema": {"name": "x"}}, seed)
+        assert schemaless.startswith("{"), schemaless
+        assert schemaless == content({"type": "json_object"}, seed)
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("body,says", [(b"", "the body is not valid JSON: it is empty"),
                                        (b"null", "the body must be a JSON object")])

@@ -129,7 +129,9 @@ class SamplingRequest(Body):
                 raise bad_field("logit_bias", f"{key!r} is not a token id of this model "
                                 f"(0..{vocab_size - 1})")
             if not -100 <= value <= 100:
-                raise bad_field("logit_bias", f"the bias of {key} must be in [-100, 100]")
+                shown = int(value) if value.is_integer() else value  # 101, not 101.0
+                raise bad_field("logit_bias", f"token {key}'s bias {shown} is not in "
+                                "[-100, 100]")
 
     @property
     def include_usage(self) -> bool:
@@ -262,11 +264,16 @@ def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
              "content": m.text(f"messages[{i}]")} for i, m in enumerate(messages)]
 
 
+# json_schema without its `schema` (OpenAI's is optional): a JSON object, as json_object
+# gives; OpenAI's structured output is always an object, and clients read it as one.
+ANY_OBJECT = {"type": "object"}
+
+
 class JsonSchema(Body):
     """response_format.json_schema: its name, description and `strict` change nothing here
     (the output always conforms)."""
 
-    schema_: Any = Field(True, alias="schema")  # none given: any JSON value
+    schema_: Any = Field(None, alias="schema")
     name: str | None = None
     description: str | None = None
     strict: bool | None = None
@@ -281,11 +288,12 @@ class ResponseFormat(Body):
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return schema_grammar({"type": "object"})
+            return schema_grammar(ANY_OBJECT)
         if self.json_schema is None:
             raise bad_field("response_format.json_schema", "required when type is json_schema")
+        schema = self.json_schema.schema_
         try:
-            return schema_grammar(self.json_schema.schema_)
+            return schema_grammar(ANY_OBJECT if schema is None else schema)
         except GrammarError as e:
             raise bad_field("response_format.json_schema.schema", str(e)) from e
 
