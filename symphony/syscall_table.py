@@ -32,6 +32,7 @@ from symphony.process import NICE_MAX, NICE_MIN, Process
 from symphony.top_wire import encode_tops
 from syscalls import symphony_pb2 as pb
 from syscalls import wire
+from syscalls.users import user_name
 
 if TYPE_CHECKING:
     from symphony.daemon import Kernel
@@ -84,11 +85,13 @@ async def _with_room(k: Kernel, op: Callable[[], T]) -> T:
 
 
 def sys_attach(k: Kernel, proc: Process, cred: Cred, req: pb.AttachRequest) -> pb.AttachReply:
+    """Names the session's process; the identity it reports, and whose home it makes, is
+    the one the call acts as (a root session's `symphony-as`), as for every other call."""
+    user = user_name(cred.uid)
+    home = k.fs.home(cred, user)
     proc.name = req.name or proc.name
     proc.argv = list(req.argv)
-    home = k.fs.home(proc.cred, proc.user)
-    return pb.AttachReply(pid=proc.pid, uid=proc.uid, gid=proc.cred.gid, user=proc.user,
-                          home=home)
+    return pb.AttachReply(pid=proc.pid, uid=cred.uid, gid=cred.gid, user=user, home=home)
 
 
 async def sys_exit(k: Kernel, proc: Process, cred: Cred, req: pb.ExitRequest) -> pb.Empty:

@@ -1,13 +1,18 @@
 """The syscall table (symphony/syscall_table.py) serves the proto's Kernel service
 (syscalls/symphony.proto): each rpc of it and no other, with its request and reply messages
-and its streaming, as the server registers them (symphony/server.py, Front.handler)."""
+and its streaming, as the server registers them (symphony/server.py, Front.handler); and
+what a call of it does on a real kernel where the table's function decides it."""
 
 from __future__ import annotations
 
 import inspect
+import os
+
+import pytest
 
 from symphony.syscall_table import TABLE
 from syscalls import symphony_pb2 as pb
+from syscalls.users import user_name
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Kernel"]
 
@@ -57,3 +62,24 @@ def test_the_check_sees_a_wrong_row():
     assert from_table({k: v for k, v in TABLE.items() if k != "Procfs"}) != good
     extra = {**TABLE, "Nap": (TABLE["GetPid"][0], pb.Void, pb.Empty, False)}
     assert from_table(extra) != good
+
+
+def test_attach_acting_as_a_user_reports_that_user_and_makes_its_home(k):
+    """With symphony-as, attach said the root session's uid 0 and /home/root, while open
+    with the same header made files as the user."""
+    if os.geteuid() != 0:
+        pytest.skip("only a root session may act as another user")
+    uid, gid = 4242, 4343
+    user = user_name(uid)
+    view = k.acting_as(uid, gid)
+    view.attach("acting")
+    assert (view.pid, view.uid, view.gid, view.user, view.home) == (
+        k.pid, uid, gid, user, f"/home/{user}")
+    home = k.stat(view.home)
+    assert (home.uid, home.gid, home.is_dir) == (uid, gid, True)
+    with view.open(f"{view.home}/made.kv", os.O_CREAT | os.O_RDWR):
+        made = k.stat(f"{view.home}/made.kv")
+    assert (made.uid, made.gid) == (uid, gid)  # as attach said
+    assert next(p.name for p in k.ps() if p.pid == k.pid) == "acting"  # the session's process
+    k.attach()
+    assert (k.uid, k.gid, k.home) == (0, 0, "/home/root")  # the session's own, without it
