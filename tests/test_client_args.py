@@ -110,8 +110,8 @@ def test_kv_cp_of_a_path_that_is_not_utf8_names_it(daemon, tmp_path):
                          env=daemon.env(), cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 1
-    assert out.stderr == ("symphony: stat: '/tmp/x\\xe9.kv' is not UTF-8 text (\\xNN: a "
-                          "byte that is not): Invalid argument\n")
+    assert out.stderr == ("symphony: kv cp: stat: '/tmp/x\\xe9.kv' is not UTF-8 text (\\xNN: "
+                          "a byte that is not): Invalid argument\n")
 
 
 @pytest.mark.parametrize("command", [
