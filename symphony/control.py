@@ -8,6 +8,7 @@ import errno
 import importlib.util
 import json
 import os
+import pwd
 import select
 import signal
 import socket
@@ -143,7 +144,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
     # us, nor reap it.
     pidfd = os.pidfd_open(pid)
     try:
-        signal.pidfd_send_signal(pidfd, signal.SIGTERM)  # it saves every changed KV file
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGTERM)  # it saves every changed KV file
+        except PermissionError as e:
+            print(f"symphony: kernel {pid} on {sock} runs as {_owner(pid)}: only that user or "
+                  f"root can stop it: {e.strerror}", file=sys.stderr)
+            return 1
         if select.select([pidfd], [], [], STOP_TIMEOUT)[0]:
             print(f"kernel {pid} stopped")
             return 0
@@ -151,6 +157,18 @@ def cmd_stop(args: argparse.Namespace) -> int:
         os.close(pidfd)
     print(f"symphony: kernel {pid} is still running after {STOP_TIMEOUT:.0f} s", file=sys.stderr)
     return 1
+
+
+def _owner(pid: int) -> str:
+    """The user a process runs as, by name where it has one."""
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return "another user"
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def cmd_status(args: argparse.Namespace) -> int:

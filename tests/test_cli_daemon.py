@@ -5,7 +5,7 @@ import os
 import subprocess
 
 import pytest
-from daemon import ROOT, SYMPHONY, start_daemon, wait_for
+from daemon import ROOT, SYMPHONY, as_user, start_daemon, wait_for
 
 
 @pytest.mark.parametrize("lip", ["complete.py", "best_of_n.py"])
@@ -71,3 +71,15 @@ def test_kv_cp_of_a_local_directory_names_the_operation_and_the_directory(daemon
     out = kv_cp(daemon, str(tmp_path), "kv:x.kv")
     assert (out.returncode, out.stderr) == (1, f"symphony: kv cp: {tmp_path}: Is a directory\n")
     assert "x.kv" not in [name for name, _ in k.readdir(k.home)]
+
+
+def test_stop_by_another_user_names_the_kernel_and_its_user(daemon):
+    """It said only 'symphony: Operation not permitted'; the kernel runs on."""
+    out = as_user(65534, *SYMPHONY, "stop", "--socket", str(daemon.socket))
+    pid = daemon.process.pid
+    assert out.returncode == 1
+    assert out.stderr.decode() == (
+        f"symphony: kernel {pid} on {daemon.socket} runs as root (uid 0): only that user or "
+        "root can stop it: Operation not permitted\n")
+    with daemon.connect() as k:
+        assert k.ps()
