@@ -63,6 +63,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).pa
 
 BENCHES = ("tax", "batch", "fair", "cache", "path", "prefill", "masked")
 LIP_TIMEOUT = 300.0  # seconds a LIP may take to answer one command
+FAIR_MAX_S = 240.0  # the longest fairness run
 
 
 def prompt(seed: int, length: int, vocab: int) -> list[int]:
@@ -555,9 +556,9 @@ def sched(k) -> dict[str, float]:
 
 
 def fair_run(sock: Path, mode: str, nices: tuple[int, int], seconds: float, inflight: int,
-             chunk: int, prompt_len: int) -> tuple[float, float]:
+             chunk: int, prompt_len: int) -> tuple[float, float, float]:
     """Two LIPs busy for `seconds`; their token rates over the middle 60% of the run, from
-    the kernel's own per-process counts."""
+    the kernel's own per-process counts, and the kernel's steps a second meanwhile."""
     lips = []
     k = kernel_client(sock)
     try:
@@ -567,16 +568,17 @@ def fair_run(sock: Path, mode: str, nices: tuple[int, int], seconds: float, infl
         for lip in lips:
             lip.send(f"go {seconds}")
         time.sleep(seconds * 0.2)
-        t0, c0 = time.monotonic(), tokens_of(k, lips)
+        t0, c0, s0 = time.monotonic(), tokens_of(k, lips), sched(k)["steps"]
         time.sleep(seconds * 0.6)
-        t1, c1 = time.monotonic(), tokens_of(k, lips)
+        t1, c1, s1 = time.monotonic(), tokens_of(k, lips), sched(k)["steps"]
         for lip in lips:
             lip.expect("done")
     finally:
         k.close()
         for lip in lips:
             lip.close()
-    return tuple((b - a) / (t1 - t0) for a, b in zip(c0, c1, strict=True))
+    a, b = ((y - x) / (t1 - t0) for x, y in zip(c0, c1, strict=True))
+    return a, b, (s1 - s0) / (t1 - t0)
 
 
 def tokens_of(k, lips: list[Lip]) -> list[int]:
@@ -586,9 +588,10 @@ def tokens_of(k, lips: list[Lip]) -> list[int]:
 
 def bench_fair(args: argparse.Namespace, tmp: Path) -> None:
     weight = 1.25**10
-    print(f"\n## 3. fairness: two busy LIPs, {args.fair_seconds:.0f} s each run, rates over "
-          f"its middle 60% (kernel's per-process token counts); nice 10 target "
-          f"{weight:.2f}x (1024/1.25**nice)")
+    print(f"\n## 3. fairness: two busy LIPs, {args.fair_seconds:.0f} s each run or as long as "
+          f"{args.fair_steps} steps take (the first run's step rate tells), rates over its "
+          f"middle 60% (kernel's per-process token counts); nice 10 target {weight:.2f}x "
+          f"(1024/1.25**nice)")
     settings = [
         ("chunk", ["--token-budget", str(args.chunk)],
          f"{args.chunk}-token preds, --token-budget {args.chunk}"),
@@ -596,15 +599,26 @@ def bench_fair(args: argparse.Namespace, tmp: Path) -> None:
     ]
     model = ["--model", args.model] if args.model else []
     print(f"  {'setting':<44}{'in flight':>10}{'nice':>8}{'A tok/s':>10}{'B tok/s':>10}"
-          f"{'A/B':>8}  target")
+          f"{'A/B':>8}{'steps':>7}  target")
     for mode, flags, label in settings:
         with KernelDaemon(tmp, f"fair-{mode}", [*model, "--kv-pages", "1024", *flags]) as kd:
+            # A step is the unit the kernel shares: with 256-token preds on a model of 0.4 s a
+            # step, 10 s held 15 steps and nice 10's one or two of them made the ratio 7x or
+            # 15x. So a run whose window held fewer than --fair-steps is made again, long
+            # enough at its step rate, and the setting's later runs as long (FAIR_MAX_S).
+            seconds = args.fair_seconds
             for inflight in [int(x) for x in args.fair_inflight.split(",")]:
                 for nices, target in (((0, 0), "within 10%"), ((0, 10), f"{weight:.2f}x")):
-                    a, b = fair_run(kd.socket, mode, nices, args.fair_seconds, inflight,
-                                    args.chunk, args.prompt_len)
+                    while True:
+                        a, b, rate = fair_run(kd.socket, mode, nices, seconds, inflight,
+                                              args.chunk, args.prompt_len)
+                        steps = rate * seconds * 0.6
+                        need = min(FAIR_MAX_S, args.fair_steps / max(rate, 1e-3) / 0.6)
+                        if steps >= args.fair_steps or seconds >= need:
+                            break
+                        seconds = need
                     print(f"  {label:<44}{inflight:>10}{f'{nices[0]}/{nices[1]}':>8}"
-                          f"{a:>10.1f}{b:>10.1f}{a / b:>7.2f}x  {target}")
+                          f"{a:>10.1f}{b:>10.1f}{a / b:>7.2f}x{steps:>7.0f}  {target}")
 
 
 # -- 4: prompt cache ---------------------------------------------------------------------
@@ -937,7 +951,11 @@ def main() -> int:
                     help="tax and batching: torch threads of the kernel's engine and of "
                          "generate (default: torch's, one a core); 1 leaves the other "
                          "cores to the kernel's loop and the LIPs, as a GPU would")
-    ap.add_argument("--fair-seconds", type=float, default=10.0)
+    ap.add_argument("--fair-seconds", type=float, default=10.0,
+                    help="fairness: the shortest run")
+    ap.add_argument("--fair-steps", type=int, default=120,
+                    help="fairness: steps a run's measured window holds at least (the runs "
+                         "of a setting after its first last as long as they take)")
     ap.add_argument("--fair-inflight", default="1,2",
                     help="preds each fairness LIP keeps in flight (one file each)")
     ap.add_argument("--chunk", type=int, default=256,
