@@ -23,19 +23,22 @@ so the kernel decides access. A KV file's bytes are its canonical serialized for
 - A file whose name is removed or replaced while it is being written is gone, as on a disk:
   its writer's fd keeps working, and its close imports nothing. While any fd is open on a
   file whose name is gone, fstat answers from it (its size as that fd sees it, no links).
-- The spool is checked as it fills, as the kernel's import stream is: the header as soon as
-  the spool holds it from byte 0 (in any order), or once it starts from the file's bytes (an
-  open without O_TRUNC); a bad one fails that write and every later one, EINVAL. A header
-  already whole is checked again at each write within it, one left bad for now kept (a
-  header rewritten in small pieces); while it is bad, a write past it and the close fail. A
-  write past the end of the file the header lays out is EINVAL and nothing of it is kept,
-  also one that itself completes the header (FUSE hands writes of at most 1 MiB: of a larger
-  write(2), the pieces before the one past the end are kept); the writes before it stay,
-  and the close imports them if they make a whole file. ftruncate growing the file is the
-  write of zeros from its end, checked as that write is. Nothing is spooled past the
-  largest file the kernel's device pool could hold (EFBIG); nor, for a user other than
-  root, more than that in all the files the user has open for writing (EDQUOT), so no user
-  can fill root's disk through it.
+- The spool is checked as it fills, as the kernel's import stream is: the header as soon
+  as the spool holds it from byte 0 (in any order), or once it starts from the file's
+  bytes (an open without O_TRUNC); a bad one fails that write and every later one, EINVAL,
+  and so does one declaring more pages than the page quota of the owner the import charges
+  (of the file it rewrites, or a new file's writer), EDQUOT. A header already whole is
+  checked again at each write within it, one left bad for now kept (a header rewritten in
+  small pieces); while it is bad, a write past it and the close fail. A write past the end
+  of the file the header lays out is EINVAL and nothing of it is kept, also one that
+  itself completes the header (FUSE hands writes of at most 1 MiB: of a larger write(2),
+  the pieces before the one past the end are kept); the writes before it stay, and the
+  close imports them if they make a whole file. ftruncate growing the file is the write of
+  zeros from its end, checked as that write is. Nothing is spooled past the largest file
+  the kernel's device pool could hold (EFBIG); nor, for a user other than root, more in
+  all the files the user has open for writing than the largest file as many pages as its
+  quota could hold (EDQUOT; the pool's while meminfo shows no quota for it), so what a
+  user puts in root's memory and disk through it is bounded by its quota.
 - Symbolic links, FIFOs, sockets and device files cannot be made (EPERM): the kernel holds
   KV files and directories only.
 
@@ -63,7 +66,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyfuse3
 import trio
@@ -160,11 +163,21 @@ def stat_entry(st: Stat, ino: int) -> pyfuse3.EntryAttributes:
     )
 
 
-def read_header(spool: Any, front: int, bounds: Bounds) -> tuple[int, int] | None:
+class Quota(NamedTuple):
+    """A user's page quota, as meminfo shows it."""
+
+    pages: int
+    spool: int  # bytes of the largest file as many pages could hold: its spools' bound
+
+
+def read_header(
+    spool: Any, front: int, bounds: Bounds, quota: tuple[int, int] | None = None
+) -> tuple[int, int] | None:
     """Check the header in a spool whose first `front` bytes are written, as the kernel's
-    import does (kvfs.kv_header's checks, the model's fingerprint, room in the device pool):
-    where the header ends and the file's size as it lays it out, or None if it is not all
-    there yet. Raises the kernel's refusal (FSError)."""
+    import does (kvfs.kv_header's checks, the model's fingerprint, the page quota of the
+    file's owner if it has one, `quota` (uid, pages), room in the device pool): where the
+    header ends and the file's size as it lays it out, or None if it is not all there yet.
+    Raises the kernel's refusal (FSError)."""
     spool.seek(0)
     first = spool.read(8)
     n = header_length(first, None)
@@ -178,6 +191,12 @@ def read_header(spool: Any, front: int, bounds: Bounds) -> tuple[int, int] | Non
             f"{header.shape.fingerprint!r}, this model's is {bounds.fingerprint!r}",
         )
     pages = -(-header.length // bounds.page_size)
+    if quota is not None and pages > quota[1]:
+        raise FSError(
+            errno.EDQUOT,
+            f"kv file: {header.length} entries take up to {pages} pages, "
+            f"over uid {quota[0]}'s quota of {quota[1]}",
+        )
     if pages > bounds.pages:
         raise FSError(
             errno.EFBIG,
@@ -282,6 +301,11 @@ class Writer:
     def size(self) -> int:
         return self.base_size if self.unseeded else self.length
 
+    def charged(self) -> int:
+        """Whose page quota its import is held to, as the kernel's: the owner of the file it
+        rewrites (as at open), or for a new file its writer (a chown by root comes after)."""
+        return self.uid if self.st is None else self.st.uid
+
     def uid_now(self) -> int:
         """Its owner: its writer, unless root gave it another."""
         return (self.owner or (self.uid, self.gid))[0]
@@ -380,6 +404,7 @@ class KvFS(pyfuse3.Operations):
         self.writing: dict[str, Writer] = {}  # path -> the open file that will import there
         self.bounds: Bounds | None = None  # asked of the kernel at the first write
         self.spooled: Counter[int] = Counter()  # per uid: its open writers' spooled bytes
+        self.quotas: dict[int, Quota | None] = {}  # per uid, once meminfo shows it (None: none)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -948,6 +973,8 @@ class KvFS(pyfuse3.Operations):
                 return k.stat(path)
 
         st = await self.run(check)
+        await self.learn_quota(ctx.uid)  # its spools' bound
+        await self.learn_quota(st.uid)  # its owner's, which the import is held to
         trunc = bool(flags & os.O_TRUNC)
         w = Writer(
             path,
@@ -981,6 +1008,7 @@ class KvFS(pyfuse3.Operations):
             not w.existed and w.uid == ctx.uid for w in self.writing.values()
         ):
             raise pyfuse3.FUSEError(errno.EDQUOT)
+        await self.learn_quota(ctx.uid)
         # Nothing in the kernel yet: the file shows in the mount only, until it imports.
         w = Writer(
             path,
@@ -1120,27 +1148,58 @@ class KvFS(pyfuse3.Operations):
             if not grow:
                 w.refused = w.bad
             raise pyfuse3.FUSEError(w.bad)
-        self.spool_more(w, max(end, w.size()), bounds)
+        self.spool_more(w, max(end, w.size()), await self.spool_limit(w.uid))
 
     async def started(self, w: Writer) -> None:
         """Start a spool that starts from the file's bytes (an open without O_TRUNC), once
         they are counted against its writer's limit."""
         if w.unseeded:
-            self.spool_more(w, w.size(), await self.limits())
+            self.spool_more(w, w.size(), await self.spool_limit(w.uid))
             await self.seed(w)
 
-    def spool_more(self, w: Writer, reach: int, bounds: Bounds) -> None:
+    async def learn_quota(self, uid: int) -> None:
+        """Learn uid's page quota from meminfo's quota_USER line (the kernel's word, not
+        the writer's), at each open for writing until it shows one: there is none for a
+        user that has held no page since the kernel started. Root has no quota; a quota
+        stays while the kernel runs."""
+        if uid and uid not in self.quotas:
+            mem = proc_fields(await self.run(self.kernel.procfs, "meminfo"))
+            line = mem.get(f"quota_{user_name(uid)}")
+            if line is not None:
+                limit = line.split(" / ")[1]
+                self.quotas[uid] = None if limit == "-" else Quota(int(limit), largest_file(
+                    int(limit), int(mem["page_size_tokens"]), int(mem["page_bytes"])))
+
+    async def spool_limit(self, uid: int) -> tuple[int, str]:
+        """The most bytes uid's open writers may spool together, and what that is: the
+        largest file as many pages as its quota could hold, or the device pool if that is
+        fewer or uid has no quota known (root's spools are not bounded together)."""
+        bounds = await self.limits()
+        quota = self.quotas.get(uid)
+        if quota is None or quota.pages >= bounds.pages:
+            return bounds.largest, (
+                f"the largest file the KV pool could hold ({bounds.largest} bytes)")
+        return quota.spool, (f"the largest file uid {uid}'s quota of {quota.pages} pages "
+                             f"could hold ({quota.spool} bytes)")
+
+    def quota_of(self, uid: int) -> tuple[int, int] | None:
+        """uid and its page quota, for read_header, if it has one known."""
+        quota = self.quotas.get(uid)
+        return None if quota is None else (uid, quota.pages)
+
+    def spool_more(self, w: Writer, reach: int, limit: tuple[int, str]) -> None:
         """Count the bytes w's spool may reach (the seeded file's, or a write's end) against
-        its writer's limit before they are spooled: a user other than root may have at most
-        the largest file in all its open writers' spools together (EDQUOT)."""
+        its writer's limit (`spool_limit`) before they are spooled: a user other than root
+        may have at most that in all its open writers' spools together (EDQUOT)."""
         more = reach - w.spooled
         if more <= 0:
             return
-        if w.uid and self.spooled[w.uid] + more > bounds.largest:
+        most, what = limit
+        if w.uid and self.spooled[w.uid] + more > most:
             raise pyfuse3.FUSEError(refusal(w.path, FSError(
                 errno.EDQUOT, f"{reach} bytes: the files uid {w.uid} is writing through the "
-                f"mount would hold {self.spooled[w.uid] + more} bytes in all, more than the "
-                f"largest file the KV pool could hold ({bounds.largest} bytes)")))
+                f"mount would hold {self.spooled[w.uid] + more} bytes in all, more than "
+                f"{what}")))
         self.spooled[w.uid] += more
         w.spooled = reach
 
@@ -1156,17 +1215,19 @@ class KvFS(pyfuse3.Operations):
     async def check_header(self, w: Writer, rewrite: int | None = None) -> None:
         """Check the header as soon as the spool holds it whole (written, no hole), with the
         kernel's own parser, as its import checks a stream as it arrives: a bad one fails
-        this write and every later one, and the close (EINVAL); one declaring more entries
-        than the device pool holds, EFBIG. Unless the header was whole before a write that
-        ends at `rewrite`, within the header as its length field now says: a header being
-        rewritten in pieces is bad for now (`w.bad`), and checked again at the next write."""
+        this write and every later one, and the close (EINVAL); one declaring more pages
+        than the page quota of the owner the import charges, EDQUOT; more than the device
+        pool holds, EFBIG. Unless the header was whole before a write that ends at
+        `rewrite`, within the header as its length field now says: a header being rewritten
+        in pieces is bad for now (`w.bad`), and checked again at the next write."""
         bounds = await self.limits()
+        quota = self.quota_of(w.charged())
         async with w.lock:
             w.bad = 0
             if w.front < 8:
                 return
             try:
-                got = await trio.to_thread.run_sync(read_header, w.spool, w.front, bounds)
+                got = await trio.to_thread.run_sync(read_header, w.spool, w.front, bounds, quota)
             except OSError as e:
                 if rewrite is not None:
                     extent = header_extent(w.spool)
@@ -1185,6 +1246,7 @@ class KvFS(pyfuse3.Operations):
         mount's own session reads them: the opener may write but not read the file. Not
         once its name is gone: the path may hold another file by then."""
         bounds = await self.limits()
+        quota = self.quota_of(w.charged())
         async with w.lock:
             if w.detached:
                 w.unseeded = False
@@ -1199,7 +1261,7 @@ class KvFS(pyfuse3.Operations):
                 # The file's header is the spool's: checked, so that a write past the end
                 # it lays out is refused as one after a written header is.
                 try:
-                    got = read_header(w.spool, w.front, bounds)
+                    got = read_header(w.spool, w.front, bounds, quota)
                 except OSError:  # refused by the import too: the next write finds it so
                     got = None
                 w.header_end, w.declared = got or (None, None)
