@@ -87,11 +87,13 @@ class ProcFS:
         pairs.append(("shared", sum(p.refs > 1 for p in store.live)))
         pairs.append(("swapped_out", sum(p.tier != "device" for p in store.live)))
         pairs.append(("on_disk", sum(p.tier == DISK for p in store.live)))
-        for uid, used in sorted(store.used.items()):
+        inodes = self.k.fs.inodes
+        # Every user with a home (it owns an inode) has a quota line, 0 until it holds a
+        # page: the mount reads the limit here before the user's first write.
+        for uid in sorted(store.used.keys() | inodes.used.keys()):
             limit = store.limit(uid)
             pairs.append((f"quota_{user_name(uid)}",
-                          f"{used} / {limit if limit is not None else '-'}"))
-        inodes = self.k.fs.inodes
+                          f"{store.used.get(uid, 0)} / {limit if limit is not None else '-'}"))
         for uid, used in sorted(inodes.used.items()):
             limit = inodes.limit(uid)
             pairs.append((f"inodes_{user_name(uid)}",

@@ -146,3 +146,11 @@ def test_a_file_within_the_quota_still_copies_in(daemon, k, mnt, blob):
     assert cp.returncode == 0, cp.stderr
     assert k.export(f"{HOME}/copy.kv") == data
     assert k.stat(f"{HOME}/copy.kv").uid == A
+
+
+def test_meminfo_shows_the_quota_of_a_user_that_holds_no_page_yet(daemon):
+    """Only users that had held a page had a line: the mount could not learn a new user's
+    quota before its first import."""
+    run_script(daemon, AS_UID + "Kernel.connect(name='new')\n", str(A + 7))
+    with daemon.connect() as k:
+        assert proc_fields(k.procfs("meminfo"))[f"quota_uid{A + 7}"] == f"0 / {QUOTA}"
