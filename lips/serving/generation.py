@@ -16,7 +16,11 @@ first choice goes on in that file, the others fork it (copy-on-write) and sample
 prompt again, each with its own seed, all concurrently. A syscall the kernel refuses for
 want of memory (ENOSPC, EDQUOT) is made again after the prefix cache evicts an idle entry,
 or once another request ends (PrefixCache.making_room: the request holds a claim while it
-is in flight), within a bounded wait.
+is in flight), within a bounded wait. A request preempted meanwhile (every request waits:
+the youngest gives its pages up) closes its files, keeping what it has generated, waits,
+and computes its prompt and each choice's tokens again as a prefill (the prompt once,
+forked per choice); each choice's next pred then samples what it would have, its sampler
+and grammar at the same step, so nothing streamed is repeated or lost.
 
 A batch of prompts (a completions request's array) is a Batch: a Generation per prompt,
 all started at once, so the kernel batches their preds; their Deltas merge, renumbered in
@@ -49,7 +53,7 @@ import llguidance
 from lips.constrained import GrammarError, grammar_tokenizer, matcher
 from lips.serving.errors import ApiError, bad_field, from_kernel, gone
 from lips.serving.metrics import Metrics, RequestClock
-from lips.serving.prefix_cache import PrefixCache
+from lips.serving.prefix_cache import Preempted, PrefixCache
 from lips.serving.text import Detokenizer, StopStrings, text_bytes
 from syscalls.aio import AsyncFile, AsyncKernel
 from syscalls.convert import LogitControl, ModelInfo, PredOutput, Sampling, Vocabulary
@@ -172,7 +176,8 @@ class _Choice:
         # With a grammar, EOS is allowed only where the output is complete: it ends it.
         self.eos = g.eos if grammar is not None or not p.ignore_eos else frozenset()
         self.logprob = g.logprob if p.logprobs is not None else None
-        self.steps = 0
+        self.ids: list[int] = []  # the tokens taken so far
+        self.done = False  # its last Delta taken
         seed = None if p.seed is None else _int64(p.seed + index)
         self._sampler = Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                  min_p=p.min_p, seed=seed, top_logprobs=p.logprobs or 0)
@@ -180,10 +185,10 @@ class _Choice:
 
     def sampler(self) -> Sampling:
         """The next step's: the same every step unless seeded (then seed + step)."""
-        s = self._sampler
-        if s.seed is None or not self.steps:
+        s, steps = self._sampler, len(self.ids)
+        if s.seed is None or not steps:
             return s
-        return replace(s, seed=_int64(s.seed + self.steps))
+        return replace(s, seed=_int64(s.seed + steps))
 
     def control(self) -> LogitControl | None:
         """The next step's: the grammar's mask now, and the logit bias."""
@@ -195,7 +200,7 @@ class _Choice:
     def take(self, out: PredOutput) -> Delta:
         """The Delta of the token `out` sampled."""
         token = out.token
-        self.steps += 1
+        self.ids.append(token)
         finish = None
         if token in self.eos:
             piece = decoded = ""
@@ -210,7 +215,7 @@ class _Choice:
                                     f"{self.grammar.get_error()}")
                 if self.grammar.is_stopped():  # nothing may follow
                     finish = "stop"
-            if finish is None and self.steps == self.params.max_tokens:
+            if finish is None and len(self.ids) == self.params.max_tokens:
                 finish = "length"
         matched = False
         if self.stops is not None:
@@ -225,6 +230,7 @@ class _Choice:
                 rest += "" if matched else self.stops.flush()
             piece += rest
         logprobs = [self.logprob(token, out.logprob, out.top)] if self.logprob else []
+        self.done = finish is not None
         return Delta(self.index, piece, [token], logprobs, finish, [decoded])
 
 
@@ -295,11 +301,8 @@ class Generation:
             # The files are closed whatever comes meanwhile: aclose() cancelling the runner
             # while they close (the request ended by another prompt's error as this one
             # finished) would leave a file open in the kernel, its pages held.
-            release = asyncio.ensure_future(self._release())
-            while not release.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(release)
-            release.result()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._free()
             self._end(_END if error is None else error)
 
     async def _generate(self) -> None:
@@ -309,19 +312,60 @@ class Generation:
         if p.max_tokens < 0 or p.n < 1:
             raise bad_field("max_tokens" if p.max_tokens < 0 else "n",
                             "must be at least " + ("0" if p.max_tokens < 0 else "1"))
-        if p.max_tokens == 0:
-            await self._score_only()
+        choices = None
+        if p.max_tokens > 0:
+            grammars = await self._grammars()
+            choices = [_Choice(self, i, grammar) for i, grammar in enumerate(grammars)]
+        again = False
+        while True:
+            try:
+                if choices is None:
+                    await self._score_only()
+                else:
+                    await self._sample(choices, again)
+                return
+            except Preempted as e:  # the request's pages go to older requests for now
+                await self._free()
+                await g.cache.preempted(self._claim, e)
+                again = True
+
+    async def _sample(self, choices: list[_Choice], again: bool) -> None:
+        """The choices' tokens, from the prompt's first pred on; `again` after a
+        preemption: the prompt's first pred in a new file (if no token was out yet: the
+        cache was looked up once, at the start), or else _recompute."""
+        g, p = self.generator, self.params
+        if choices[0].ids:
+            await self._recompute(choices)
             return
-        grammars = await self._grammars()
-        choices = [_Choice(self, i, grammar) for i, grammar in enumerate(grammars)]
-        if p.prompt_logprobs:  # every prompt row is computed: none comes from the cache
-            file = await self._own(g.kernel.open())
+        if p.prompt_logprobs or again:  # every prompt row is computed: none from the cache
+            file, skip = await self._own(g.kernel.open()), 0
         else:
             file = await self._own(self._cached())
-        first = await self._first(file, choices[0])
+            skip = self.usage.cached_tokens
+        first = await self._first(file, choices[0], skip)
         self._insert = asyncio.create_task(self._remember(file))
         await _all([self._decode(choices[0], file, first),
                     *(self._branch(choice, file) for choice in choices[1:])])
+
+    async def _recompute(self, choices: list[_Choice]) -> None:
+        """After a preemption, once a token was out: the prompt computed again in a new
+        file, forked for each unfinished choice as at the start, and each choice's tokens
+        sent after it with the pred that samples its next token (that step's sampler and
+        grammar mask: the token it would have sampled), then decoding goes on."""
+        prompt = self.params.prompt
+        left = [c for c in choices if not c.done]
+        base = await self._own(self.generator.kernel.open())
+        shared = len(prompt) - 1 if len(left) > 1 else 0  # one choice: one pred does all
+        if shared:
+            await self._room(functools.partial(base.pred, prompt[:shared], no_outputs=True))
+        forks = [await self._own(self._room(base.fork)) for _ in left[1:]]
+        await _all([self._resume(c, f, prompt[shared:])
+                    for c, f in zip(left, [base, *forks], strict=True)])
+
+    async def _resume(self, choice: _Choice, file: AsyncFile, rest: list[int]) -> None:
+        (out,) = await self._room(functools.partial(
+            file.pred, rest + choice.ids, sampler=choice.sampler(), control=choice.control()))
+        await self._decode(choice, file, out)
 
     async def _score_only(self) -> None:
         """max_tokens 0: nothing sampled. With prompt_logprobs, the prompt is computed (one
@@ -368,11 +412,11 @@ class Generation:
         EDQUOT) it is made again as the prefix cache frees some or other requests end."""
         return self.generator.cache.making_room(call, self._claim)
 
-    async def _first(self, file: AsyncFile, choice: _Choice) -> PredOutput:
-        """The first pred: the prompt past the cached prefix, sampled after its last token
-        (with prompt_logprobs, also every prompt token's logprob)."""
+    async def _first(self, file: AsyncFile, choice: _Choice, skip: int) -> PredOutput:
+        """The first pred: the prompt past the `skip` tokens `file` holds, sampled after its
+        last token (with prompt_logprobs, also every prompt token's logprob)."""
         p = self.params
-        rest = p.prompt[self.usage.cached_tokens:]
+        rest = p.prompt[skip:]
         control = choice.control()
         if not p.prompt_logprobs:
             (out,) = await self._room(functools.partial(
@@ -419,13 +463,21 @@ class Generation:
         except Exception:  # the cache is an optimisation: never a request's failure
             log.exception("prefix cache: insert failed")
 
-    async def _release(self) -> None:
-        """After the last pred: the cache's copy made, every file closed."""
-        if self._insert is not None:
-            await asyncio.wait([self._insert])
-        if self._opened:
-            await asyncio.wait(self._opened)
-        await asyncio.gather(*(_close(t) for t in self._opened))
+    async def _free(self) -> None:
+        """After the last pred (or a preemption): the cache's copy made, every file of the
+        request closed, even if the caller is cancelled meanwhile (the freeing goes on;
+        the cancellation is raised once it is done)."""
+        insert, opened = self._insert, self._opened
+        self._insert, self._opened = None, []
+        release = asyncio.ensure_future(_release(insert, opened))
+        cancelled = False
+        while not release.done():
+            try:
+                await asyncio.shield(release)
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
 
 
 class Batch:
@@ -485,6 +537,16 @@ class Batch:
         """Every prompt's generation closed (idempotent), as Generation.aclose: the closing
         goes on if the caller is cancelled meanwhile."""
         await asyncio.wait([asyncio.ensure_future(g.aclose()) for g in self.generations])
+
+
+async def _release(insert: asyncio.Task[None] | None,
+                   opened: list[asyncio.Task[AsyncFile]]) -> None:
+    """The cache's copy of a request's file made, then every file of `opened` closed."""
+    if insert is not None:
+        await asyncio.wait([insert])
+    if opened:
+        await asyncio.wait(opened)
+    await asyncio.gather(*(_close(t) for t in opened))
 
 
 async def _close(opened: asyncio.Task[AsyncFile]) -> None:

@@ -23,9 +23,14 @@ The cache also decides who gets memory when the kernel has none (making_room). E
 in flight holds a Claim (claim() ... release()). A request's syscall the kernel refuses for
 want of memory (ENOSPC, EDQUOT) is made again at once after the least recently used entry
 is evicted; with no entry left, it waits until another request ends or pages are freed and
-is made again then (the waiting requests oldest first), for at most WAIT_S in all. It fails
-only when its wait is used up, or no other request is in flight; when every request in
-flight waits (none would free a page), the oldest gives up, so the rest go on.
+is made again then (the waiting requests oldest first), for at most WAIT_S in all. When
+every request in flight waits (none would free a page), the youngest that may hold pages
+is preempted, as vLLM's recompute preemption: its call raises Preempted, the request frees
+its KV files and calls preempted(), which returns once pages may have been freed again (so
+it does not take back the pages it just gave up), and the request computes its prompt and
+the tokens it has generated again and goes on. A request fails only when its wait is used
+up, or no other request is in flight, or every other request in flight has been preempted
+(it alone holds pages and cannot get more).
 
 Index updates happen under one lock (inserts and evictions: off the token path); `open`
 reads the index without awaiting and pins the entry it forks, so an eviction meanwhile
@@ -72,12 +77,31 @@ class _Entry:
     dropped: bool = False
 
 
+# What a waiting call is woken with: make the call again, fail, or give the request's pages
+# up (Preempted).
+_AGAIN, _FAIL, _PREEMPT = "again", "fail", "preempt"
+
+
 @dataclass(eq=False)
 class Claim:
     """One request in flight, as the wait for memory sees it (PrefixCache.claim)."""
 
     left: float = WAIT_S  # seconds it may still wait
-    wakes: list[asyncio.Future[bool]] = field(default_factory=list)  # its waits now
+    wakes: list[asyncio.Future[str]] = field(default_factory=list)  # its waits now
+    # Preempted, its files closed, and no call of its has succeeded since: it holds no page.
+    preempted: bool = False
+
+
+class Preempted(Exception):
+    """making_room's call was given up so that the older requests get memory: the request
+    closes its KV files, then awaits PrefixCache.preempted() before it computes them again.
+    `error` is the call's refusal (ENOSPC, EDQUOT), the request's error if it cannot go
+    on."""
+
+    def __init__(self, error: OSError, seen: int):
+        super().__init__(str(error))
+        self.error = error
+        self.seen = seen  # PrefixCache._changes when it was preempted
 
 
 class PrefixCache:
@@ -263,13 +287,13 @@ class PrefixCache:
         order their calls reach the kernel)."""
         self._changes += 1
         for claim in self._claims:
-            self._wake(claim, True)
+            self._wake(claim, _AGAIN)
 
     @staticmethod
-    def _wake(claim: Claim, again: bool) -> None:
+    def _wake(claim: Claim, verdict: str) -> None:
         for wake in claim.wakes:
             if not wake.done():
-                wake.set_result(again)
+                wake.set_result(verdict)
         claim.wakes.clear()
 
     async def making_room(self, call: Callable[[], Awaitable[T]], claim: Claim) -> T:
@@ -277,36 +301,63 @@ class PrefixCache:
         (ENOSPC: the kernel's pool is full; EDQUOT: the session's quota, which the cache's
         pages count against), the least recently used entry is evicted and call() made
         again; with the cache empty, call() is made again once another request ends or
-        pages are freed (_wait). `call` must be one a failure leaves undone (a syscall: a
-        failed call changes nothing)."""
+        pages are freed (_wait), or Preempted is raised when the request is to give its
+        pages up. `call` must be one a failure leaves undone (a syscall: a failed call
+        changes nothing)."""
         while True:
             seen = self._changes
             try:
-                return await call()
+                result = await call()
             except OSError as e:
-                if e.errno not in _OUT_OF_MEMORY or not (
-                        await self._evict() or await self._wait(claim, seen)):
+                if e.errno not in _OUT_OF_MEMORY:
                     raise
+                if await self._evict():
+                    continue
+                verdict = await self._wait(claim, seen)
+                if verdict == _PREEMPT:
+                    raise Preempted(e, self._changes) from e
+                if verdict == _FAIL:
+                    raise
+            else:
+                claim.preempted = False  # it may hold pages again
+                return result
 
-    async def _wait(self, claim: Claim, seen: int) -> bool:
-        """Whether to make claim's failed call (made when _changes was `seen`) again: at once
-        if pages may have been freed since; else once they may be, within claim's
-        wait left. False (it fails) when no other request is in flight, its wait is used
-        up, or it is the oldest and every request in flight is waiting."""
+    async def preempted(self, claim: Claim, preemption: Preempted) -> None:
+        """Claim's request, preempted, has closed its files: the waiting requests try
+        again now, and this returns once pages may have been freed since (another request
+        ended, or was preempted, or the cache closed a file), for the request to compute
+        its KV again; raises the preemption's error when its wait is used up first."""
+        claim.preempted = True
+        freed_meanwhile = self._changes != preemption.seen
+        self._changed()
+        if not freed_meanwhile and await self._wait(claim, self._changes) == _FAIL:
+            raise preemption.error
+
+    async def _wait(self, claim: Claim, seen: int) -> str:
+        """What claim's failed call (made when _changes was `seen`) does: _AGAIN (at once
+        if pages may have been freed since; else once they may be, within claim's wait
+        left), _FAIL when no other request is in flight, its wait is used up, or every
+        request in flight waits and the others hold no page, or _PREEMPT when every
+        request in flight waits and it is the youngest of those that may hold pages."""
         if self._changes != seen:
-            return True
+            return _AGAIN
         if claim.left <= 0 or len(self._claims) < 2:
-            return False
+            return _FAIL
         loop = asyncio.get_running_loop()
         start = loop.time()
-        wake = loop.create_future()
+        wake: asyncio.Future[str] = loop.create_future()
         claim.wakes.append(wake)
         if all(c.wakes for c in self._claims):  # no request would free a page
-            self._wake(next(iter(self._claims)), False)  # the oldest gives up
+            holders = [c for c in self._claims if not c.preempted]
+            if len(holders) > 1:
+                self._wake(holders[-1], _PREEMPT)  # the youngest gives its pages up
+            elif holders:  # the others hold none: it cannot get more, ever
+                self._wake(holders[0], _FAIL)
+            # else none holds a page: the last holder is failing, and its end wakes them
         try:
             return await asyncio.wait_for(wake, claim.left)
         except TimeoutError:
-            return False
+            return _FAIL
         finally:
             claim.left -= loop.time() - start
             if wake in claim.wakes:
