@@ -94,7 +94,7 @@ def test_meminfo_is_key_value_lines_with_a_quota_line_per_user():
     assert (fields["device_total"], fields["device_used"], fields["host_total"]) == (
         "64", "3", "16")
     assert fields["quota_root"] == "3 / -"  # root has no quota
-    assert "quota_" + "uid" + str(alice.uid) not in fields  # no pages ever: no line
+    assert fields[f"quota_uid{alice.uid}"] == "0 / 40"  # no page, an inode: its line
 
 
 def test_a_quota_of_zero_shows_as_zero_not_as_none():
