@@ -119,6 +119,10 @@ class FileSystem:
         self.on_sync: Callable[[Inode], None] = lambda inode: None
         self.on_load: Callable[[Inode], None] = lambda inode: None
         self.importing = ImportsInFlight()
+        # Restored files whose pages have not loaded yet, and the pages each will take at
+        # most: counted against its owner meanwhile (store.pending), so that a restart
+        # never makes room for more than the quota (restored).
+        self.unloaded: dict[Inode, int] = {}
 
     # -- inodes and paths ---------------------------------------------------------------
 
@@ -275,6 +279,23 @@ class FileSystem:
         pages = inode.pages[: self._pages_for(inode.length)]
         return len(pages) - pages.count(None)
 
+    def restored(self, inode: Inode) -> None:
+        """A file restored with its entries and no pages yet: the pages its load will take,
+        at most (fewer where they are shared with pages its owner holds then), count against
+        its owner from now on, even past its quota (they were its pages before the restart),
+        until it loads, is replaced or freed."""
+        n = self.page_count(inode)
+        if n:
+            self.unloaded[inode] = n
+            self.store.promise(inode.uid, n)
+
+    def _settle(self, inode: Inode) -> None:
+        """The file's pages are loaded, replaced or freed: its owner is charged what it
+        holds, no longer what it would take at most."""
+        n = self.unloaded.pop(inode, 0)
+        if n:
+            self.store.promise(inode.uid, -n)
+
     def stat_inode(self, inode: Inode) -> StatResult:
         return StatResult(
             ino=inode.ino, mode=inode.mode, uid=inode.uid, gid=inode.gid, nlink=inode.nlink,
@@ -309,8 +330,12 @@ class FileSystem:
         if uid != -1 and uid != inode.uid:  # its counts move, even past the limits
             self.inodes.drop(inode.uid)
             self.inodes.add(uid)
-            # The file's holds of its pages (those a pred reserved too) become uid's.
+            # The file's holds of its pages (those a pred reserved too) become uid's, and
+            # so do the pages it will take once loaded.
             self.store.transfer(inode.pages, inode.uid, uid)
+            n = self.unloaded.get(inode, 0)
+            self.store.promise(inode.uid, -n)
+            self.store.promise(uid, n)
         inode.uid = inode.uid if uid == -1 else uid
         inode.gid = inode.gid if gid == -1 else gid
         inode.touch(modified=False)
@@ -495,6 +520,7 @@ class FileSystem:
         """Free a file's pages, and give back its inode, once it has neither a name nor
         an open handle."""
         if inode.nlink == 0 and inode.opens == 0 and not inode.is_dir:
+            self._settle(inode)
             self.store.unref(inode.pages, inode.uid)
             inode.pages, inode.table = [], None
             self.inodes.drop(inode.uid)
@@ -517,8 +543,9 @@ class FileSystem:
              shared: Mapping[int, Page | int] | None = None) -> None:
         """Give a file the entries and K/V of an import in place of what it held, all or
         nothing: its old pages are freed only once the new ones are written. quota=False:
-        the owner's quota is not asked (a restored file's pages were its owner's before the
-        restart, whatever the quota says now: root may chown a file to a user past it).
+        the owner's quota is not asked (a restored file's load: its pages are charged to
+        its owner already, as those it would take at most, `restored`, and the load only
+        puts what it holds in their place).
         `shared` (a restore's): full pages, none a hole, that hold the same K/V as the
         import's at their index, so are held instead of allocated: a page the owner holds
         already (it costs nothing), or the index of an earlier page of this import."""
@@ -552,6 +579,7 @@ class FileSystem:
         inode.excluded = excluded
         inode.fingerprint = self.fingerprint  # parse checked it: even over another model's file
         self.store.unref(old, inode.uid)
+        self._settle(inode)
 
     def _import_target(self, cred: Cred, path: str) -> tuple[Inode, str, Inode | None]:
         """Where an import to `path` goes: its directory, name, and the file it rewrites (None:

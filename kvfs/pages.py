@@ -12,6 +12,10 @@ hold of a page charges it (refused with EDQUOT past its quota, when asked), its 
 gives it back; the page itself is freed when its last hold goes. So sharing a page with
 another user (a fork, a splice, then a link) never leaves the page on the first user's
 quota once it lets go, and forks by the user who holds the pages cost nothing.
+
+A user is also charged `PageStore.pending[uid]`: the pages its files restored from the state
+directory will take once they load, at most (kvfs/fs.py `restored`), so a restart never
+lets a user hold more than its quota. Its charge, `charged(uid)`, is both together.
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class PageStore:
             if swap_path else None
         self.quota, self.default_quota = dict(quota or {}), default_quota
         self.used: dict[int, int] = {}  # uid -> live pages it holds (distinct: see above)
+        self.pending: dict[int, int] = {}  # uid -> pages its unloaded files will take, at most
         self.live: set[Page] = set()
         # Bumped whenever a page changes tier (and so slot): a page table kept since the last
         # bump still names every page where it is (FileSystem.reserve keeps one per file).
@@ -109,21 +114,38 @@ class PageStore:
     def limit(self, uid: int) -> int | None:
         return None if uid == 0 else self.quota.get(uid, self.default_quota)
 
+    def charged(self, uid: int) -> int:
+        """What counts against uid's quota: the pages it holds, and those its restored
+        files not loaded yet will take at most."""
+        return self.used.get(uid, 0) + self.pending.get(uid, 0)
+
+    def promise(self, uid: int, n: int) -> None:
+        """uid's restored files not loaded yet will take n pages more (fewer, n < 0) at most:
+        charged to it even past its limit (they were its pages before the restart)."""
+        left = self.pending.get(uid, 0) + n
+        if left:
+            self.pending[uid] = left
+        else:
+            self.pending.pop(uid, None)
+
     def charge(self, uid: int, n: int, pages: Iterable[Page | None] = ()) -> None:
         """Fail with EDQUOT, changing nothing, when uid may not hold n more pages and the
         pages of `pages` it does not hold yet (each once)."""
         limit = self.limit(uid)
         if limit is None:
             return
-        used = self.used.get(uid, 0)
+        used = self.charged(uid)
         if not isinstance(pages, (list, tuple)):
             pages = list(pages)
         if used + n + len(pages) <= limit:  # even were every one new to uid: O(1)
             return
         more = n + len({id(p) for p in pages if p is not None and not p.held_by(uid)})
         if more and used + more > limit:  # nothing more is never refused, even past it
+            pending = self.pending.get(uid, 0)
+            unloaded = (f", {pending} of them by files restored and not opened since"
+                        if pending else "")
             raise FSError(errno.EDQUOT, f"uid {uid} page quota {limit} "
-                          f"({used} used, {more} more wanted)")
+                          f"({used} used{unloaded}, {more} more wanted)")
 
     def free_in(self, tier: str) -> int:
         if tier == DISK:

@@ -386,12 +386,14 @@ class StateDir:
                 parent.nlink = 2 + sum(c.is_dir for c in into.values())
         # Each restored inode counts against its owner's inode quota (kvfs/inodes.py), past
         # it if need be (it was the owner's before the restart); those replaced are given
-        # back: a restart leaves every user's count as it was.
+        # back: a restart leaves every user's count as it was. A file's pages count against
+        # its owner's page quota likewise, before they load (FileSystem.restored).
         for name, node in root.entries.items():
             if name != "tmp":
                 fs.inodes.drop(node.uid)
         for node in made.values():
             fs.inodes.add(node.uid)
+            fs.restored(node)
         fs.inodes.drop(root.uid)
         for key in ("mode", "uid", "gid", "atime", "mtime", "ctime"):
             setattr(root, key, record["root"][key])
@@ -440,10 +442,17 @@ class StateDir:
         page identical (token ids, positions, K/V bytes) to one the owner holds in a file
         loaded before, or to an earlier page of this one, is shared instead of allocated
         again: forks, links and aligned splices share their pages after a restart as they
-        did before it, and the owner's charge is what it was. Pages of other users' are
-        never looked at: sharing between users is not made again."""
-        imported = parse(self._data(inode.ino).read_bytes(), self.fs.layout,
-                         self.fs.vocab_size)
+        did before it. The owner was charged the file's pages unshared since the restart
+        (FileSystem.restored): the load charges what the file holds in their place, as
+        many or fewer. Pages of other users' are never looked at: sharing between users is
+        not made again."""
+        data = self._data(inode.ino)
+        imported = parse(data.read_bytes(), self.fs.layout, self.fs.vocab_size)
+        # What the owner is charged for was counted from these entries as restored: a data
+        # file rewritten behind the kernel's back since could hold more pages.
+        if (imported.tokens, imported.positions, imported.excluded) != (
+                inode.tokens, inode.positions, inode.excluded):
+            raise FSError(errno.EIO, f"{data}: its entries changed on disk since the restart")
         size, uid = self.fs.page_size, inode.uid
         excluded = merge_ranges(imported.excluded)
         keys: dict[int, tuple[int, bytes]] = {}

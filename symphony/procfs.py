@@ -89,11 +89,12 @@ class ProcFS:
         pairs.append(("on_disk", sum(p.tier == DISK for p in store.live)))
         inodes = self.k.fs.inodes
         # Every user with a home (it owns an inode) has a quota line, 0 until it holds a
-        # page: the mount reads the limit here before the user's first write.
+        # page: the mount reads the limit here before the user's first write. The charge
+        # is what the quota checks: restored files not loaded yet count (pages.py).
         for uid in sorted(store.used.keys() | inodes.used.keys()):
             limit = store.limit(uid)
             pairs.append((f"quota_{user_name(uid)}",
-                          f"{store.used.get(uid, 0)} / {limit if limit is not None else '-'}"))
+                          f"{store.charged(uid)} / {limit if limit is not None else '-'}"))
         for uid, used in sorted(inodes.used.items()):
             limit = inodes.limit(uid)
             pairs.append((f"inodes_{user_name(uid)}",
