@@ -25,6 +25,9 @@ from syscalls.session import DEFAULT_SOCKET, socket_path
 
 START_TIMEOUT = 300.0  # loading and fingerprinting a large checkpoint takes a while
 STOP_TIMEOUT = 120.0  # stopping saves every changed KV file
+# A serving kernel answers a hello within milliseconds, under load too: status says one
+# that has not in this long is not answering, rather than wait as long as a program would.
+STATUS_HELLO_TIMEOUT = 5.0
 
 
 PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -174,9 +177,13 @@ def _owner(pid: int) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     sock = socket_path(args.socket)
     try:
-        with Kernel.connect(sock, name="symphony-status") as k:
+        with Kernel.connect(sock, name="symphony-status",
+                            hello_timeout=STATUS_HELLO_TIMEOUT) as k:
             info, procs = k.model_info(), k.ps()
             meminfo = k.procfs("meminfo")
+    except TimeoutError as e:
+        print(f"not answering: {e.strerror}")
+        return 3
     except OSError as e:
         pid = kernel_pid(sock)  # a kernel that starts holds the socket's path (Claim)
         if pid is None:

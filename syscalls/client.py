@@ -176,14 +176,17 @@ class Kernel(KernelCalls, Session):
         argv: Sequence[str] | None = None,
         lifeline_pred: bool = True,
         rings: bool = True,
+        hello_timeout: float = session.HELLO_TIMEOUT,
     ) -> Kernel:
         """Open a session (socket: the argument, else $SYMPHONY_SOCKET, else the default)
         and attach as `name` (default: this program's file name) with `argv`. Preds go
         through syscall rings in shared memory; rings=False sends them as frames on the
-        lifeline, lifeline_pred=False over gRPC like every other call."""
+        lifeline, lifeline_pred=False over gRPC like every other call. TimeoutError
+        (ETIMEDOUT) when the kernel answers no hello within `hello_timeout` seconds."""
         sock = session.socket_path(socket)
         try:
-            lifeline, token, shared = session.open_session(sock, lifeline_pred and rings)
+            lifeline, token, shared = session.open_session(sock, lifeline_pred and rings,
+                                                           hello_timeout)
         except OSError as e:
             raise convert.connect_error(e, sock) from e
         # gRPC's threads start with the channel: made apart, they leave the signals a LIP

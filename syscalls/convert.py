@@ -731,9 +731,9 @@ def connect_error(e: OSError, sock: os.PathLike | str) -> OSError:
     FileNotFoundError when there is no socket; ConnectionRefusedError saying what is there
     when the path exists (a dead kernel's socket, whose hello socket is gone or dead too; a
     kernel's that does not serve yet), not the hello socket's ENOENT. EAGAIN comes only from
-    a kernel that answered and refused the session (syscalls/session.py): its own message
-    says why."""
-    if e.errno == errno.EAGAIN:
+    a kernel that answered and refused the session, ETIMEDOUT from one that answered nothing
+    in time (syscalls/session.py): their own messages say why, naming the socket."""
+    if e.errno in (errno.EAGAIN, errno.ETIMEDOUT):
         return e
     there = _unanswered(sock) if e.errno in (errno.ENOENT, errno.ECONNREFUSED) else None
     if there is not None:

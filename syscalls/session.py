@@ -10,8 +10,10 @@ the OS too. After the line it carries frames (syscalls/wire.py): pred's fast pat
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import time
 from pathlib import Path
 
 from syscalls import errors, ring, wire
@@ -21,6 +23,14 @@ SESSION_KEY = "symphony-session"  # gRPC metadata: the token
 AS_KEY = "symphony-as"  # gRPC metadata: "uid:gid", honoured for root sessions only
 TOKEN_BYTES = 32
 REFUSED = "refused "  # hello's answer instead of a token: "refused ERRNO MESSAGE"
+# How long a process waits for the kernel's answer to its hello and ring setup. The
+# kernel's loop answers within milliseconds, under load too; the bound is long so that a
+# program connecting while the loop is held up (a long step, a large checkpoint's save) does
+# not fail for it, and finite so that a stopped or hung kernel, or a listener that is no
+# kernel, cannot hang every client.
+HELLO_TIMEOUT = 60.0
+# A hello socket whose backlog is full (its kernel accepts nothing now) is tried this often.
+CONNECT_RETRY = 0.01
 
 
 def socket_path(path: str | os.PathLike | None = None) -> Path:
@@ -41,30 +51,63 @@ def refusal(code: int, message: str) -> bytes:
     return f"{REFUSED}{code} {message}\n".encode()
 
 
-def hello(sock: Path) -> tuple[socket.socket, str]:
+def hello(sock: Path, timeout: float = HELLO_TIMEOUT) -> tuple[socket.socket, str]:
     """Open a session: the lifeline connection (keep it open) and the token it gave.
 
-    Raises ConnectionRefusedError or FileNotFoundError when no kernel listens there, and
-    the kernel's errno (EAGAIN: a limit) with its message when it refuses the session.
+    Raises ConnectionRefusedError or FileNotFoundError when no kernel listens there,
+    TimeoutError (ETIMEDOUT) when no answer comes within `timeout` seconds, and the
+    kernel's errno (EAGAIN: a limit) with its message when it refuses the session.
     """
+    # Beside the socket a symlink names: the kernel made its hello socket next to its own.
+    where = hello_path(sock.resolve())
+    deadline = time.monotonic() + timeout
     lifeline = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        lifeline.connect(str(hello_path(sock)))
-        line = b""
-        while not line.endswith(b"\n"):  # a byte at a time: frames may follow the line
-            chunk = lifeline.recv(1)
-            if not chunk:
-                raise ConnectionResetError(f"{hello_path(sock)}: the kernel hung up in hello")
-            line += chunk
+        try:
+            _connect(lifeline, where, deadline)
+            line = b""
+            while not line.endswith(b"\n"):  # a byte at a time: frames may follow the line
+                lifeline.settimeout(_left(deadline))
+                chunk = lifeline.recv(1)
+                if not chunk:
+                    raise ConnectionResetError(f"{where}: the kernel hung up in hello")
+                line += chunk
+        except TimeoutError:
+            raise errors.error(errno.ETIMEDOUT, (
+                f"no hello from the kernel at {sock} in {timeout:g} s: {where} takes "
+                "connections but answers none (the kernel is stopped or hung, or what "
+                "listens there is no kernel)")) from None
         token = line.decode().strip()
         if token.startswith(REFUSED):
             code, _, message = token.removeprefix(REFUSED).partition(" ")
-            raise errors.error(int(code), f"{hello_path(sock)}: {message}")
+            raise errors.error(int(code), f"{where}: {message}")
     except BaseException:
         lifeline.close()
         raise
+    lifeline.settimeout(None)
     lifeline.set_inheritable(False)
     return lifeline, token
+
+
+def _left(deadline: float) -> float:
+    """Seconds until a time.monotonic() deadline; TimeoutError once it has passed (a socket
+    timeout of 0 would mean "do not block", not "no time left")."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    return left
+
+
+def _connect(sock: socket.socket, path: Path, deadline: float) -> None:
+    """connect, waiting until the deadline while the listener's backlog is full (EAGAIN:
+    a socket with a timeout does not wait for room, as a blocking one does)."""
+    while True:
+        sock.settimeout(_left(deadline))
+        try:
+            sock.connect(str(path))
+            return
+        except BlockingIOError:
+            time.sleep(min(CONNECT_RETRY, _left(deadline)))
 
 
 def ring_setup(lifeline: socket.socket) -> ring.ProcessRing | None:
@@ -107,11 +150,23 @@ def ring_setup(lifeline: socket.socket) -> ring.ProcessRing | None:
     return ring.ProcessRing(mem, kernel_bell, process_bell)
 
 
-def open_session(sock: Path, rings: bool) -> tuple[socket.socket, str, ring.ProcessRing | None]:
-    """hello, then the rings when asked for (None when the kernel has none to give)."""
-    lifeline, token = hello(sock)
+def open_session(sock: Path, rings: bool, timeout: float = HELLO_TIMEOUT,
+                 ) -> tuple[socket.socket, str, ring.ProcessRing | None]:
+    """hello, then the rings when asked for (None when the kernel has none to give), within
+    `timeout` seconds in all (TimeoutError, ETIMEDOUT, past it)."""
+    deadline = time.monotonic() + timeout
+    lifeline, token = hello(sock, timeout)
     try:
-        return lifeline, token, ring_setup(lifeline) if rings else None
+        if not rings:
+            return lifeline, token, None
+        try:
+            lifeline.settimeout(_left(deadline))
+            shared = ring_setup(lifeline)
+        except TimeoutError:
+            raise errors.error(errno.ETIMEDOUT, f"the kernel at {sock} answered no ring "
+                               f"setup in {timeout:g} s (it is stopped or hung)") from None
+        lifeline.settimeout(None)
+        return lifeline, token, shared
     except BaseException:
         lifeline.close()
         raise

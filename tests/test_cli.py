@@ -3,13 +3,16 @@
 import fcntl
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from daemon import ROOT
 
 from symphony.cli import build_parser
+from symphony.control import STATUS_HELLO_TIMEOUT
 
 
 @pytest.mark.parametrize("flag", ["--token-budget", "--max-seqs", "--max-procs-per-user"])
@@ -280,3 +283,27 @@ def test_a_file_at_the_socket_path_is_said_not_a_socket(tmp_path, command):
         assert (out.returncode, out.stdout, out.stderr) == (3, prefix + said, "")
     else:
         assert (out.returncode, out.stdout, out.stderr) == (1, "", prefix + said)
+
+
+def test_status_says_a_kernel_that_answers_no_hello_is_not_answering(tmp_path):
+    """A stopped kernel (SIGSTOP), or any listener on its sockets that accepts and answers
+    nothing, hung `symphony status` for ever: it gives up after its short bound, status 3."""
+    sock = tmp_path / "k.sock"
+    listeners = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
+    try:
+        for listener, path in zip(listeners, (sock, f"{sock}.hello"), strict=True):
+            listener.bind(str(path))
+            listener.listen()
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "symphony.cli", "status", "--socket",
+                              str(sock)], capture_output=True, text=True, timeout=30, cwd=ROOT)
+        took = time.monotonic() - start
+    finally:
+        for listener in listeners:
+            listener.close()
+    assert (out.returncode, out.stderr) == (3, ""), out
+    assert out.stdout == (
+        f"not answering: no hello from the kernel at {sock} in {STATUS_HELLO_TIMEOUT:g} s: "
+        f"{sock}.hello takes connections but answers none (the kernel is stopped or hung, or "
+        "what listens there is no kernel)\n")
+    assert took >= STATUS_HELLO_TIMEOUT

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -286,3 +287,39 @@ def test_a_process_has_at_most_fd_max_fds_open(daemon):
         assert [n for n, _ in k.readdir("/tmp")].count("new.kv") == 0
         fds.pop().close()
         k.open("/tmp/fd-max.kv").close()
+
+
+# -- the socket's path --------------------------------------------------------------------
+
+
+def test_a_socket_named_through_a_symlink_reaches_its_kernel(daemon):
+    """The hello socket is beside the kernel's socket, not beside the symlink: status said
+    "starting: ... does not serve yet" of a serving kernel, and every client "something
+    listens on the socket but answers no hello"."""
+    link = daemon.socket.with_name("kl.sock")
+    link.symlink_to(daemon.socket.name)  # as `ln -s kernel.sock kl.sock` makes it
+    try:
+        with Kernel.connect(link, name="linked") as k:
+            assert k.ps()[-1].name == "linked"
+        status = symphony("status", "--socket", str(link))
+        assert (status.returncode, status.stderr) == (0, ""), status
+        assert f"kernel {daemon.process.pid} on {link}\n" in status.stdout
+    finally:
+        link.unlink()
+
+
+def test_status_of_a_stopped_kernel_says_it_is_not_answering(daemon):
+    """`kill -STOP` on the kernel hung `symphony status` for ever; it says so in a few
+    seconds, status 3, and once the kernel goes on it serves as before."""
+    from symphony.control import STATUS_HELLO_TIMEOUT
+
+    os.kill(daemon.process.pid, signal.SIGSTOP)
+    try:
+        status = symphony("status", "--socket", str(daemon.socket))
+    finally:
+        os.kill(daemon.process.pid, signal.SIGCONT)
+    assert (status.returncode, status.stderr) == (3, ""), status
+    assert status.stdout.startswith(
+        f"not answering: no hello from the kernel at {daemon.socket} in "
+        f"{STATUS_HELLO_TIMEOUT:g} s: "), status
+    assert symphony("status", "--socket", str(daemon.socket)).returncode == 0

@@ -8,7 +8,9 @@ import asyncio
 import errno
 import inspect
 import os
+import signal
 import socket
+import time
 
 import grpc
 import grpc.aio
@@ -84,6 +86,45 @@ def test_connect_to_a_dead_kernels_socket_is_refused(tmp_path):
             Kernel.connect(sock)
     finally:
         stale.close()
+
+
+def _hung(signum, frame):
+    raise AssertionError("Kernel.connect still waits after 10 s")
+
+
+@pytest.mark.parametrize("backlog", ["room", "full"])
+def test_connect_to_a_hello_socket_that_never_answers_times_out_naming_the_socket(tmp_path,
+                                                                                  backlog):
+    """A stopped kernel (SIGSTOP), or anything that listens on SOCK.hello and answers
+    nothing, hung every client for ever: with room in its backlog in the wait for the
+    token, with none in connect."""
+    sock = tmp_path / "k.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(session.hello_path(sock)))
+    listener.listen(0)
+    queued = []
+    while backlog == "full":
+        queued.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        queued[-1].setblocking(False)
+        try:
+            queued[-1].connect(str(session.hello_path(sock)))
+        except BlockingIOError:
+            break
+    before = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(10)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as e:
+            Kernel.connect(sock, hello_timeout=0.5)
+        assert 0.5 <= time.monotonic() - start < 5
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+        for s in (listener, *queued):
+            s.close()
+    assert e.value.errno == errno.ETIMEDOUT
+    assert e.value.strerror.startswith(f"no hello from the kernel at {sock} in 0.5 s: "
+                                       f"{sock}.hello takes connections but answers none")
 
 
 def test_a_call_to_a_kernel_that_is_gone_raises_broken_pipe(tmp_path):
