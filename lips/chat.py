@@ -101,7 +101,8 @@ def converse(
         rendered = k.tokenize(messages=asked, add_generation_prompt=True)
         if len(rendered) + args.max_new_tokens > context:
             raise ContextFull(
-                f"stopped after {answered} turns: the conversation with the next turn is "
+                f"stopped after {answered} turn{'' if answered == 1 else 's'}: the "
+                "conversation with the next turn is "
                 f"{len(rendered)} tokens, and with --max-new-tokens {args.max_new_tokens} it "
                 f"would pass the model's context of {context} positions; start a new "
                 "conversation")

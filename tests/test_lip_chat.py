@@ -52,6 +52,8 @@ def test_a_turn_past_the_context_stops_the_conversation_and_save_keeps_the_rest(
     assert lip("--message", turn, *NEW)[0] == 0  # a new conversation takes it
     code, out, err = lip("--message", turn * 4, *NEW)
     assert (code, out) == (1, "") and err.startswith("chat: stopped after 0 turns: "), err
+    code, out, err = lip("--message", turn, "--message", turn * 3, *NEW)
+    assert code == 1 and out and err.startswith("chat: stopped after 1 turn: "), err
 
 
 def test_a_stdin_line_that_is_not_utf8_stops_the_conversation_naming_its_offset(
