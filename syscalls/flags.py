@@ -210,7 +210,8 @@ def kv_path(home: str, path: str) -> str:
 
 
 def _exists(path: str) -> FileExistsError:
-    return FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+    """As the kernel says it of a path: quoted ("'/home/u/x': File exists")."""
+    return FileExistsError(errno.EEXIST, f"{path!r}: {os.strerror(errno.EEXIST)}")
 
 
 def save_path(k: Kernel, path: str) -> str:

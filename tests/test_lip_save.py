@@ -34,7 +34,7 @@ def test_a_save_path_that_cannot_be_linked_is_refused_up_front(lip, k, prog):
     assert k.stat(f"{k.home}/{name}").tokens > 0
     code, out, err = lip(prog, *ARGV[prog], "--save", name)
     assert (code, out) == (1, "")
-    assert err == f"{prog}: {k.home}/{name}: File exists\n"
+    assert err == f"{prog}: '{k.home}/{name}': File exists\n"
     code, out, err = lip(prog, *ARGV[prog], "--save", f"no-such-dir/{name}")
     assert (code, out) == (1, "")
     assert err.startswith(f"{prog}: ") and "no-such-dir" in err
