@@ -54,12 +54,14 @@ class AsyncKernel(AsyncKernelCalls, Session):
         argv: Sequence[str] | None = None,
         lifeline_pred: bool = True,
         rings: bool = True,
+        hello_timeout: float = session.HELLO_TIMEOUT,
     ) -> AsyncKernel:
+        """Kernel.connect's session for asyncio: the same arguments and errors."""
         sock = session.socket_path(socket)
         try:
             # The handshake is one short blocking exchange; a thread keeps the loop free.
             lifeline, token, shared = await asyncio.to_thread(
-                session.open_session, sock, lifeline_pred and rings)
+                session.open_session, sock, lifeline_pred and rings, hello_timeout)
         except OSError as e:
             raise convert.connect_error(e, sock) from e
         channel = grpc.aio.insecure_channel(session.grpc_target(sock), options=CHANNEL_OPTIONS)

@@ -127,6 +127,20 @@ def test_connect_to_a_hello_socket_that_never_answers_times_out_naming_the_socke
                                        f"{sock}.hello takes connections but answers none")
 
 
+
+def test_the_asyncio_clients_connect_takes_the_same_bound_on_the_hello(tmp_path):
+    sock = tmp_path / "k.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(session.hello_path(sock)))
+    listener.listen(1)
+    try:
+        with pytest.raises(TimeoutError) as e:
+            asyncio.run(asyncio.wait_for(AsyncKernel.connect(sock, hello_timeout=0.5), 10))
+    finally:
+        listener.close()
+    assert e.value.errno == errno.ETIMEDOUT
+    assert e.value.strerror.startswith(f"no hello from the kernel at {sock} in 0.5 s: ")
+
 def test_a_call_to_a_kernel_that_is_gone_raises_broken_pipe(tmp_path):
     sock = tmp_path / "k.sock"
     lifeline, _ = socket.socketpair()
