@@ -342,6 +342,7 @@ class Generation:
         else:
             file = await self._own(self._cached())
             skip = self.usage.cached_tokens
+            self._claim.holds = skip > 0  # the cached prefix's pages, until it closes
         first = await self._first(file, choices[0], skip)
         self._insert = asyncio.create_task(self._remember(file))
         await _all([self._decode(choices[0], file, first),

@@ -24,13 +24,14 @@ in flight holds a Claim (claim() ... release()). A request's syscall the kernel 
 want of memory (ENOSPC, EDQUOT) is made again at once after the least recently used entry
 is evicted; with no entry left, it waits until another request ends or pages are freed and
 is made again then (the waiting requests oldest first), for at most WAIT_S in all. When
-every request in flight waits (none would free a page), the youngest that may hold pages
-is preempted, as vLLM's recompute preemption: its call raises Preempted, the request frees
-its KV files and calls preempted(), which returns once pages may have been freed again (so
-it does not take back the pages it just gave up), and the request computes its prompt and
-the tokens it has generated again and goes on. A request fails only when its wait is used
-up, or no other request is in flight, or every other request in flight has been preempted
-(it alone holds pages and cannot get more).
+every request in flight waits (none would free a page), the youngest of those holding
+pages is preempted, as vLLM's recompute preemption: its call raises Preempted, the request
+frees its KV files and calls preempted(), which returns once pages may have been freed
+again (so it does not take back the pages it just gave up), and the request computes its
+prompt and the tokens it has generated again and goes on. A request fails only when its
+wait is used up, or no other request is in flight, or every request in flight waits and
+no other holds pages (it alone does and cannot get more; or none does and the oldest
+fails, the pool held by others than the server).
 
 Index updates happen under one lock (inserts and evictions: off the token path); `open`
 reads the index without awaiting and pins the entry it forks, so an eviction meanwhile
@@ -88,8 +89,10 @@ class Claim:
 
     left: float = WAIT_S  # seconds it may still wait
     wakes: list[asyncio.Future[str]] = field(default_factory=list)  # its waits now
-    # Preempted, its files closed, and no call of its has succeeded since: it holds no page.
-    preempted: bool = False
+    # Whether it may hold pages: a call of its succeeded (or its file came from the cache
+    # holding a prefix) since it started or was last preempted. Preempting one that holds
+    # none would free nothing.
+    holds: bool = False
 
 
 class Preempted(Exception):
@@ -319,7 +322,7 @@ class PrefixCache:
                 if verdict == _FAIL:
                     raise
             else:
-                claim.preempted = False  # it may hold pages again
+                claim.holds = True
                 return result
 
     async def preempted(self, claim: Claim, preemption: Preempted) -> None:
@@ -327,7 +330,7 @@ class PrefixCache:
         again now, and this returns once pages may have been freed since (another request
         ended, or was preempted, or the cache closed a file), for the request to compute
         its KV again; raises the preemption's error when its wait is used up first."""
-        claim.preempted = True
+        claim.holds = False
         freed_meanwhile = self._changes != preemption.seen
         self._changed()
         if not freed_meanwhile and await self._wait(claim, self._changes) == _FAIL:
@@ -337,8 +340,9 @@ class PrefixCache:
         """What claim's failed call (made when _changes was `seen`) does: _AGAIN (at once
         if pages may have been freed since; else once they may be, within claim's wait
         left), _FAIL when no other request is in flight, its wait is used up, or every
-        request in flight waits and the others hold no page, or _PREEMPT when every
-        request in flight waits and it is the youngest of those that may hold pages."""
+        request in flight waits and no other holds pages (it holds some, or none does and
+        it is the oldest), or _PREEMPT when every request in flight waits and it is the
+        youngest of two or more holding pages."""
         if self._changes != seen:
             return _AGAIN
         if claim.left <= 0 or len(self._claims) < 2:
@@ -348,12 +352,12 @@ class PrefixCache:
         wake: asyncio.Future[str] = loop.create_future()
         claim.wakes.append(wake)
         if all(c.wakes for c in self._claims):  # no request would free a page
-            holders = [c for c in self._claims if not c.preempted]
+            holders = [c for c in self._claims if c.holds]
             if len(holders) > 1:
                 self._wake(holders[-1], _PREEMPT)  # the youngest gives its pages up
-            elif holders:  # the others hold none: it cannot get more, ever
-                self._wake(holders[0], _FAIL)
-            # else none holds a page: the last holder is failing, and its end wakes them
+            else:  # it cannot get more, ever; with no holder, what holds the pool is not
+                # the server's (the cache is empty): the oldest gives up, as it would alone
+                self._wake(holders[0] if holders else next(iter(self._claims)), _FAIL)
         try:
             return await asyncio.wait_for(wake, claim.left)
         except TimeoutError:
