@@ -25,21 +25,36 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0
 # fails), each sending PREFACE; the count made, then on a line from stdin how many the
 # other end has not ended.
 HOLDER = """
-import json, os, socket, sys
+import json, os, socket, sys, time
 uid, n, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 os.setgroups([])
 os.setgid(uid)
 os.setuid(uid)
 socket.setdefaulttimeout(10)
+def connect():
+    # A socket with a timeout gets EAGAIN at once while the listener's backlog is full (a
+    # loaded machine's kernel accepting late): try again, as a blocking connect would wait.
+    deadline = time.monotonic() + 10
+    while True:
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(path)
+            s.sendall(PREFACE)
+            return s
+        except BlockingIOError:
+            s.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+        except OSError:
+            s.close()
+            raise
 held = []
 for _ in range(n):
     try:
-        s = socket.socket(socket.AF_UNIX)
-        s.connect(path)
-        s.sendall(PREFACE)
+        held.append(connect())
     except OSError:
         break
-    held.append(s)
 print(json.dumps({"made": len(held)}), flush=True)
 def still_open(s):
     s.setblocking(False)
