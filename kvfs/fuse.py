@@ -277,7 +277,10 @@ class Writer:
     existed: bool
     base_size: int = 0  # that file's size, while its bytes are not yet in the spool
     unseeded: bool = False  # opened without O_TRUNC: the spool must start from its bytes
-    dirty: bool = False
+    dirty: bool = False  # written since its last import: the next close imports
+    # Its last import failed, nothing written since: each close tries again (and says what
+    # the kernel says), the release after the last one does not (nobody would hear it).
+    failed: bool = False
     length: int = 0  # of the spool (not asked of the spool: an import may be reading it)
     front: int = 0  # the spool's bytes [0, front) are all written (no hole): the header is there
     pieces: list[tuple[int, int]] = field(default_factory=list)  # written past front, merged
@@ -1108,7 +1111,9 @@ class KvFS(pyfuse3.Operations):
         self.spool_less(w, w.length)
 
     def track(self, w: Writer) -> None:
-        """`w` is the open file that imports at its path, unless that name was taken from it."""
+        """`w` is the open file that imports at its path, unless that name was taken from it;
+        written again, it is no longer one whose import failed."""
+        w.failed = False
         if not w.detached:
             self.writing[w.path] = w
 
@@ -1284,16 +1289,19 @@ class KvFS(pyfuse3.Operations):
             w.dirty = False
             return
         await self.seed(w)
-        w.dirty = False
-        if self.writing.get(w.path) is w:
-            del self.writing[w.path]  # imported or refused: from now on the kernel answers
         if w.bad and not w.refused:  # a header rewritten in pieces left bad
             w.refused = w.bad
+        # A refused import keeps the writes: the close of another descriptor of the file
+        # (a dup, a child's copy) imports them again, once the quota has room, say.
+        w.failed = True
         if w.refused:
             raise pyfuse3.FUSEError(w.refused)
         k = self.who(w.uid, w.gid)
-        async with w.lock:
+        async with w.lock:  # no write meanwhile: what it imported is all there is
             await self.run(k.import_file, w.path, w.chunks(), w.mode)
+            w.dirty = w.failed = False
+        if self.writing.get(w.path) is w:
+            del self.writing[w.path]  # imported: from now on the kernel answers
         if w.owner is not None:
             await self.run(k.chown, w.path, *w.owner)
 
@@ -1319,7 +1327,7 @@ class KvFS(pyfuse3.Operations):
             if h.opens:  # another open shares it: its close imports
                 return
             try:
-                if h.dirty and h.size():  # written after its last flush
+                if h.dirty and h.size() and not h.failed:  # written after its last flush
                     await self.publish(h)
             finally:
                 if self.writing.get(h.path) is h:

@@ -154,3 +154,40 @@ def test_meminfo_shows_the_quota_of_a_user_that_holds_no_page_yet(daemon):
     run_script(daemon, AS_UID + "Kernel.connect(name='new')\n", str(A + 7))
     with daemon.connect() as k:
         assert proc_fields(k.procfs("meminfo"))[f"quota_uid{A + 7}"] == f"0 / {QUOTA}"
+
+
+# As the user argv[1]: write the file argv[3] to the new file argv[2] through one open
+# description and a dup of it, close the dup, remove the file argv[4] (giving a page
+# back), close the other: each close's errno (null: it succeeded), and whether the new
+# file is there.
+DUP_CLOSES = AS_UID + """
+path, source, filler = sys.argv[2], sys.argv[3], sys.argv[4]
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+os.write(fd, open(source, "rb").read())
+dup = os.dup(fd)
+first = (refusal(lambda: os.close(dup)) or [None])[0]
+os.unlink(filler)
+second = (refusal(lambda: os.close(fd)) or [None])[0]
+print(json.dumps([first, second, os.path.exists(path)]))
+"""
+
+
+def test_a_close_after_another_close_of_the_file_failed_imports_it_again(
+    daemon, k, mnt, blob
+):
+    """A close that imported nothing (EDQUOT) forgot the writes: the close of the file's
+    other descriptor (a dup, a child's copy) returned 0 and no file was made."""
+    filler = f"{HOME}/filler.kv"
+    make(k, filler, 9)  # one page of A's
+    k.chown(filler, A, A)
+    mem = proc_fields(k.procfs("meminfo"))
+    pages = QUOTA - int(mem[f"quota_uid{A}"].split(" / ")[0]) + 1  # past it, till the filler goes
+    make(k, "/tmp/dup-source.kv", pages * int(mem["page_size_tokens"]), salt=5)
+    source = world_dir() / "dup-source.kv"
+    source.write_bytes(k.export("/tmp/dup-source.kv"))
+    source.chmod(0o644)
+    first, second, there = json.loads(run_script(
+        daemon, DUP_CLOSES, str(A), str(mnt) + f"{HOME}/dup.kv", str(source),
+        str(mnt) + filler))
+    assert (first, second, there) == (errno.EDQUOT, None, True)
+    assert k.export(f"{HOME}/dup.kv") == source.read_bytes()
