@@ -89,7 +89,6 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     from symphony.engine.cuda_graphs import ENV as CUDA_GRAPHS_ENV
     from symphony.engine.settings import EngineSettings
     from symphony.engine_process import EngineProcess
-    from syscalls.session import socket_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     log = logging.getLogger("symphony.kernel")
@@ -108,7 +107,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     # The state directory and the socket's path are this kernel's before its engine loads
     # and its ranks meet (up to RENDEZVOUS_SECONDS): a second kernel there is refused now,
     # and `symphony status` and `stop` find this one (control.Claim).
-    sock = socket_path(args.socket)
+    sock = control().kernel_socket(args.socket)
     control().socket_dir(sock)
     state_dir.mkdir(parents=True, exist_ok=True)
     hold(state_dir)  # the kernel takes it again, as its own

@@ -48,6 +48,14 @@ def kernel_pid(sock: Path) -> int | None:
         probe.close()
 
 
+def kernel_socket(path: str | os.PathLike | None) -> Path:
+    """Where a kernel started on `path` binds: a symlink's target, the socket it names
+    (docs/syscalls.md), so that it and every other link to that socket lead to the kernel
+    (bound at the link, it replaced the link and left the others at a dead socket)."""
+    sock = socket_path(path)
+    return sock.resolve() if sock.is_symlink() else sock
+
+
 def socket_dir(sock: Path) -> None:
     """Make the default socket's directory (in /tmp, which a reboot empties); another
     socket's must be a directory already, as for bind(2): ENOENT or ENOTDIR naming it (a
@@ -93,7 +101,7 @@ def start_wait(args: argparse.Namespace) -> float:
 
 
 def cmd_start(args: argparse.Namespace, kernel_argv: list[str]) -> int:
-    sock = socket_path(args.socket)
+    sock = kernel_socket(args.socket)
     pid = kernel_pid(sock)
     if pid is not None:
         print(f"symphony: a kernel already runs on {sock} (pid {pid})", file=sys.stderr)

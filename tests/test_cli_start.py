@@ -85,3 +85,20 @@ def test_a_kernels_socket_that_no_kernel_serves_on_is_said_so(tmp_path):
     assert [(out.returncode, out.stderr) for out in dead] == [
         (1, f"symphony: {prefix}{said}the socket exists but no kernel answers on it: "
             "Connection refused\n") for prefix in ("", "kv ls: ")]
+
+
+def test_a_kernel_started_through_a_symlink_binds_where_the_link_leads(tmp_path):
+    """`start --socket LINK` bound at the link itself, replacing it: the link's target and
+    every other link to it led to a dead socket."""
+    sock, link = tmp_path / "k.sock", tmp_path / "l.sock"
+    link.symlink_to("k.sock")  # relative, to a socket not made yet
+    started = symphony("start", "--socket", str(link), "--state-dir", str(tmp_path / "st"),
+                       "--model", str(ROOT / "models/tiny"), "--kv-pages", "16")
+    try:
+        assert started.returncode == 0, started.stderr
+        assert link.is_symlink() and sock.is_socket()
+        assert [symphony("status", "--socket", str(p)).returncode for p in (sock, link)] == [0, 0]
+    finally:
+        stopped = symphony("stop", "--socket", str(link))
+    assert stopped.returncode == 0, stopped.stderr
+    assert link.is_symlink() and not sock.exists()
