@@ -161,6 +161,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
             print(f"symphony: kernel {pid} on {sock} runs as {_owner(pid)}: only that user or "
                   f"root can stop it: {e.strerror}", file=sys.stderr)
             return 1
+        if _stopped(pid):  # SIGTERM waits until it runs again: waiting here would be for that
+            print(f"symphony: kernel {pid} is stopped (SIGSTOP or a debugger): it stops, saving "
+                  f"its files, once it continues (kill -CONT {pid})", file=sys.stderr)
+            return 1
         if select.select([pidfd], [], [], STOP_TIMEOUT)[0]:
             print(f"kernel {pid} stopped")
             return 0
@@ -168,6 +172,15 @@ def cmd_stop(args: argparse.Namespace) -> int:
         os.close(pidfd)
     print(f"symphony: kernel {pid} is still running after {STOP_TIMEOUT:.0f} s", file=sys.stderr)
     return 1
+
+
+def _stopped(pid: int) -> bool:
+    """Whether a process is stopped by a signal or traced (/proc's state T or t)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _owner(pid: int) -> str:

@@ -2,6 +2,7 @@
 that stops, and what `symphony kv cp` refuses."""
 
 import os
+import signal
 import subprocess
 
 import pytest
@@ -83,3 +84,22 @@ def test_stop_by_another_user_names_the_kernel_and_its_user(daemon):
         "root can stop it: Operation not permitted\n")
     with daemon.connect() as k:
         assert k.ps()
+
+
+def test_stop_of_a_stopped_kernel_says_so_and_it_stops_once_continued(model):
+    """It waited 120 s for a kernel SIGSTOP held, then said only 'still running'."""
+    d = start_daemon(model, None, "--kv-pages", "16")
+    try:
+        os.kill(d.process.pid, signal.SIGSTOP)
+        out = subprocess.run([*SYMPHONY, "stop", "--socket", str(d.socket)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        pid = d.process.pid
+        assert (out.returncode, out.stderr) == (1, (
+            f"symphony: kernel {pid} is stopped (SIGSTOP or a debugger): it stops, saving its "
+            f"files, once it continues (kill -CONT {pid})\n"))
+        os.kill(pid, signal.SIGCONT)
+        assert d.process.wait(60) == 0  # the SIGTERM stop sent, taken as it runs again
+    finally:
+        if d.process.poll() is None:
+            os.kill(d.process.pid, signal.SIGCONT)
+        d.stop()
