@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon import ROOT, start_daemon, wait_for
+from daemon import AS_UID, ROOT, start_daemon, wait_for
 
 from symphony.frame_hold import HOLD_LIMIT, FrameHold
 from symphony.read_pause import REPLIES, ReadPause
@@ -31,14 +31,10 @@ NEEDS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become 
 
 # Imports first: Python itself may live where the user cannot read. Then become the user.
 AS_USER = """
-import dataclasses, io, json, os, socket, sys, time, contextlib
-from syscalls.client import Kernel
+import dataclasses, io, socket, time, contextlib
 from syscalls.session import hello, socket_path
 from symphony.cli import main as symphony
-uid = int(sys.argv[1])
-os.setgroups([])
-os.setgid(uid)
-os.setuid(uid)
+""" + AS_UID + """
 def errno_of(fn):
     try:
         fn()

@@ -477,6 +477,7 @@ class Generation:
                 await asyncio.shield(release)
             except asyncio.CancelledError:
                 cancelled = True
+        release.result()  # a close that failed is the request's error
         if cancelled:
             raise asyncio.CancelledError
 
