@@ -4,7 +4,9 @@ through prefill chunks, decodes, a tree and an excluded range."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -90,6 +92,12 @@ def _rank(rank: int, world: int, port: int, directories: list[str], out: str) ->
             torch.save(results, out)
     finally:
         dist.destroy_process_group()
+    # Out without the interpreter's finalization, as symphony/ranks.py's followers: gloo's
+    # threads torn down there now and then end in std::terminate (SIGABRT, a rank that
+    # ended cleanly reported dead; CI saw it once).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # The checkpoints the ranks are tested on: the parity tests' families, and a GGUF file
