@@ -326,8 +326,12 @@ def test_linear_rope_scaling_with_rope_freqs_divides_the_factors(tmp_path):
      "unsupported rope scaling 'longrope' (supported: none, linear)"),
     ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": -2.0},
      "rope scaling factor -2.0 is negative"),
+    ({"llama.rope.scaling.factor": "four"},
+     "metadata llama.rope.scaling.factor is 'four', not a number"),
+    ({"llama.rope.freq_base": "ten thousand"},
+     "metadata llama.rope.freq_base is 'ten thousand', not a number"),
 ])
-def test_unsupported_rope_scaling_is_named(tmp_path, metadata, why):
+def test_unsupported_or_bad_rope_metadata_is_named(tmp_path, metadata, why):
     path = tmp_path / "model.gguf"
     write_gguf(path, "llama-tied", Q.F32, rope_metadata=metadata)
     with pytest.raises(ModelError) as e:

@@ -121,16 +121,28 @@ class GGUFFile:
         """The model's shape from the `<arch>.*` keys, as a Hugging Face config would say it."""
         arch, src = self.architecture, str(self.path)
 
-        def key(name: str, default=None):
+        def number(name: str, value, kind=int):
+            try:
+                return kind(value)
+            except (TypeError, ValueError, OverflowError):
+                raise ModelError(f"{src}: metadata {arch}.{name} is {value!r}, not a "
+                                 "number") from None
+
+        def key(name: str, kind=int, default=None):
+            """The `<arch>.name` value as `kind`; ModelError naming it where it is missing
+            (and has no default) or not a number."""
             value = self.get(f"{arch}.{name}", default)
             if value is None:
                 raise ModelError(f"{src}: missing metadata {arch}.{name}")
-            return value
+            return number(name, value, kind)
 
-        heads, hidden = int(key("attention.head_count")), int(key("embedding_length"))
-        head_dim = int(self.get(f"{arch}.attention.key_length") or hidden // heads)
-        rope_dims = self.get(f"{arch}.rope.dimension_count")
-        if rope_dims is not None and int(rope_dims) != head_dim:
+        heads, hidden = key("attention.head_count"), key("embedding_length")
+        if heads <= 0:
+            raise ModelError(f"{src}: metadata {arch}.attention.head_count is {heads}, not a "
+                             "positive count")
+        head_dim = key("attention.key_length", default=0) or hidden // heads
+        rope_dims = key("rope.dimension_count", default=head_dim)
+        if rope_dims != head_dim:
             raise ModelError(f"{src}: partial rotary embeddings ({rope_dims} of {head_dim}) "
                              "are not supported")
         # Read as llama.cpp reads it: no type is linear, the factor (rope.scale_linear in older
@@ -139,8 +151,8 @@ class GGUFFile:
         if scaling not in ROPE_SCALING_TYPES:
             raise ModelError(f"{src}: unsupported rope scaling {scaling!r} "
                              f"(supported: {', '.join(ROPE_SCALING_TYPES)})")
-        factor = float(self.get(f"{arch}.rope.scaling.factor")
-                       or self.get(f"{arch}.rope.scale_linear") or 0.0)
+        factor = (key("rope.scaling.factor", float, 0.0)
+                  or key("rope.scale_linear", float, 0.0))
         if factor < 0:
             raise ModelError(f"{src}: rope scaling factor {factor} is negative")
         if self.get(f"{arch}.attention.sliding_window"):
@@ -150,25 +162,26 @@ class GGUFFile:
             if len(set(heads_kv)) != 1:
                 raise ModelError(f"{src}: per-layer KV head counts are not supported")
             heads_kv = heads_kv[0]
+        heads_kv = number("attention.head_count_kv", heads_kv)
         embed = self.tensors.get("token_embd.weight")  # GGUF's shape: [hidden, vocab]
         vocab = int(embed.shape[-1]) if embed is not None else (
-            self.get(f"{arch}.vocab_size") or len(self.get("tokenizer.ggml.tokens", []))
+            key("vocab_size", default=0) or len(self.get("tokenizer.ggml.tokens", []))
         )
         eos = [self.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         raw = {
             "architectures": [ARCHITECTURES[arch]],
-            "vocab_size": int(vocab),
+            "vocab_size": vocab,
             "hidden_size": hidden,
-            "intermediate_size": int(key("feed_forward_length")),
-            "num_hidden_layers": int(key("block_count")),
+            "intermediate_size": key("feed_forward_length"),
+            "num_hidden_layers": key("block_count"),
             "num_attention_heads": heads,
-            "num_key_value_heads": int(heads_kv),
+            "num_key_value_heads": heads_kv,
             "head_dim": head_dim,
-            "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-            "rope_theta": float(self.get(f"{arch}.rope.freq_base", 10000.0)),
+            "rms_norm_eps": key("attention.layer_norm_rms_epsilon", float),
+            "rope_theta": key("rope.freq_base", float, 10000.0),
             "rope_scaling": {"rope_type": "linear", "factor": factor}
             if scaling == "linear" and factor else None,
-            "max_position_embeddings": int(self.get(f"{arch}.context_length", 2048)),
+            "max_position_embeddings": key("context_length", default=2048),
             "tie_word_embeddings": "output.weight" not in self.tensors,
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
             "bos_token_id": self.get("tokenizer.ggml.bos_token_id"),
