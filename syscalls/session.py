@@ -117,13 +117,17 @@ def ring_setup(lifeline: socket.socket) -> ring.ProcessRing | None:
     lifeline.sendall(wire.frame(wire.RING_SETUP, 0))
     size = wire.HEADER.size + ring.GEOMETRY.size
     data, fds = b"", []
-    while len(data) < wire.HEADER.size or (len(data) < size and data[8] == wire.RING):
-        chunk, got, _, _ = socket.recv_fds(lifeline, size - len(data), 3)
-        if not chunk:
-            for fd in fds + got:
-                os.close(fd)
-            raise ConnectionResetError("the kernel hung up in the ring setup")
-        data, fds = data + chunk, fds + got
+    try:  # the descriptors come with the frame's first bytes: none kept if it breaks off
+        while len(data) < wire.HEADER.size or (len(data) < size and data[8] == wire.RING):
+            chunk, got, _, _ = socket.recv_fds(lifeline, size - len(data), 3)
+            fds += got
+            if not chunk:
+                raise ConnectionResetError("the kernel hung up in the ring setup")
+            data += chunk
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
     payload, _, kind = wire.HEADER.unpack_from(data)
     if kind != wire.RING or len(fds) != 3:
         for fd in fds:
@@ -138,6 +142,10 @@ def ring_setup(lifeline: socket.socket) -> ring.ProcessRing | None:
     sq_bytes, cq_bytes = ring.GEOMETRY.unpack_from(data, wire.HEADER.size)
     try:
         mem = ring.RingMemory(memfd, sq_bytes, cq_bytes)
+    except BaseException:
+        for fd in (kernel_bell, process_bell):
+            os.close(fd)
+        raise
     finally:
         os.close(memfd)
     if mem.get(ring.MAGIC_AT) != ring.MAGIC:

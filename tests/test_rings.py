@@ -434,6 +434,34 @@ def test_a_forked_child_may_not_use_its_parents_ring(daemon):
         assert len(f.pred([1])) == 1
 
 
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("sent, raises", [
+    (wire.HEADER.size + 2, TimeoutError),  # the frame breaks off: the wait times out
+    (wire.HEADER.size + ring.GEOMETRY.size, OSError),  # whole, but its memory maps not
+])
+def test_a_ring_setup_that_fails_keeps_none_of_the_descriptors_it_got(sent, raises):
+    """A kernel's RING frame cut short, or whole with descriptors that are no ring memory:
+    ring_setup fails, closing the descriptors that came with the frame's first bytes."""
+    ours, theirs = socket.socketpair()
+    fds = [os.eventfd(0) for _ in range(3)]
+    try:
+        data = wire.frame(wire.RING, 0, ring.GEOMETRY.pack(ring.SQ_BYTES, ring.CQ_BYTES))
+        socket.send_fds(theirs, [data[:sent]], fds)
+        ours.settimeout(0.2)
+        before = _open_fds()
+        with pytest.raises(raises):
+            session.ring_setup(ours)
+        assert _open_fds() == before
+    finally:
+        for fd in fds:
+            os.close(fd)
+        ours.close()
+        theirs.close()
+
+
 def test_submit_many_publishes_together_and_rings_once(ends):
     kernel, proc = ends
     records = [(ring.PRED, i, bytes([i]) * i) for i in range(1, 6)]
