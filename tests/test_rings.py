@@ -434,8 +434,18 @@ def test_a_forked_child_may_not_use_its_parents_ring(daemon):
         assert len(f.pred([1])) == 1
 
 
-def _open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+def _eventfds_counting(count: int) -> int:
+    """How many of this process's descriptors are eventfds holding `count`."""
+    n = 0
+    for fd in os.listdir("/proc/self/fdinfo"):
+        try:
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                info = f.read()
+        except OSError:  # gone meanwhile (another thread's), or the listing's own
+            continue
+        field = info.partition("eventfd-count:")[2].split()
+        n += bool(field) and int(field[0], 16) == count
+    return n
 
 
 @pytest.mark.parametrize("sent, raises", [
@@ -446,15 +456,15 @@ def test_a_ring_setup_that_fails_keeps_none_of_the_descriptors_it_got(sent, rais
     """A kernel's RING frame cut short, or whole with descriptors that are no ring memory:
     ring_setup fails, closing the descriptors that came with the frame's first bytes."""
     ours, theirs = socket.socketpair()
-    fds = [os.eventfd(0) for _ in range(3)]
+    count = 0x5EC0DE  # marks the eventfds sent for descriptors, and their copies
+    fds = [os.eventfd(count) for _ in range(3)]
     try:
         data = wire.frame(wire.RING, 0, ring.GEOMETRY.pack(ring.SQ_BYTES, ring.CQ_BYTES))
         socket.send_fds(theirs, [data[:sent]], fds)
         ours.settimeout(0.2)
-        before = _open_fds()
         with pytest.raises(raises):
             session.ring_setup(ours)
-        assert _open_fds() == before
+        assert _eventfds_counting(count) == 3  # the ones sent, no copy
     finally:
         for fd in fds:
             os.close(fd)
