@@ -618,8 +618,10 @@ class Hello(asyncio.Protocol):
         self.send_reply(call, reply)
 
     def send_reply(self, call: int, reply: pb.PredReply) -> None:
-        """On the ring when it has room, else as a frame on the lifeline."""
-        if self.transport.is_closing():
+        """On the ring when it has room, else as a frame on the lifeline. None once the
+        process is reaped: its lifeline closes, and that is the answer to what it had in
+        flight (the cancelled preds' EINTR is gRPC's)."""
+        if self.transport.is_closing() or (self.proc is not None and not self.proc.alive):
             return
         payload = reply.SerializeToString()
         if self.ring is not None:

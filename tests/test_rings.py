@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+import grpc
 import pytest
 from daemon import (
     HOG,
@@ -310,6 +311,38 @@ def test_a_record_of_an_unknown_kind_gets_einval_and_the_ring_goes_on(daemon):
         lifeline.close()
         rings.close()
     assert got == {1: errno.EINVAL, 2: errno.EINVAL, 3: errno.EBADF}
+
+
+def test_preds_in_flight_when_the_process_exits_get_no_reply(daemon):
+    """docs/syscalls.md: at exit, the lifeline and the rings close instead of answering the
+    preds in flight there (EINTR is gRPC's): no reply comes that is not a pred's answer."""
+    lifeline, token, rings = rung_session(daemon.socket)
+    try:
+        fds = [raw_open(daemon.socket, token) for _ in range(8)]
+        for call, fd in enumerate(fds, 1):
+            payload = pb.PredRequest(fd=fd, tokens=prompt(900, call),
+                                     no_outputs=True).SerializeToString()
+            if call % 2:
+                rings.submit(ring.PRED, call, payload)
+            else:
+                lifeline.sendall(wire.frame(wire.PRED, call, payload))
+        time.sleep(0.2)
+        with grpc.insecure_channel(session.grpc_target(daemon.socket)) as channel:
+            channel.unary_unary("/symphony.Kernel/Exit",
+                                request_serializer=pb.ExitRequest.SerializeToString,
+                                response_deserializer=pb.Empty.FromString,
+                                )(pb.ExitRequest(code=0), metadata=[(session.SESSION_KEY, token)])
+        lifeline.settimeout(30)
+        frames, replies = wire.Frames(), []
+        while data := lifeline.recv(1 << 16):
+            replies += [payload for kind, _, payload in frames.feed(data) if kind == wire.REPLY]
+        replies += [payload for _, _, payload in rings.completions()]
+    finally:
+        lifeline.close()
+        rings.close()
+    errors = [pb.PredReply.FromString(p).error.message for p in replies]
+    assert [e for e in errors if e] == []
+    assert len(replies) < len(fds)  # the exit came while preds were in flight
 
 
 def test_any_frame_takes_the_rings_records_first(daemon):
