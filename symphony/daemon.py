@@ -140,7 +140,6 @@ class Kernel:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         sock = self.opts.socket
-        sock.parent.mkdir(parents=True, exist_ok=True)
         if release is not None:
             release()
         for path in (sock, hello_path(sock)):
