@@ -9,6 +9,7 @@ import asyncio
 import random
 import time
 
+import httpx2 as httpx
 import openai
 import pytest
 from daemon import meminfo, start_server, wait_for
@@ -113,6 +114,13 @@ def test_requests_past_the_pool_together_wait_for_each_other_and_all_succeed(ser
         wait_for(lambda: meminfo(k)["device_used"] == used, what="every page freed")
 
 
+def preemptions(server) -> float:
+    """The server's symphony:num_preemptions_total."""
+    (line,) = [line for line in httpx.get(server.url + "/metrics").text.splitlines()
+               if line.startswith("symphony:num_preemptions_total")]
+    return float(line.rsplit(" ", 1)[1])
+
+
 def _prompt(info, seed: int, pages: int, short: int = 0) -> list[int]:
     """`pages` pages of random ids (none special) less `short`: a prompt of its own per
     seed."""
@@ -198,9 +206,10 @@ def test_when_every_request_waits_for_pages_the_youngest_waits_and_both_complete
                                                   for r in requests))
                 return [await _served(client, False, **r) for r in requests]
 
-        start = time.monotonic()
+        start, preempted = time.monotonic(), preemptions(server)
         both = asyncio.run(run(True))
         assert time.monotonic() - start < 30  # the wait's limit is 60 s
+        assert preemptions(server) == preempted + 1
         assert both == asyncio.run(run(False))
         assert [completion_tokens for _, _, completion_tokens in both] == [8, 8]
         wait_for(lambda: meminfo(k)["device_used"] == used, what="every page freed")

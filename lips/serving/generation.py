@@ -325,6 +325,7 @@ class Generation:
                     await self._sample(choices, again)
                 return
             except Preempted as e:  # the request's pages go to older requests for now
+                g.metrics.preemptions.inc()
                 await self._free()
                 await g.cache.preempted(self._claim, e)
                 again = True

@@ -138,6 +138,9 @@ class Metrics:
         self.generation_tokens = Counter("symphony:generation_tokens",
                                          "Number of generation tokens processed.", labels,
                                          registry=r).labels(model_name)
+        self.preemptions = Counter("symphony:num_preemptions",
+                                   "Cumulative number of preemption from the engine.", labels,
+                                   registry=r).labels(model_name)
         self.ttft = Histogram("symphony:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.", labels,
                               registry=r, buckets=TTFT_BUCKETS).labels(model_name)
