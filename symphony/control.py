@@ -15,19 +15,21 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from symphony.options import RENDEZVOUS_SECONDS
 from syscalls.client import Kernel
 from syscalls.flags import each
-from syscalls.session import DEFAULT_SOCKET, socket_path
+from syscalls.session import DEFAULT_SOCKET, pid_path, socket_path
 
 START_TIMEOUT = 300.0  # loading and fingerprinting a large checkpoint takes a while
 STOP_TIMEOUT = 120.0  # stopping saves every changed KV file
 # A serving kernel answers a hello within milliseconds, under load too: status says one
 # that has not in this long is not answering, rather than wait as long as a program would.
 STATUS_HELLO_TIMEOUT = 5.0
+PROBE_WAIT = 2.0  # kernel_pid's wait for room in a listener's full backlog
 
 
 PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -36,16 +38,42 @@ PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 def kernel_pid(sock: Path) -> int | None:
     """The pid of the kernel that listens on sock, as the OS tells it (SO_PEERCRED of a
     connection); None when nothing answers there. Not the kernel's pid file: after a crash
-    that names a dead kernel, a zombie, or whatever process has its pid since."""
+    that names a dead kernel, a zombie, or whatever process has its pid since; but a
+    listener whose backlog stays full for PROBE_WAIT (a kernel stopped with SIGSTOP, or
+    hung) is the kernel the pid file names, if it names a live process: a blocking probe
+    waited for room for ever."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)  # a connection is made at once or refused at once (EAGAIN)
+    deadline = time.monotonic() + PROBE_WAIT
     try:
-        probe.connect(str(sock))
-        cred = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
-        return PEERCRED.unpack(cred)[0]
-    except OSError:
-        return None
+        while time.monotonic() < deadline:
+            try:
+                probe.connect(str(sock))
+            except BlockingIOError:  # its backlog is full
+                time.sleep(0.05)
+                continue
+            except OSError:
+                return None
+            cred = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
+            return PEERCRED.unpack(cred)[0]
     finally:
         probe.close()
+    return _listed_pid(sock)
+
+
+def _listed_pid(sock: Path) -> int:
+    """The pid in the kernel's pid file, for a listener that takes no connection; OSError
+    (EAGAIN) when the file names no live process."""
+    try:
+        pid = int(pid_path(sock).read_text())
+        os.kill(pid, 0)
+        return pid
+    except PermissionError:  # alive, another user's
+        return pid
+    except (OSError, ValueError):
+        raise OSError(errno.EAGAIN, f"{sock}: a process listens there but takes no "
+                      f"connection in {PROBE_WAIT:g} s, and {pid_path(sock)} names no live "
+                      "kernel") from None
 
 
 def kernel_socket(path: str | os.PathLike | None) -> Path:
@@ -83,11 +111,26 @@ class Claim:
         self.listener: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(sock))
         self.listener.listen()
+        # Every probe's connection taken and closed: left in the backlog, 129 of them (a
+        # script polling `symphony status` while a model loads) filled it, and every probe
+        # after waited for room until the kernel served.
+        self._taker = threading.Thread(target=self._take, args=(self.listener,), daemon=True)
+        self._taker.start()
+
+    @staticmethod
+    def _take(listener: socket.socket) -> None:
+        while True:
+            try:
+                listener.accept()[0].close()
+            except OSError:  # shut down by release
+                return
 
     def release(self) -> None:
         """For the kernel to listen there itself (once: later calls do nothing, so that a
         kernel's socket is never taken for the placeholder's)."""
         if self.listener is not None:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the taker's accept
+            self._taker.join()
             self.listener.close()
             self.listener = None
             self.path.unlink(missing_ok=True)

@@ -31,7 +31,7 @@ from symphony.scheduler import Scheduler
 from symphony.server import Front, Hello, grpc_cap, grpc_options
 from syscalls import symphony_pb2 as pb
 from syscalls import wire
-from syscalls.session import hello_path
+from syscalls.session import hello_path, pid_path
 
 log = logging.getLogger("symphony.kernel")
 
@@ -39,10 +39,6 @@ log = logging.getLogger("symphony.kernel")
 def default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
     return Path(base) / "symphony"
-
-
-def pid_path(sock: Path) -> Path:
-    return sock.with_name(sock.name + ".pid")
 
 
 class Kernel:

@@ -42,6 +42,11 @@ def hello_path(sock: Path) -> Path:
     return sock.with_name(sock.name + ".hello")
 
 
+def pid_path(sock: Path) -> Path:
+    """The serving kernel's pid, written as it listens, removed as it stops."""
+    return sock.with_name(sock.name + ".pid")
+
+
 def grpc_target(sock: Path) -> str:
     return f"unix://{sock.resolve()}"
 

@@ -1,12 +1,19 @@
 """`symphony start` and `symphony kernel` failing or interrupted before they serve."""
 
+import errno
+import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from daemon import ROOT, alive, wait_for
+
+from symphony.control import PROBE_WAIT, Claim, kernel_pid
+from syscalls.session import pid_path
 
 
 def symphony(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -102,3 +109,57 @@ def test_a_kernel_started_through_a_symlink_binds_where_the_link_leads(tmp_path)
         stopped = symphony("stop", "--socket", str(link))
     assert stopped.returncode == 0, stopped.stderr
     assert link.is_symlink() and not sock.exists()
+
+
+def within(seconds: float, fn):
+    """fn's result, or the test fails if it has none in `seconds` (fn may hang for ever)."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert out, f"no answer in {seconds} s"
+    return out[0]
+
+
+def test_a_starting_kernel_s_placeholder_answers_every_probe(tmp_path):
+    """The socket a kernel holds while its model loads (control.Claim) takes the probes of
+    `symphony status` and `stop`: the 129th probe had found its backlog full and waited
+    for room until the kernel served."""
+    sock = tmp_path / "k.sock"
+    claim = Claim(sock)
+    try:
+        assert within(30, lambda: [kernel_pid(sock) for _ in range(300)]) == [os.getpid()] * 300
+    finally:
+        claim.release()
+    assert kernel_pid(sock) is None and not sock.exists()
+
+
+def test_a_listener_that_takes_no_connection_is_the_kernel_its_pid_file_names(tmp_path):
+    """A kernel stopped (SIGSTOP) or hung, its backlog full: the probe waits PROBE_WAIT for
+    room, then takes the pid file's word if it names a live process, else says so."""
+    sock = tmp_path / "k.sock"
+    listener, queued = socket.socket(socket.AF_UNIX), []
+    listener.bind(str(sock))
+    listener.listen(0)
+    try:
+        while True:
+            c = socket.socket(socket.AF_UNIX)
+            c.setblocking(False)
+            queued.append(c)
+            try:
+                c.connect(str(sock))
+            except BlockingIOError:
+                break
+        pid_path(sock).write_text(f"{os.getpid()}\n")
+        assert within(PROBE_WAIT + 10, lambda: kernel_pid(sock)) == os.getpid()
+        pid_path(sock).write_text("999999999\n")
+        with pytest.raises(OSError) as e:
+            kernel_pid(sock)
+        assert e.value.errno == errno.EAGAIN
+        assert str(e.value) == (f"[Errno 11] {sock}: a process listens there but takes no "
+                                f"connection in {PROBE_WAIT:g} s, and {pid_path(sock)} names "
+                                "no live kernel")
+    finally:
+        for c in queued:
+            c.close()
+        listener.close()

@@ -18,8 +18,9 @@ from collections.abc import Callable
 import pytest
 from daemon import ROOT, alive, meminfo, prompt, sched, start_daemon, wait_for
 
-from symphony.daemon import pid_path, scheduler_defect
+from symphony.daemon import scheduler_defect
 from symphony.engine_process import EngineDied
+from syscalls.session import pid_path
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ import pytest
 from daemon import ROOT, alive, prompt, sched, start_daemon, wait_for
 from test_tensor_parallel import free_port
 
-from symphony.daemon import pid_path
 from syscalls.convert import LogitControl
+from syscalls.session import pid_path
 
 pytestmark = pytest.mark.slow
 
