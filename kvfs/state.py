@@ -130,6 +130,10 @@ class StateDir:
         # them, each checked as it is when looked up (load_pages), so no page is kept alive
         # here and none changed or freed since is shared.
         self.loaded: dict[tuple[int, bytes], list[tuple[weakref.ref[Inode], int]]] = {}
+        # Per restored file not loaded yet, its data file's identity when the restore read
+        # its header (_identity): the load reads the file only if it is still that one.
+        self.seen: weakref.WeakKeyDictionary[Inode, tuple[int, ...]] = (
+            weakref.WeakKeyDictionary())
         fs.on_change = self.changed
         fs.on_namespace_change = self.namespace_changed
         fs.on_sync = self.sync
@@ -428,6 +432,8 @@ class StateDir:
         inode.fingerprint = meta["fingerprint"]
         data = self._data(ino)
         if data.exists():
+            # Taken before the header is read: a change after it shows at the load.
+            self.seen[inode] = _identity(os.stat(data))
             m = read_meta(data)
             inode.fingerprint = m.header.layout.fingerprint
             inode.tokens, inode.positions = m.tokens, m.positions
@@ -445,14 +451,23 @@ class StateDir:
         did before it. The owner was charged the file's pages unshared since the restart
         (FileSystem.restored): the load charges what the file holds in their place, as
         many or fewer. Pages of other users' are never looked at: sharing between users is
-        not made again."""
+        not made again. A data file changed on disk since the restart is not loaded (EIO,
+        `_changed`): one that is not the file the restore read (its identity), or whose
+        entries are not those restored (the owner was charged for those: others could take
+        more pages)."""
         data = self._data(inode.ino)
-        imported = parse(data.read_bytes(), self.fs.layout, self.fs.vocab_size)
-        # What the owner is charged for was counted from these entries as restored: a data
-        # file rewritten behind the kernel's back since could hold more pages.
+        try:
+            with open(data, "rb") as f:
+                # The file read is the one checked: a rename over it after this is not.
+                if _identity(os.fstat(f.fileno())) != self.seen.get(inode):
+                    raise self._changed(inode, data, "is not the one the restart read")
+                raw = f.read()
+        except FileNotFoundError:
+            raise self._changed(inode, data, "is gone") from None
+        imported = parse(raw, self.fs.layout, self.fs.vocab_size)
         if (imported.tokens, imported.positions, imported.excluded) != (
                 inode.tokens, inode.positions, inode.excluded):
-            raise FSError(errno.EIO, f"{data}: its entries changed on disk since the restart")
+            raise self._changed(inode, data, "holds other entries than the restart read")
         size, uid = self.fs.page_size, inode.uid
         excluded = merge_ranges(imported.excluded)
         keys: dict[int, tuple[int, bytes]] = {}
@@ -470,9 +485,35 @@ class StateDir:
             else:
                 first.setdefault(key, i)
         self.fs.fill(inode, imported, quota=False, shared=shared)
+        del self.seen[inode]
         ref = weakref.ref(inode, lambda gone: self._forget(gone, set(keys.values())))
         for i, key in keys.items():
             self.loaded.setdefault(key, []).append((ref, i))
+
+    def _changed(self, inode: Inode, data: Path, why: str) -> FSError:
+        """EIO for a file whose data file changed on disk since the restart, named by its
+        names in the file system: the caller may be any user, and where root keeps the
+        data file is root's; the kernel's log names the data file and why."""
+        log.error("%s %s: not loaded", data, why)
+        names = self._names(inode)
+        named = repr(names[0]) if names else f"inode {inode.ino}"
+        if len(names) > 1:
+            named += f" (one of its {len(names)} names)"
+        return FSError(errno.EIO, f"{named}: its data file changed on disk since the restart")
+
+    def _names(self, inode: Inode) -> list[str]:
+        """Every path that names the file, /tmp included, sorted (a loop, not recursion: a
+        tree may be deeper than Python's stack)."""
+        out: list[str] = []
+        stack = [(self.fs.root, "")]
+        while stack:
+            d, path = stack.pop()
+            for name, child in d.entries.items():
+                if child is inode:
+                    out.append(f"{path}/{name}")
+                elif child.is_dir:
+                    stack.append((child, f"{path}/{name}"))
+        return sorted(out)
 
     def _loaded_page(self, key: tuple[int, bytes], imported: Imported, i: int
                      ) -> Page | None:
@@ -515,6 +556,13 @@ class StateDir:
                 self.loaded[key] = places
             else:
                 self.loaded.pop(key, None)
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What tells a data file's bytes apart cheaply: a write changes its change time, which
+    no one but the clock sets (a digest of the whole file would make a start as slow as
+    reading every file); a rename over it, its inode."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _rows(imported: Imported, i: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,9 @@ from daemon import ROOT as REPO
 from kvfs_helpers import PAGE, append
 from test_kvfs_restore_sharing import PATHS, USED, boot, make_forks
 
+import kvfs.state
 from kvfs.errors import FSError
+from kvfs.format import read_meta
 from kvfs.fs import FileSystem
 from kvfs.perm import ROOT, Cred
 
@@ -177,21 +179,83 @@ def test_an_export_refused_after_the_load_leaves_the_charge(tmp_path):
     assert charged(fs2, ALICE) == before == QUOTA
 
 
+def changed(fs: FileSystem, path: str, cred: Cred = ALICE) -> str:
+    """Opening path is EIO (again and again) and changes no count: its message."""
+    inode = fs.lookup(cred, path)
+    counts = (charged(fs, cred), fs.store.used.get(cred.uid, 0), fs.page_count(inode))
+    for _ in range(2):
+        with pytest.raises(FSError) as e:
+            fs.open(cred, path)
+        assert e.value.errno == errno.EIO
+        assert (charged(fs, cred), fs.store.used.get(cred.uid, 0),
+                fs.page_count(inode)) == counts
+    return e.value.message
+
+
+def flip_kv(data) -> None:
+    """One byte of a data file's K/V flipped in place, near its end: its size and entries
+    stay (the last byte of V: docs/kv-format.md)."""
+    end = read_meta(data).header.offsets["v"][1]
+    with open(data, "r+b") as f:
+        f.seek(end - 1)
+        byte = f.read(1)[0]
+        f.seek(end - 1)
+        f.write(bytes([byte ^ 1]))
+
+
+CHANGED = "its data file changed on disk since the restart"
+
+
 def test_a_data_file_rewritten_since_the_restart_is_not_loaded(tmp_path):
     """Its owner was charged for the entries the restart read: a data file that holds
-    others now (written behind the kernel's back) could take more pages. EIO, and the
-    charge stays."""
+    others now (written behind the kernel's back) could take more pages. EIO naming the
+    file as its owner knows it (where root keeps its data is root's), and the charge
+    stays."""
     fs, _ = boot(tmp_path, default_quota=QUOTA)
     alices_files(fs)
     fs2, _ = boot(tmp_path, default_quota=QUOTA)
     a, b = (fs2.stat(ALICE, f"/home/alice/{n}").ino for n in "ab")
     (tmp_path / "files" / f"{b}.kv").write_bytes((tmp_path / "files" / f"{a}.kv").read_bytes())
-    with pytest.raises(FSError) as e:
-        fs2.open(ALICE, "/home/alice/b")
-    assert e.value.errno == errno.EIO
-    assert e.value.message == (f"{tmp_path}/files/{b}.kv: its entries changed on disk since "
-                               "the restart")
+    assert changed(fs2, "/home/alice/b") == f"'/home/alice/b': {CHANGED}"
     assert (charged(fs2, ALICE), fs2.store.used.get(ALICE.uid, 0)) == (QUOTA, 0)
+
+
+def test_a_kv_byte_changed_since_the_restart_is_not_loaded(tmp_path):
+    """The tester's finding: a byte of K/V flipped in place (size and entries as they were)
+    was loaded and served. EIO naming the file's names; the file not changed loads as
+    before."""
+    fs, _ = boot(tmp_path, default_quota=QUOTA)
+    alices_files(fs)
+    h = fs.open(ALICE, "/home/alice/a")
+    fs.link(h, "/home/alice/a2")
+    fs.close(h)
+    h = fs.open(ALICE, "/home/alice/b")
+    b = fs.export(h)
+    fs.close(h)
+    fs2, _ = boot(tmp_path, default_quota=QUOTA)
+    flip_kv(tmp_path / "files" / f"{fs2.stat(ALICE, '/home/alice/a').ino}.kv")
+    assert changed(fs2, "/home/alice/a2") == (f"'/home/alice/a' (one of its 2 names): "
+                                              f"{CHANGED}")
+    assert (charged(fs2, ALICE), fs2.store.used.get(ALICE.uid, 0)) == (QUOTA, 0)
+    h = fs2.open(ALICE, "/home/alice/b")
+    assert fs2.export(h) == b
+    fs2.close(h)
+
+
+def test_a_change_the_stat_misses_is_caught_by_the_entries(tmp_path):
+    """A token id changed within the clock's tick of the restart's look (its identity
+    the same): the entries read at the load are not those restored. EIO as above."""
+    fs, _ = boot(tmp_path, default_quota=QUOTA)
+    alices_files(fs)
+    fs2, sd = boot(tmp_path, default_quota=QUOTA)
+    inode = fs2.lookup(ALICE, "/home/alice/a")
+    data = tmp_path / "files" / f"{inode.ino}.kv"
+    start = read_meta(data).header.offsets["token_ids"][0]
+    with open(data, "r+b") as f:
+        f.seek(start)
+        f.write((5).to_bytes(8, "little"))  # token 0 was 0 (alices_files)
+    sd.seen[inode] = kvfs.state._identity(os.stat(data))
+    assert changed(fs2, "/home/alice/a") == f"'/home/alice/a': {CHANGED}"
 
 
 # As the user: make the 3-page file argv[2] (after the restart: "new", then open the old
