@@ -12,12 +12,14 @@ import pwd
 import select
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 from symphony.options import RENDEZVOUS_SECONDS
 from syscalls.client import Kernel
@@ -79,20 +81,61 @@ def _listed_pid(sock: Path) -> int:
 def kernel_socket(path: str | os.PathLike | None) -> Path:
     """Where a kernel started on `path` binds: a symlink's target, the socket it names
     (docs/syscalls.md), so that it and every other link to that socket lead to the kernel
-    (bound at the link, it replaced the link and left the others at a dead socket)."""
+    (bound at the link, it replaced the link and left the others at a dead socket). The
+    directories of both are checked first (socket_dir): a link in the default socket's
+    directory is followed only once that directory is found to be the user's own."""
     sock = socket_path(path)
-    return sock.resolve() if sock.is_symlink() else sock
+    socket_dir(sock)
+    if not sock.is_symlink():
+        return sock
+    target = sock.resolve()
+    socket_dir(target)
+    return target
 
 
 def socket_dir(sock: Path) -> None:
-    """Make the default socket's directory (in /tmp, which a reboot empties); another
-    socket's must be a directory already, as for bind(2): ENOENT or ENOTDIR naming it (a
-    mistyped --socket made directories)."""
-    if sock == Path(DEFAULT_SOCKET):
-        sock.parent.mkdir(parents=True, exist_ok=True)
+    """Make the default socket's directory (in /tmp, which a reboot empties) or check it is
+    the user's own (own_dir); another socket's must be a directory already, as for bind(2):
+    ENOENT or ENOTDIR naming it (a mistyped --socket made directories)."""
+    if sock.parent == Path(DEFAULT_SOCKET).parent:
+        own_dir(sock.parent)
     elif not sock.parent.is_dir():
         code = errno.ENOTDIR if sock.parent.exists() else errno.ENOENT
         raise OSError(code, f"the socket's directory {sock.parent}: {os.strerror(code)}")
+
+
+def own_dir(path: Path) -> None:
+    """Make `path` with mode 0755, or take the one there only if it is a directory (not a
+    symlink) of this user's that no one else may write: EPERM naming its owner and mode.
+    Whoever may write in the directory of root's socket could put a socket of theirs in its
+    place (and take other users' session tokens), or links where the kernel writes its pid
+    file and log. mkdir first, then the check: one made by another between the two is
+    checked too."""
+    try:
+        path.mkdir(mode=0o755)
+        made = True
+    except FileExistsError:
+        made = False
+    st = os.lstat(path)
+    kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else
+            "" if stat.S_ISDIR(st.st_mode) else "not a directory")
+    if kind or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise OSError(errno.EPERM, (
+            f"the socket's directory {path}: {os.strerror(errno.EPERM)}: "
+            f"{kind + ', ' if kind else ''}owner {user_name(st.st_uid)}, mode "
+            f"{stat.S_IMODE(st.st_mode):04o}; the kernel takes only a directory of its "
+            f"user's ({user_name(os.geteuid())}) that no one else may write: remove it, "
+            "or use --socket"))
+    if made:  # 0755 whatever the umask: every user connects, so searches it
+        path.chmod(0o755)
+
+
+def user_name(uid: int) -> str:
+    """A uid as `name (uid N)`, or `uid N` where it has no name."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 class Claim:
@@ -149,43 +192,56 @@ def cmd_start(args: argparse.Namespace, kernel_argv: list[str]) -> int:
     if pid is not None:
         print(f"symphony: a kernel already runs on {sock} (pid {pid})", file=sys.stderr)
         return 1
-    socket_dir(sock)
     log = sock.with_name(sock.name + ".log")
-    with open(log, "ab") as out:
+    with open_log(log) as out:
         # The log keeps every start's lines: a failure shows only what this kernel wrote.
-        since = out.tell()
+        since = out.seek(0, os.SEEK_END)
         child = subprocess.Popen(
             [sys.executable, "-m", "symphony.cli", "kernel", "--socket", str(sock),
              *kernel_argv],
             stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
-    wait = start_wait(args)
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            with open(log, "rb") as written:
-                written.seek(since)
-                tail = written.read().decode(errors="replace").splitlines()[-20:]
-            print("\n".join(tail), file=sys.stderr)
-            print(f"symphony: the kernel exited with status {child.returncode} (log: {log})",
-                  file=sys.stderr)
-            return 1
-        try:
-            with Kernel.connect(sock, name="symphony-start") as k:
-                info = k.model_info()
-        except OSError:
-            time.sleep(0.2)
-            continue
-        if (answering := kernel_pid(sock)) not in (child.pid, None):
-            child.terminate()
-            print(f"symphony: another kernel (pid {answering}) took {sock} while kernel "
-                  f"{child.pid} started (log: {log})", file=sys.stderr)
-            return 1
-        print(f"kernel {child.pid} serves {info.name} on {sock} (log: {log})")
-        return 0
+        wait = start_wait(args)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if child.poll() is not None:
+                out.seek(since)
+                tail = out.read().decode(errors="replace").splitlines()[-20:]
+                print("\n".join(tail), file=sys.stderr)
+                print(f"symphony: the kernel exited with status {child.returncode} "
+                      f"(log: {log})", file=sys.stderr)
+                return 1
+            try:
+                with Kernel.connect(sock, name="symphony-start") as k:
+                    info = k.model_info()
+            except OSError:
+                time.sleep(0.2)
+                continue
+            if (answering := kernel_pid(sock)) not in (child.pid, None):
+                child.terminate()
+                print(f"symphony: another kernel (pid {answering}) took {sock} while kernel "
+                      f"{child.pid} started (log: {log})", file=sys.stderr)
+                return 1
+            print(f"kernel {child.pid} serves {info.name} on {sock} (log: {log})")
+            return 0
     child.terminate()
     print(f"symphony: the kernel did not answer within {wait:.0f} s (log: {log})",
           file=sys.stderr)
     return 1
+
+
+def open_log(log: Path) -> BinaryIO:
+    """The kernel's log, to append to and read back: never through a symlink (ELOOP naming
+    it), which whoever may write in the socket's directory could plant to have the kernel's
+    lines appended to a file of root's."""
+    try:
+        fd = os.open(log, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise OSError(errno.ELOOP, f"{log}: the kernel's log is a symlink, which start never "
+                      "writes through: remove it") from None
+    return open(fd, "a+b")
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -232,10 +288,7 @@ def _owner(pid: int) -> str:
         uid = os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return "another user"
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
+    return user_name(uid)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ import os
 import resource
 import signal
 import socket
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -159,7 +160,7 @@ class Kernel:
         # Every local user may connect; identity comes from SO_PEERCRED, not from access.
         for path in (sock, hello_path(sock)):
             os.chmod(path, 0o666)
-        pid_path(sock).write_text(f"{os.getpid()}\n")
+        write_pid(pid_path(sock))
         # Either ends early only when the engine process died: the kernel stops then.
         scheduler = loop.create_task(self.sched.run())
         engine_exit = loop.create_task(self.engine.exited())
@@ -213,6 +214,21 @@ def scheduler_defect(scheduler: asyncio.Task) -> BaseException | None:
         return None
     e = scheduler.exception()
     return None if isinstance(e, EngineDied) else e
+
+
+def write_pid(path: Path) -> None:
+    """The kernel's pid, written to a new file renamed over `path`: a symlink there (whoever
+    may write in the socket's directory could plant one to a file of root's) is replaced,
+    never written through."""
+    fd, new = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as out:
+            os.fchmod(fd, 0o644)
+            out.write(f"{os.getpid()}\n")
+        os.replace(new, path)
+    except BaseException:
+        os.unlink(new)
+        raise
 
 
 def _answers(path: Path) -> bool:

@@ -2,8 +2,10 @@
 
 import errno
 import os
+import pwd
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 from daemon import ROOT, alive, wait_for
 
+from symphony import control
 from symphony.control import PROBE_WAIT, Claim, kernel_pid
 from syscalls.session import pid_path
 
@@ -163,3 +166,130 @@ def test_a_listener_that_takes_no_connection_is_the_kernel_its_pid_file_names(tm
         for c in queued:
             c.close()
         listener.close()
+
+
+DIR_REFUSED = ("the socket's directory {d}: Operation not permitted: {kind}owner {owner}, mode "
+               "{mode}; the kernel takes only a directory of its user's (root (uid 0)) that no "
+               "one else may write: remove it, or use --socket")
+
+
+def plant_theirs(d: Path) -> None:
+    d.mkdir(mode=0o755)
+    os.chown(d, 1000, 1000)
+
+
+def plant_theirs_with_a_link(d: Path) -> None:
+    """Their link at the socket's path, to a socket in a directory of root's."""
+    plant_theirs(d)
+    (d.parent / "roots").mkdir(mode=0o755)
+    (d / "kernel.sock").symlink_to(d.parent / "roots" / "k.sock")
+
+
+def plant_writable(d: Path) -> None:
+    d.mkdir()
+    d.chmod(0o777)
+
+
+def plant_group_writable(d: Path) -> None:
+    d.mkdir()
+    d.chmod(0o775)
+
+
+def plant_link(d: Path) -> None:
+    (d.parent / "mine").mkdir(mode=0o755)
+    d.symlink_to("mine")
+
+
+def plant_file(d: Path) -> None:
+    d.write_text("")
+    d.chmod(0o644)
+
+
+@pytest.mark.parametrize("plant, kind, owner, mode", [
+    (plant_theirs, "", f"{pwd.getpwuid(1000).pw_name} (uid 1000)", "0755"),
+    (plant_theirs_with_a_link, "", f"{pwd.getpwuid(1000).pw_name} (uid 1000)", "0755"),
+    (plant_writable, "", "root (uid 0)", "0777"),
+    (plant_group_writable, "", "root (uid 0)", "0775"),
+    (plant_link, "a symlink, ", "root (uid 0)", "0777"),
+    (plant_file, "not a directory, ", "root (uid 0)", "0644"),
+], ids=["another-users", "another-users-link", "world-writable", "group-writable", "symlink",
+        "file"])
+def test_the_default_socket_s_directory_is_taken_only_if_it_is_the_user_s_own(
+        tmp_path, monkeypatch, plant, kind, owner, mode):
+    """Another user who made /tmp/symphony first had root's kernel write its pid file and
+    log through links planted there, and could put a socket of theirs in place of root's.
+    Now such a directory is refused, as a link to one or a file; tmp_path stands in for
+    /tmp, where the default's directory is."""
+    d = tmp_path / "symphony"
+    monkeypatch.setattr(control, "DEFAULT_SOCKET", str(d / "kernel.sock"))
+    plant(d)
+    with pytest.raises(OSError) as e:
+        control.kernel_socket(d / "kernel.sock")
+    assert e.value.errno == errno.EPERM
+    assert e.value.strerror == DIR_REFUSED.format(d=d, kind=kind, owner=owner, mode=mode)
+
+
+def test_the_default_socket_s_directory_is_made_0755_whatever_the_umask(tmp_path, monkeypatch):
+    """Every user connects, so searches it; no one else writes there. One there already,
+    the user's own and written by no one else, is taken as it is."""
+    d = tmp_path / "symphony"
+    monkeypatch.setattr(control, "DEFAULT_SOCKET", str(d / "kernel.sock"))
+    umask = os.umask(0o077)
+    try:
+        assert control.kernel_socket(d / "kernel.sock") == d / "kernel.sock"
+    finally:
+        os.umask(umask)
+    assert d.is_dir() and stat.S_IMODE(d.stat().st_mode) == 0o755
+    d.chmod(0o700)
+    assert control.kernel_socket(d / "kernel.sock") == d / "kernel.sock"
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+def victim(tmp_path: Path) -> Path:
+    """A file of root's that no one else may read or write."""
+    path = tmp_path / "victim"
+    path.write_text("root's\n")
+    path.chmod(0o600)
+    return path
+
+
+def start_tiny(sock: Path) -> subprocess.CompletedProcess:
+    return symphony("start", "--socket", str(sock), "--state-dir", str(sock.parent / "st"),
+                    "--model", str(ROOT / "models/tiny"), "--kv-pages", "16")
+
+
+def test_start_never_writes_its_log_through_a_symlink(tmp_path):
+    """A link planted at SOCK.log had the kernel's lines appended to the file it names. Now
+    start refuses, naming the log, and starts nothing."""
+    sock, root_s = tmp_path / "k.sock", victim(tmp_path)
+    log = tmp_path / "k.sock.log"
+    log.symlink_to(root_s)
+    started = start_tiny(sock)
+    try:
+        assert started.returncode == 1, started.stderr
+        assert started.stderr == (f"symphony: {log}: the kernel's log is a symlink, which start "
+                                  "never writes through: remove it: Too many levels of "
+                                  "symbolic links\n")
+        assert not sock.exists()
+    finally:
+        symphony("stop", "--socket", str(sock))
+    assert root_s.read_text() == "root's\n" and log.is_symlink()
+
+
+def test_a_kernel_replaces_a_symlink_at_its_pid_file(tmp_path):
+    """A link planted at SOCK.pid had the kernel write its pid through it, over the file it
+    names. Now the kernel's pid file replaces the link."""
+    sock, root_s = tmp_path / "k.sock", victim(tmp_path)
+    pid_path(sock).symlink_to(root_s)
+    started = start_tiny(sock)
+    try:
+        assert started.returncode == 0, started.stderr
+        assert not pid_path(sock).is_symlink()
+        assert pid_path(sock).read_text() == f"{kernel_pid(sock)}\n"
+        assert stat.S_IMODE(pid_path(sock).stat().st_mode) == 0o644
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "k.sock", "k.sock.hello", "k.sock.log", "k.sock.pid", "st", "victim"]
+    finally:
+        stopped = symphony("stop", "--socket", str(sock))
+    assert stopped.returncode == 0, stopped.stderr
+    assert root_s.read_text() == "root's\n"
