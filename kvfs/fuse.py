@@ -50,6 +50,11 @@ made through syscalls show at once. direct_io also keeps reads large (as the rea
 1 MiB for cp, by st_blksize) and spares a getattr (a stat) before each one, which the page
 cache would send with attributes never cached; the price is that shared mmap is refused
 (ENODEV; private mappings, as safetensors makes, work).
+
+A request waits for the kernel `KERNEL_WAIT` seconds at most (`symphony mount --timeout`),
+a streamed file's import or export that long for each chunk: a stopped or hung kernel fails
+it with ETIMEDOUT, where FUSE would hold its caller unkillable for as long as the kernel is
+stopped.
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ SPOOL_MEMORY = 8 << 20  # a file being written moves from memory to a temporary 
 XATTR_PREFIX = b"user.symphony."
 XATTRS = tuple(XATTR_PREFIX + n for n in (b"tokens", b"pages", b"text", b"model"))
 XATTR_MAX = 1 << 16  # Linux's limit on an attribute value
+KERNEL_WAIT = 60.0  # seconds a request waits for the kernel (`symphony mount --timeout`)
 
 
 def fuse_error(e: OSError) -> pyfuse3.FUSEError:
@@ -161,6 +167,33 @@ def stat_entry(st: Stat, ino: int) -> pyfuse3.EntryAttributes:
     return entry(
         ino, st.mode, st.size, st.nlink, st.uid, st.gid, (st.atime_ns, st.mtime_ns, st.ctime_ns)
     )
+
+
+class Wait:
+    """One call's bound: it is over once `bound` seconds pass with no answer, nor a chunk
+    of a streamed file (`beat`)."""
+
+    def __init__(self, bound: float):
+        self.bound = bound
+        self.last = time.monotonic()
+        self.over = False  # the request failed: the call's thread must not go on with it
+
+    def beat(self) -> None:
+        """A chunk went or came (in the call's thread); raises once the request gave up."""
+        if self.over:
+            raise TimeoutError(errno.ETIMEDOUT, "the mount stopped waiting for the kernel")
+        self.last = time.monotonic()
+
+    def beating(self, chunks: Iterator[bytes]) -> Iterator[bytes]:
+        for chunk in chunks:
+            self.beat()
+            yield chunk
+
+    async def watch(self, scope: trio.CancelScope) -> None:
+        while (left := self.last + self.bound - time.monotonic()) > 0:
+            await trio.sleep(left)
+        self.over = True
+        scope.cancel()
 
 
 class Quota(NamedTuple):
@@ -236,14 +269,15 @@ class Reader:
         self.chunks, self.done = [], False
 
     def close(self) -> None:
-        if self.stream is not None:
-            self.stream.close()  # cancels the call
-            self.stream = None
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            try:
+                stream.close()  # cancels the call
+            except ValueError:  # a thread the read stopped waiting for is in it: it ends
+                pass  # with the kernel's answer, and nobody takes that chunk
 
-    def pull(self) -> None:
-        """The stream's next chunk (blocking)."""
-        assert self.stream is not None
-        chunk = next(self.stream, None)
+    def add(self, chunk: bytes | None) -> None:
+        """The stream's next chunk (`next`, in a worker thread), or None at its end."""
         if chunk is None:
             self.done = True
         else:
@@ -394,9 +428,10 @@ def requests_fail_alone(cls: type) -> type:
 class KvFS(pyfuse3.Operations):
     """The FUSE operations; one instance per mount."""
 
-    def __init__(self, kernel: Kernel):
+    def __init__(self, kernel: Kernel, wait: float = KERNEL_WAIT):
         super().__init__()
         self.kernel = kernel
+        self.wait = wait  # seconds a request waits for the kernel (KERNEL_WAIT)
         self.dead = False  # the kernel died: everything fails with EIO until unmounted
         self.paths: dict[int, str] = {pyfuse3.ROOT_INODE: "/"}  # FUSE inode -> path
         self.lookups: Counter[int] = Counter()  # what FUSE remembers of each inode
@@ -414,15 +449,31 @@ class KvFS(pyfuse3.Operations):
     def who(self, uid: int, gid: int) -> Kernel:
         return self.kernel.acting_as(uid, gid)
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run(self, fn: Callable[..., Any], *args: Any, wait: Wait | None = None) -> Any:
         """A blocking client call in a worker thread, so a slow export or import does not
-        hold up other requests (the sync gRPC channel is thread-safe)."""
+        hold up other requests (the sync gRPC channel is thread-safe). ETIMEDOUT once
+        `wait` is over (by default self.wait seconds with no answer): the thread is left to
+        end with the kernel's answer, which nobody takes."""
         if self.dead:
             raise pyfuse3.FUSEError(errno.EIO)
-        try:
-            return await trio.to_thread.run_sync(functools.partial(fn, *args))
-        except OSError as e:
-            raise (pyfuse3.FUSEError(errno.EIO) if self.dead else fuse_error(e)) from None
+        wait = wait or Wait(self.wait)
+        answer: list[Any] = []
+        failed: OSError | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait.watch, nursery.cancel_scope)
+            try:
+                answer.append(await trio.to_thread.run_sync(
+                    functools.partial(fn, *args), abandon_on_cancel=True))
+            except OSError as e:
+                failed = e
+            nursery.cancel_scope.cancel()
+        if failed is not None:
+            raise pyfuse3.FUSEError(errno.EIO) if self.dead else fuse_error(failed)
+        if not answer:
+            log.error("%s: the kernel did not answer in %g s: ETIMEDOUT",
+                      getattr(fn, "__name__", fn), wait.bound)
+            raise pyfuse3.FUSEError(errno.ETIMEDOUT)
+        return answer[0]
 
     def path_of(self, inode: int) -> str:
         try:
@@ -1045,7 +1096,7 @@ class KvFS(pyfuse3.Operations):
                 h.restart(off)
             try:
                 while h.end < off + size and not h.done:
-                    await self.run(h.pull)
+                    h.add(await self.run(next, h.stream, None))
             except pyfuse3.FUSEError:
                 h.close()  # a broken stream must not look like the end of the file
                 raise
@@ -1258,21 +1309,24 @@ class KvFS(pyfuse3.Operations):
             if not w.unseeded:
                 return
 
-            def copy() -> None:
-                for chunk in self.kernel.export_iter(w.path):
+            wait = Wait(self.wait)
+
+            def copy() -> tuple[int, tuple[int, int] | None]:
+                length = 0
+                for chunk in wait.beating(self.kernel.export_iter(w.path)):
                     w.spool.write(chunk)
-                    w.length += len(chunk)
-                w.front, w.pieces = w.length, []
+                    length += len(chunk)
                 # The file's header is the spool's: checked, so that a write past the end
                 # it lays out is refused as one after a written header is.
                 try:
-                    got = read_header(w.spool, w.front, bounds, quota)
+                    return length, read_header(w.spool, length, bounds, quota)
                 except OSError:  # refused by the import too: the next write finds it so
-                    got = None
-                w.header_end, w.declared = got or (None, None)
+                    return length, None
 
             try:
-                await self.run(copy)
+                w.length, got = await self.run(copy, wait=wait)
+                w.front, w.pieces = w.length, []
+                w.header_end, w.declared = got or (None, None)
             except pyfuse3.FUSEError:
                 w.spool.seek(0)  # start over next time
                 w.spool.truncate()
@@ -1298,7 +1352,8 @@ class KvFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(w.refused)
         k = self.who(w.uid, w.gid)
         async with w.lock:  # no write meanwhile: what it imported is all there is
-            await self.run(k.import_file, w.path, w.chunks(), w.mode)
+            wait = Wait(self.wait)
+            await self.run(k.import_file, w.path, wait.beating(w.chunks()), w.mode, wait=wait)
             w.dirty = w.failed = False
         if self.writing.get(w.path) is w:
             del self.writing[w.path]  # imported: from now on the kernel answers
@@ -1414,10 +1469,14 @@ async def stop_on_signals() -> None:
 
 
 def mount(
-    mountpoint: str, socket: str | None = None, ready: Callable[[], None] | None = None
+    mountpoint: str,
+    socket: str | None = None,
+    ready: Callable[[], None] | None = None,
+    wait: float | None = None,
 ) -> int:
     """Mount the kernel at `mountpoint` and serve until it is unmounted (umount, a signal,
-    or the kernel stopping); `ready` is called once the mount is live. Must run as root."""
+    or the kernel stopping); `ready` is called once the mount is live; a request waits
+    `wait` seconds for the kernel at most (None: KERNEL_WAIT). Must run as root."""
     kernel = Kernel.connect(socket, name="mount", argv=["symphony", "mount", mountpoint])
     try:
         if kernel.uid != 0:
@@ -1425,7 +1484,7 @@ def mount(
                 errno.EPERM,
                 "the mount must run as root (it acts for each user, and mounts with allow_other)",
             )
-        fs = KvFS(kernel)
+        fs = KvFS(kernel, KERNEL_WAIT if wait is None else wait)
         pyfuse3.init(fs, mountpoint, OPTIONS)
         try:
             trio.run(fs.serve, ready)

@@ -10,6 +10,8 @@ import stat
 import subprocess
 import sys
 
+from symphony.top import seconds
+
 
 def fail(message: str) -> int:
     print(f"symphony: {message}", file=sys.stderr)
@@ -41,14 +43,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
         from kvfs.fuse import mount
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-        return mount(target, args.socket)
+        return mount(target, args.socket, wait=args.timeout)
     # The child mounts and says "ok" on the pipe once the mount is live, or why it could
     # not. It forks before any gRPC channel exists: channels do not survive a fork.
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
-        os._exit(background(target, args.socket, w))
+        os._exit(background(target, args.socket, args.timeout, w))
     os.close(w)
     with os.fdopen(r, "rb") as pipe:
         said = pipe.read().decode(errors="replace").strip()
@@ -58,7 +60,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return 0
 
 
-def background(target: str, socket: str | None, w: int) -> int:
+def background(target: str, socket: str | None, wait: float | None, w: int) -> int:
     """The mount process: its own session, quiet once the mount is live."""
     os.setsid()
     live = False
@@ -76,16 +78,28 @@ def background(target: str, socket: str | None, w: int) -> int:
     try:
         from kvfs.fuse import mount
 
-        return mount(target, socket, ready)
+        return mount(target, socket, ready, wait)
     except Exception as e:
         if not live:
             os.write(w, f"{getattr(e, 'strerror', None) or e}\n".encode())
         return 1
 
 
+def fusermount(*argv: str) -> subprocess.CompletedProcess:
+    # The C locale: its errors are read for "busy".
+    return subprocess.run(["fusermount3", *argv], capture_output=True, text=True,
+                          env={**os.environ, "LC_ALL": "C"})
+
+
 def cmd_umount(args: argparse.Namespace) -> int:
-    """fusermount3 -u; the mount process exits when its mount goes."""
-    done = subprocess.run(["fusermount3", "-u", args.dir], capture_output=True, text=True)
+    """fusermount3 -u; a busy mount (a file open in it, or a working directory; a dead one
+    too) is detached lazily (-z). The mount process exits when its mount goes."""
+    done = fusermount("-u", args.dir)
+    if done.returncode and "Device or resource busy" in done.stderr:
+        done = fusermount("-u", "-z", args.dir)
+        if not done.returncode:
+            print(f"symphony: umount: {args.dir}: busy (a file open in it, or a working "
+                  "directory): detached lazily; it goes once nothing uses it", file=sys.stderr)
     if done.returncode:
         return fail(f"umount: {done.stderr.strip() or 'fusermount3 failed'}")
     return 0
@@ -102,6 +116,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--foreground",
         action="store_true",
         help="serve in this process instead of returning once mounted",
+    )
+    m.add_argument(
+        "--timeout",
+        type=seconds,
+        metavar="SECONDS",
+        help="how long a request waits for the kernel before it fails with ETIMEDOUT "
+        "(default: kvfs.fuse.KERNEL_WAIT, 60)",
     )
     m.set_defaults(func=cmd_mount)
     u = sub.add_parser("umount", help="unmount a mount made by symphony mount")
