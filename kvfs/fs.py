@@ -117,7 +117,7 @@ class FileSystem:
         self.on_change: Callable[[Inode], None] = lambda inode: None
         self.on_namespace_change: Callable[[NameChanges], None] = lambda change: None
         self.on_sync: Callable[[Inode], None] = lambda inode: None
-        self.on_load: Callable[[Inode], None] = lambda inode: None
+        self.on_load: Callable[[Inode, str], None] = lambda inode, path: None
         self.importing = ImportsInFlight()
         # Restored files whose pages have not loaded yet, and the pages each will take at
         # most: counted against its owner meanwhile (store.pending), so that a restart
@@ -475,7 +475,7 @@ class FileSystem:
             raise FSError(errno.EINVAL, f"open {path!r}: the file belongs to another model "
                           f"({inode.fingerprint[:16]}, serving {self.fingerprint[:16]})")
         if inode.length and not inode.pages:
-            self.on_load(inode)
+            self.on_load(inode, path)
         handle = self._handle(inode, cred, readable, writable)
         if trunc and inode.length:
             try:

@@ -256,9 +256,15 @@ class StateDir:
             raise
         self.journal_lines += 1
         for inode in left:
-            if inode.ino in self.written:
+            if inode.ino in self.written and not self._unloaded(inode):
                 self._data(inode.ino).unlink(missing_ok=True)
                 self.written.discard(inode.ino)
+
+    def _unloaded(self, inode: Inode) -> bool:
+        """A restored file not loaded yet that still has a name, under /tmp or in a
+        directory with no name: its data file is its only copy of its K/V, kept until it
+        loads (load_pages) or the file goes."""
+        return inode in self.seen and inode.nlink > 0
 
     def _count(self, inode: Inode, n: int, entered: list[Inode], left: list[Inode]) -> None:
         """inode has n names more (fewer, n < 0) in named directories: when it comes to
@@ -307,9 +313,10 @@ class StateDir:
             atomic_write(self.path / JOURNAL, [journal.header(generation)])
             self.journal_lines = 0
         self.stale = False
-        for ino in self.written - self.named.keys():
+        needed = self.named.keys() | {inode.ino for inode in self.seen if self._unloaded(inode)}
+        for ino in self.written - needed:
             self._data(ino).unlink(missing_ok=True)
-        self.written &= self.named.keys()
+        self.written &= needed
 
     def _attrs(self, inode: Inode) -> dict:
         attrs = {k: getattr(inode, k) for k in ("mode", "uid", "gid", "atime", "mtime",
@@ -443,7 +450,7 @@ class StateDir:
             raise FSError(errno.EIO, f"{data}: missing, yet {path!r} was saved there")
         return inode
 
-    def load_pages(self, inode: Inode) -> None:
+    def load_pages(self, inode: Inode, path: str) -> None:
         """The K/V of a restored file, read and checked in full on its first open. A full
         page identical (token ids, positions, K/V bytes) to one the owner holds in a file
         loaded before, or to an earlier page of this one, is shared instead of allocated
@@ -454,20 +461,22 @@ class StateDir:
         not made again. A data file changed on disk since the restart is not loaded (EIO,
         `_changed`): one that is not the file the restore read (its identity), or whose
         entries are not those restored (the owner was charged for those: others could take
-        more pages)."""
+        more pages). `path`: the file as the open named it, for the error.
+        A file moved out of the saved namespace before it loaded (to /tmp) had its data
+        file kept for this (_unloaded), removed once loaded."""
         data = self._data(inode.ino)
         try:
             with open(data, "rb") as f:
                 # The file read is the one checked: a rename over it after this is not.
                 if _identity(os.fstat(f.fileno())) != self.seen.get(inode):
-                    raise self._changed(inode, data, "is not the one the restart read")
+                    raise self._changed(path, data, "is not the one the restart read")
                 raw = f.read()
         except FileNotFoundError:
-            raise self._changed(inode, data, "is gone") from None
+            raise self._changed(path, data, "is gone") from None
         imported = parse(raw, self.fs.layout, self.fs.vocab_size)
         if (imported.tokens, imported.positions, imported.excluded) != (
                 inode.tokens, inode.positions, inode.excluded):
-            raise self._changed(inode, data, "holds other entries than the restart read")
+            raise self._changed(path, data, "holds other entries than the restart read")
         size, uid = self.fs.page_size, inode.uid
         excluded = merge_ranges(imported.excluded)
         keys: dict[int, tuple[int, bytes]] = {}
@@ -486,34 +495,21 @@ class StateDir:
                 first.setdefault(key, i)
         self.fs.fill(inode, imported, quota=False, shared=shared)
         del self.seen[inode]
+        if inode.ino in self.written and self.named.get(inode.ino) is not inode:
+            self._data(inode.ino).unlink(missing_ok=True)  # kept for this load alone
+            self.written.discard(inode.ino)
         ref = weakref.ref(inode, lambda gone: self._forget(gone, set(keys.values())))
         for i, key in keys.items():
             self.loaded.setdefault(key, []).append((ref, i))
 
-    def _changed(self, inode: Inode, data: Path, why: str) -> FSError:
-        """EIO for a file whose data file changed on disk since the restart, named by its
-        names in the file system: the caller may be any user, and where root keeps the
-        data file is root's; the kernel's log names the data file and why."""
+    @staticmethod
+    def _changed(path: str, data: Path, why: str) -> FSError:
+        """EIO for a file whose data file changed on disk since the restart, named as the
+        open named it: the caller may be any user, and where root keeps the data file is
+        root's; the kernel's log names the data file and why."""
         log.error("%s %s: not loaded", data, why)
-        names = self._names(inode)
-        named = repr(names[0]) if names else f"inode {inode.ino}"
-        if len(names) > 1:
-            named += f" (one of its {len(names)} names)"
-        return FSError(errno.EIO, f"{named}: its data file changed on disk since the restart")
-
-    def _names(self, inode: Inode) -> list[str]:
-        """Every path that names the file, /tmp included, sorted (a loop, not recursion: a
-        tree may be deeper than Python's stack)."""
-        out: list[str] = []
-        stack = [(self.fs.root, "")]
-        while stack:
-            d, path = stack.pop()
-            for name, child in d.entries.items():
-                if child is inode:
-                    out.append(f"{path}/{name}")
-                elif child.is_dir:
-                    stack.append((child, f"{path}/{name}"))
-        return sorted(out)
+        return FSError(errno.EIO, f"open {path!r}: its data file changed on disk since the "
+                       "restart")
 
     def _loaded_page(self, key: tuple[int, bytes], imported: Imported, i: int
                      ) -> Page | None:

@@ -216,13 +216,13 @@ def test_a_data_file_rewritten_since_the_restart_is_not_loaded(tmp_path):
     fs2, _ = boot(tmp_path, default_quota=QUOTA)
     a, b = (fs2.stat(ALICE, f"/home/alice/{n}").ino for n in "ab")
     (tmp_path / "files" / f"{b}.kv").write_bytes((tmp_path / "files" / f"{a}.kv").read_bytes())
-    assert changed(fs2, "/home/alice/b") == f"'/home/alice/b': {CHANGED}"
+    assert changed(fs2, "/home/alice/b") == f"open '/home/alice/b': {CHANGED}"
     assert (charged(fs2, ALICE), fs2.store.used.get(ALICE.uid, 0)) == (QUOTA, 0)
 
 
 def test_a_kv_byte_changed_since_the_restart_is_not_loaded(tmp_path):
     """The tester's finding: a byte of K/V flipped in place (size and entries as they were)
-    was loaded and served. EIO naming the file's names; the file not changed loads as
+    was loaded and served. EIO naming the file as opened; the file not changed loads as
     before."""
     fs, _ = boot(tmp_path, default_quota=QUOTA)
     alices_files(fs)
@@ -234,8 +234,7 @@ def test_a_kv_byte_changed_since_the_restart_is_not_loaded(tmp_path):
     fs.close(h)
     fs2, _ = boot(tmp_path, default_quota=QUOTA)
     flip_kv(tmp_path / "files" / f"{fs2.stat(ALICE, '/home/alice/a').ino}.kv")
-    assert changed(fs2, "/home/alice/a2") == (f"'/home/alice/a' (one of its 2 names): "
-                                              f"{CHANGED}")
+    assert changed(fs2, "/home/alice/a2") == f"open '/home/alice/a2': {CHANGED}"
     assert (charged(fs2, ALICE), fs2.store.used.get(ALICE.uid, 0)) == (QUOTA, 0)
     h = fs2.open(ALICE, "/home/alice/b")
     assert fs2.export(h) == b
@@ -255,7 +254,7 @@ def test_a_change_the_stat_misses_is_caught_by_the_entries(tmp_path):
         f.seek(start)
         f.write((5).to_bytes(8, "little"))  # token 0 was 0 (alices_files)
     sd.seen[inode] = kvfs.state._identity(os.stat(data))
-    assert changed(fs2, "/home/alice/a") == f"'/home/alice/a': {CHANGED}"
+    assert changed(fs2, "/home/alice/a") == f"open '/home/alice/a': {CHANGED}"
 
 
 # As the user: make the 3-page file argv[2] (after the restart: "new", then open the old
@@ -314,3 +313,35 @@ def test_a_restarted_kernel_keeps_a_user_at_its_quota(model):
         assert line(out["meminfo"]) == f"{QUOTA} / {QUOTA}"
     finally:
         assert d.stop() == 0, d.log_text()
+
+
+def test_a_restored_file_moved_to_tmp_before_it_loads_keeps_its_contents(tmp_path):
+    """A file not opened since the restart, renamed into /tmp (its only name there): its
+    data file, its only copy of its K/V, was removed as it left the saved names, and the
+    open failed. It loads there as it would have; moved back before loading, it is saved
+    as before; and once loaded (or gone) under /tmp, its data file goes."""
+    fs, _ = boot(tmp_path, default_quota=QUOTA)
+    alices_files(fs)
+    want = {}
+    for name in "ab":
+        h = fs.open(ALICE, f"/home/alice/{name}")
+        want[name] = fs.export(h)
+        fs.close(h)
+    fs2, sd = boot(tmp_path, default_quota=QUOTA)
+    a, b = (fs2.stat(ALICE, f"/home/alice/{n}").ino for n in "ab")
+    fs2.rename(ALICE, "/home/alice/a", "/tmp/a")
+    fs2.rename(ALICE, "/home/alice/b", "/tmp/b")
+    sd.save_namespace()  # the data files no name needs go now: not these
+    h = fs2.open(ALICE, "/tmp/a")
+    assert fs2.export(h) == want["a"]
+    fs2.close(h)
+    assert not (tmp_path / "files" / f"{a}.kv").exists()  # loaded: no longer needed
+    fs2.rename(ALICE, "/tmp/b", "/home/alice/b2")  # back before it loaded
+    fs3, _ = boot(tmp_path, default_quota=QUOTA)
+    h = fs3.open(ALICE, "/home/alice/b2")
+    assert fs3.export(h) == want["b"]
+    fs3.close(h)
+    with pytest.raises(FSError) as e:  # /tmp is not saved
+        fs3.lookup(ALICE, "/tmp/a")
+    assert e.value.errno == errno.ENOENT
+    assert {int(p.stem) for p in (tmp_path / "files").glob("*.kv")} == {b}
