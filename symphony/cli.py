@@ -107,8 +107,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     # The state directory and the socket's path are this kernel's before its engine loads
     # and its ranks meet (up to RENDEZVOUS_SECONDS): a second kernel there is refused now,
     # and `symphony status` and `stop` find this one (control.Claim).
-    sock = control().kernel_socket(args.socket)
-    control().socket_dir(sock)
+    sock = control().kernel_socket(args.socket)  # its directory checked, as start's
     state_dir.mkdir(parents=True, exist_ok=True)
     hold(state_dir)  # the kernel takes it again, as its own
     claim, previous = None, signal.getsignal(signal.SIGTERM)

@@ -67,7 +67,14 @@ def _listed_pid(sock: Path) -> int:
     """The pid in the kernel's pid file, for a listener that takes no connection; OSError
     (EAGAIN) when the file names no live process."""
     try:
-        pid = int(pid_path(sock).read_text())
+        # Not through a link, nor from a FIFO planted there (its open would wait).
+        fd = os.open(pid_path(sock), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError
+            pid = int(os.read(fd, 64))
+        finally:
+            os.close(fd)
         os.kill(pid, 0)
         return pid
     except PermissionError:  # alive, another user's

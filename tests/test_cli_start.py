@@ -162,6 +162,17 @@ def test_a_listener_that_takes_no_connection_is_the_kernel_its_pid_file_names(tm
         assert str(e.value) == (f"[Errno 11] {sock}: a process listens there but takes no "
                                 f"connection in {PROBE_WAIT:g} s, and {pid_path(sock)} names "
                                 "no live kernel")
+        pid_path(sock).unlink()
+        os.mkfifo(pid_path(sock))  # planted: its open would wait for a writer
+
+        def errno_of_probe() -> int:
+            try:
+                kernel_pid(sock)
+            except OSError as e:
+                return e.errno
+            return 0
+
+        assert within(PROBE_WAIT + 10, errno_of_probe) == errno.EAGAIN
     finally:
         for c in queued:
             c.close()
