@@ -14,6 +14,7 @@ import os
 from collections import Counter
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
@@ -28,7 +29,7 @@ from kvfs_helpers import PAGE, append, assert_kv, kv_for, make_fs, write_kv
 from test_kvfs import excluded_runs, written
 
 from kvfs.errors import FSError
-from kvfs.perm import ROOT, Cred
+from kvfs.perm import ROOT, Cred, R, W, allowed
 from kvfs.ranges import merge_ranges
 
 LIMIT = 1000  # the context shift keeps positions under
@@ -310,6 +311,12 @@ class KVFSMachine(RuleBasedStateMachine):
             return
         if not h.cred.root and path.startswith("/home/"):  # root's 0755 directory
             path = "/tmp/" + path.rsplit("/", 1)[1]
+        if not (h.cred.uid == h.inode.uid or allowed(h.cred, h.inode, R | W)):
+            # protected_hardlinks: a file chowned away from the handle's user since
+            with pytest.raises(FSError) as e:
+                self.fs.link(h, path)
+            assert e.value.errno == errno.EPERM
+            return
         if path in self.names:
             try:
                 self.fs.link(h, path)
