@@ -787,6 +787,7 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
     for name, _, ours, peer, *_ in results:
         row(name, "preds/s", ours, peer, False, "none set")
     print(f"  the floor: {pingpong_floor(tmp)}")
+    print(f"  the Python floor: {python_floor()}")
     for name, n, ours, _, cpu, peer_cpu, same, loop, engine_busy, secs in results:
         kc, lc = (statistics.median(c) for c in zip(*cpu, strict=True))
         print(f"  {name}: CPU per pred, median: kernel {kc:.0f} (its loop thread {loop:.0f}, "
@@ -827,6 +828,56 @@ def pingpong_floor(tmp: Path) -> str:
             wall, cpu = (float(x) / 1e3 for x in out.stdout.split())
             parts.append(f"{how} on {where} {wall:.1f} us ({cpu:.1f} us of CPU)")
     return "a bare ping-pong between two processes, a round trip: " + ", ".join(parts)
+
+
+def python_floor(preds: int = 20000) -> str:
+    """What the kernel's loop would spend a pred with only the work no design avoids, in
+    Python: a record copied out of a real ring, its PredRequest parsed (upb), the file
+    looked up, the guess compared, the token appended, a PredReply built and serialized,
+    posted to the completion ring, the bells read and written; one pred a drain (a process
+    waking the loop alone) and 32 (a step's worth). The loop's figure above less this is
+    its own structure's cost."""
+    from syscalls import ring
+    from syscalls import symphony_pb2 as pb
+
+    kernel = ring.KernelRing()
+    process = ring.ProcessRing(ring.RingMemory(os.dup(kernel.memfd)), os.dup(kernel.kernel_bell),
+                               os.dup(kernel.process_bell))
+    files: dict[int, list[int]] = {fd: [] for fd in range(32)}
+    payloads = [pb.PredRequest(fd=fd, tokens=[5]).SerializeToString() for fd in files]
+
+    def drain() -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(kernel.kernel_bell)
+        for _, call, payload in kernel.take():
+            request = pb.PredRequest.FromString(payload)
+            tokens = files[request.fd]
+            if list(request.tokens) != [5] or request.HasField("sampler"):
+                raise AssertionError("not the guess")
+            tokens.append(request.tokens[0])
+            reply = pb.PredReply(outputs=[pb.PredOutput(row=0, token=7, logprob=-0.5)])
+            kernel.post(ring.REPLY, call, reply.SerializeToString())
+        kernel.ring_process()
+        os.eventfd_write(process.process_bell, 1)
+
+    parts = []
+    try:
+        for batch in (1, 32):
+            cpu = 0.0
+            for start in range(0, preds, batch):
+                for i in range(batch):
+                    process.submit(ring.PRED, start + i, payloads[i], bell=False)
+                t = time.thread_time()
+                drain()
+                cpu += time.thread_time() - t
+                process.completions()
+                for tokens in files.values():
+                    tokens.clear()
+            parts.append(f"{cpu / preds * 1e6:.1f} us of CPU a pred {batch} a drain")
+    finally:
+        process.close()
+        kernel.close()
+    return ", ".join(parts)
 
 
 def bench_masked(args: argparse.Namespace, tmp: Path) -> None:
