@@ -47,9 +47,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = args.model or default_model_dir()
+    settings = EngineSettings.resolve(model, device=args.device, dtype=dtype)
     if args.kv_pages:
-        check_pools(EngineSettings.resolve(model, device=args.device, dtype=dtype), 1,
-                    [(f"--kv-pages {args.kv_pages}", args.kv_pages, "device")])
+        check_pools(settings, 1, [(f"--kv-pages {args.kv_pages}", args.kv_pages, "device")])
     tok = Tokenizer.from_dir(model)
     if args.prompt is not None:
         if tok is None:
@@ -57,14 +57,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = nonempty(tok.encode(args.prompt))
     else:
         prompt = args.prompt_ids
+        in_vocabulary(prompt, settings.config.vocab_size)
+    # Before the pool is sized by it: a --max-new-tokens past the context was allocated
+    # first (2000000: 12 GB and 50 s before the refusal; more: an allocator's traceback).
+    check_context(prompt, args.max_new_tokens, settings.config.max_position_embeddings)
     # By default the pool holds this one sequence (its pages are zeroed at start: a fixed
     # 1024 were 755 MB with SmolLM2's 0.7 MB pages).
     pages = args.kv_pages or -(-(len(prompt) + args.max_new_tokens) // PAGE_SIZE) + 1
     engine = Engine(model, device=args.device, dtype=dtype, kv_pages=pages, page_size=PAGE_SIZE,
                     weights=args.weights, cuda_graphs=args.cuda_graphs)
-    if args.prompt is None:
-        in_vocabulary(prompt, engine.config.vocab_size)
-    check_context(prompt, args.max_new_tokens, engine.config.max_position_embeddings)
     out = generate(engine, [prompt], sampling_params(args), args.max_new_tokens)[0]
     text = tok.decode(out) if tok else None
     if args.json:

@@ -96,6 +96,20 @@ def test_bad_flags_are_refused(checkpoint, tmp_path):
     assert run.returncode == 2 and "--prompt-ids: token 4000 is outside" in run.stderr
 
 
+@pytest.mark.parametrize("n", ["2000000", "9999999999", "99999999999999999999999"])
+def test_max_new_tokens_past_the_context_is_refused_before_the_pool_is_made(checkpoint, n):
+    """The pool was sized by --max-new-tokens before the context was checked: 2000000 took
+    12 GB and 50 s before the refusal, more an allocator's traceback (an outside tester's
+    finding)."""
+    directory, _ = checkpoint
+    run = symphony("generate", "--model", str(directory), "--prompt-ids", "1,2",
+                   "--max-new-tokens", n)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.splitlines()[-1] == (
+        f"symphony: error: --max-new-tokens {n}: the prompt's 2 tokens and {n} new ones pass "
+        "the model's context of 4096 positions")
+
+
 def test_text_prompt_with_tokenizer(checkpoint, tmp_path):
     directory, _ = checkpoint
     for f in directory.iterdir():
