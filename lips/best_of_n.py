@@ -29,6 +29,7 @@ from syscalls.flags import (
     number,
     sampling_kwargs,
 )
+from syscalls.session import FD_MAX
 
 
 @dataclass
@@ -41,8 +42,9 @@ class Candidate:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="best_of_n", description=__doc__.split("\n")[0])
     add_prompt_flags(p)
-    p.add_argument("--n", type=number(int, 1), default=4,
-                   help="continuations to sample (default 4)")
+    # Each branch is a KV file the process holds open, besides the prompt's.
+    p.add_argument("--n", type=number(int, 1, FD_MAX - 1), default=4,
+                   help=f"continuations to sample (default 4, at most {FD_MAX - 1})")
     add_sampling_flags(p)
     p.set_defaults(temperature=1.0)
     p.add_argument("--json", action="store_true", help="all candidates, their scores, the pick")

@@ -14,14 +14,10 @@ from dataclasses import dataclass, field
 from kvfs.errors import FSError
 from kvfs.fs import Handle
 from kvfs.perm import Cred
-from syscalls.session import TOKEN_BYTES
+from syscalls.session import FD_MAX, TOKEN_BYTES
 from syscalls.users import user_name
 
 FIRST_FD = 3  # an fd left at the proto default (0) is never valid
-# Fds a process may have open, as RLIMIT_NOFILE: past it open and fork fail with EMFILE.
-# Each is a handle in the kernel's memory; without a bound a process could open one file
-# without end.
-FD_MAX = 16384
 NICE_MIN, NICE_MAX = -20, 19
 
 

@@ -299,7 +299,9 @@ def stdout_flushed(prog: str, main: Callable[[], int]) -> int:
     """main()'s exit status, stdout flushed before it is returned (or before argparse's
     exit, --help's, goes on): not at the interpreter's exit, where a reader gone would be
     Python's "Exception ignored ... BrokenPipeError". Such a BrokenPipeError, there or in a
-    write that main did not catch, is report's: quiet, 141."""
+    write that main did not catch, is report's: quiet, 141. Ctrl-C (KeyboardInterrupt that
+    main did not catch) is 130, quietly, as a shell's own commands end: no traceback (the
+    kernel frees what the program held as it exits)."""
     try:
         try:
             return main()
@@ -307,6 +309,8 @@ def stdout_flushed(prog: str, main: Callable[[], int]) -> int:
             sys.stdout.flush()
     except BrokenPipeError as e:
         return report(prog, e)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
 
 
 def lip_main(

@@ -29,6 +29,10 @@ REFUSED = "refused "  # hello's answer instead of a token: "refused ERRNO MESSAG
 # not fail for it, and finite so that a stopped or hung kernel, or a listener that is no
 # kernel, cannot hang every client.
 HELLO_TIMEOUT = 60.0
+# Fds a process may have open, as RLIMIT_NOFILE: past it open and fork fail with EMFILE.
+# Each is a handle in the kernel's memory; without a bound a process could open one file
+# without end.
+FD_MAX = 16384
 # A hello socket whose backlog is full (its kernel accepts nothing now) is tried this often.
 CONNECT_RETRY = 0.01
 

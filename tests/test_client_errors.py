@@ -271,7 +271,7 @@ def test_start_after_a_crash_whose_pid_file_names_another_process(model, tmp_pat
 def test_a_process_has_at_most_fd_max_fds_open(daemon):
     """Past FD_MAX open fds, open and fork fail with EMFILE naming the process and the
     limit, and change nothing; a close makes room again."""
-    from symphony.process import FD_MAX
+    from syscalls.session import FD_MAX
 
     with daemon.connect("fds") as k:
         with k.open("/tmp/fd-max.kv", os.O_CREAT | os.O_RDWR) as f:

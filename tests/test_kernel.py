@@ -606,8 +606,8 @@ def test_an_open_that_waited_opens_nothing_once_the_fds_ran_out(model, tmp_path)
     from symphony.daemon import Kernel
     from symphony.engine_process import EngineProcess
     from symphony.options import Options
-    from symphony.process import FD_MAX
     from symphony.syscall_table import TABLE
+    from syscalls.session import FD_MAX
 
     engine = EngineProcess(model, kv_pages=16)
     k = Kernel(engine, Options(socket=tmp_path / "k.sock", state_dir=tmp_path / "state"))
@@ -701,3 +701,26 @@ def test_other_calls_are_answered_while_a_long_text_is_tokenized(daemon):
     assert len(result[0]) >= 1_500_000
     longest_wait = max(b - a for a, b in zip(answers, answers[1:], strict=False))
     assert longest_wait < took / 2, (longest_wait, took)
+
+
+@pytest.mark.parametrize("prog", ["complete", "best_of_n"])  # sync and asyncio
+def test_ctrl_c_ends_a_lip_quietly_and_frees_what_it_held(daemon, k, prog):
+    """SIGINT mid-generation: status 130 and nothing on stderr, as a shell's commands end
+    (each LIP printed KeyboardInterrupt's traceback: an outside tester's finding); the
+    kernel frees its files as it exits."""
+    used = meminfo(k)["device_used"]
+    n = k.model_info().context_length - 4
+    lip = subprocess.Popen([sys.executable, "-m", f"lips.{prog}", "--prompt-ids", "1,2,3",
+                            "--max-new-tokens", str(n)], env=daemon.env(), cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: any(p.os_pid == lip.pid and p.tokens > 3 for p in k.ps()),
+                 what="the LIP decoding")
+        lip.send_signal(signal.SIGINT)
+        out, err = lip.communicate(timeout=60)
+    finally:
+        if lip.poll() is None:
+            lip.kill()
+            lip.wait()
+    assert (lip.returncode, err) == (130, "")
+    wait_for(lambda: meminfo(k)["device_used"] == used, what="its pages freed")

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from syscalls.session import FD_MAX
+
 BYTES = b'{"x": "' + b"y" * 17 + b'\xd0(' + b'"}\n'  # 0xd0 at offset 24 starts no UTF-8 char
 
 
@@ -66,3 +68,13 @@ def test_stdin_text_is_read_as_text_mode_reads_it(monkeypatch):
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("é\r\nx\ry\n".encode())))
     assert text_arg("-") == "é\nx\ny\n"
+
+
+def test_best_of_n_takes_no_more_branches_than_a_process_may_hold(lip_main):
+    """Each branch is a KV file the process holds open (FD_MAX, with the prompt's): --n
+    99999999999 built that many coroutines before the first fork, growing by 100 MB a
+    second, deaf to Ctrl-C (an outside tester's finding)."""
+    code, out, err = lip_main("best_of_n", "--prompt-ids", "1", "--n", "99999999999")
+    assert (code, out) == (2, "")
+    assert err.endswith(f"best_of_n: error: argument --n: must be in [1, {FD_MAX - 1}], got "
+                        "99999999999\n")
