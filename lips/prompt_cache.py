@@ -129,8 +129,9 @@ class ModuleCache:
         pad = -(at + len(tokens)) % self.page_size if tokens else 0
         return tokens + tokens[-1:] * pad, positions + positions[-1:] * pad
 
-    def _ensure(self, name: str, tokens: list[int], positions: list[int]) -> bool:
-        """Make the file `name` unless it is there; whether it was made. It is computed in an
+    def _ensure(self, name: str, tokens: list[int], positions: list[int]) -> str | None:
+        """Make the file `name` unless it is there: "built", "dropped" (computed, but another
+        run linked the file first), or None (there, nothing computed). It is computed in an
         anonymous file and named once whole, so no reader sees a half-computed module."""
         is_root = name == self.root_file
         at = 0 if is_root else self.base
@@ -142,7 +143,7 @@ class ModuleCache:
                         f"{self.path(name)}: holds other entries than its name "
                         "says; unlink it to rebuild"
                     )
-            return False
+            return None
         except FileNotFoundError:
             pass
         with self.k.open() if is_root else self._start() as f:
@@ -152,9 +153,9 @@ class ModuleCache:
             try:
                 f.link(self.path(name))
             except FileExistsError:  # another process made it meanwhile
-                return False
+                return "dropped"
             f.fsync()
-        return True
+        return "built"
 
     def _start(self) -> File:
         """A new anonymous file holding the BOS's page (a fork of its file), or empty."""
@@ -165,15 +166,17 @@ class ModuleCache:
 
     def ensure(self) -> dict[str, Any]:
         """Every module's file, made where missing; stale files of this directory unlinked.
-        What was built (with seconds) and removed."""
+        What was built and what was computed but dropped (each with seconds), and what was
+        removed."""
         _makedirs(self.k, self.directory)
-        built = {}
+        made: dict[str, dict[str, float]] = {"built": {}, "dropped": {}}
         wanted = [(self.root_file, self.root, list(range(len(self.root))))] if self.root else []
         wanted += [(p.file, p.tokens, p.positions) for p in self.placed.values()]
         for name, tokens, positions in wanted:
             start = time.perf_counter()
-            if self._ensure(name, tokens, positions):
-                built[name] = time.perf_counter() - start
+            outcome = self._ensure(name, tokens, positions)
+            if outcome is not None:
+                made[outcome][name] = time.perf_counter() - start
         keep = {name for name, _, _ in wanted}
         removed = [
             name
@@ -182,7 +185,7 @@ class ModuleCache:
         ]
         for name in removed:
             self.k.unlink(self.path(name))
-        return {"built": built, "removed": removed}
+        return {**made, "removed": removed}
 
     def inputs(self, prompt: Prompt) -> tuple[list[int], list[int]]:
         """What a prompt computes: its arguments at their slots, then its question after the
@@ -364,9 +367,12 @@ def run_schema(k: Kernel, args: argparse.Namespace) -> int:
         **cache.ensure(),
         "answers": [],
     }
-    for name, seconds in result["built"].items():
-        if not args.json:
+    if not args.json:
+        for name, seconds in result["built"].items():
             print(f"built {directory}/{name} in {seconds:.3f} s")
+        for name, seconds in result["dropped"].items():
+            print(f"dropped {directory}/{name}, computed in {seconds:.3f} s: another run "
+                  "linked it first")
     for prompt in args.prompt:
         a = cache.answer(prompt, args.max_new_tokens, sampling_kwargs(args))
         result["answers"].append(a)

@@ -16,6 +16,7 @@ from daemon import ROOT, SYMPHONY, meminfo
 
 from lips.pml import PMLError, parse_prompt, parse_schema
 from lips.prompt_cache import ModuleCache
+from syscalls.client import File
 
 SCHEMA = """<schema name="trip">
   <module name="system">The quick brown fox is a travel guide.</module>
@@ -149,7 +150,7 @@ def test_modules_are_computed_once_and_rebuilt_when_they_change(daemon, k, tmp_p
     built = base + sum(k.stat(f"{directory}/{n}").tokens - base for n in names[1:])
     assert first["computed_tokens"] == asked(first) + built
     again = lip_json(daemon, schema, TRIP, "<prompt><paris/>Why?</prompt>")
-    assert again["built"] == {} and again["removed"] == []
+    assert again["built"] == again["dropped"] == {} and again["removed"] == []
     assert again["computed_tokens"] == asked(again)  # no module computed again
     assert {n: k.stat(f"{directory}/{n}").ino for n in names} == inodes
     assert [a["output_ids"] for a in again["answers"]] == [
@@ -165,6 +166,52 @@ def test_modules_are_computed_once_and_rebuilt_when_they_change(daemon, k, tmp_p
     assert sorted(n.split(".")[0] for n in moved["built"]) == ["paris", "plan", "system", "tokyo"]
     assert len(moved["removed"]) == 4
     assert sorted(n for n, _ in k.readdir(directory)) == sorted([names[0], *moved["built"]])
+
+
+def test_a_module_another_run_linked_first_is_reported_dropped(
+    daemon, k, tmp_path, lip_main, monkeypatch
+):
+    """Two runs that build one missing module at once each compute it; the one whose link
+    comes second drops its copy. It reported `"built": {}` and no line for it, though its
+    computed_tokens counted the module: now it lists it under `dropped`. The race is made
+    certain: another session builds the module between this run's pred and its link (the
+    client's link, wrapped)."""
+    schema = tmp_path / "trip.xml"
+    schema.write_text(SCHEMA)
+    monkeypatch.setenv("SYMPHONY_SOCKET", str(daemon.socket))
+    link, raced = File.link, []
+
+    def racing(self: File, path: str) -> None:
+        directory, name = path.rsplit("/", 1)
+        if name.startswith("tokyo.") and not raced:
+            raced.append(name)
+            assert name in ModuleCache(k, parse_schema(SCHEMA), directory).ensure()["built"]
+        link(self, path)
+
+    monkeypatch.setattr(File, "link", racing)
+    argv = ["--schema", str(schema), "--cache", "race", "--max-new-tokens", "6", "--prompt"]
+    code, out, err = lip_main("prompt_cache", *argv, TRIP, "--json")
+    assert code == 0, err
+    run = json.loads(out)
+    directory = run["directory"]
+    assert sorted(n.split(".")[0] for n in run["built"]) == ["", "paris", "system"]
+    assert list(run["dropped"]) == raced and run["dropped"][raced[0]] > 0
+    base = k.stat(f"{directory}/{next(n for n in run['built'] if n.startswith('.'))}").tokens
+    computed = base + sum(  # each module's entries after the BOS page, the BOS file's own
+        k.stat(f"{directory}/{n}").tokens - base
+        for n in [*run["built"], *run["dropped"]]
+        if not n.startswith(".")
+    )
+    (a,) = run["answers"]
+    assert run["computed_tokens"] == a["input_tokens"] + len(a["output_ids"]) - 1 + computed
+
+    k.unlink(f"{directory}/{raced.pop()}")  # again, in text: a line for the dropped copy
+    code, out, err = lip_main("prompt_cache", *argv, TRIP)
+    assert code == 0, err
+    assert out.startswith(
+        f"dropped {directory}/{raced[0]}, computed in "
+    ) and " s: another run linked it first\n" in out
+    assert "built" not in out
 
 
 def test_a_union_shares_one_range_and_a_prompt_picks_one(daemon, k, tmp_path):
