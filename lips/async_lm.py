@@ -25,6 +25,11 @@ The model stops at --max-new-tokens (or at EOS). Calls still running are then wa
 answer, which sees every result. --sync is the baseline: generation waits for each call
 and its result is injected before the next token, as synchronous function calling does.
 
+The prompt, the script's text, --max-new-tokens and --answer-tokens must fit the model's
+context together (else status 2, before anything runs). Results, whose length no one knows
+in advance, may still fill it: the task then stops before the tokens that would pass it,
+says so on stderr, waits for the calls still running, and prints what it has.
+
 Scripted mode (--script FILE): a model not fine-tuned on the protocol (the models here
 are not) will not write calls by itself, so a script teacher-forces the call text at given
 points: FILE holds a JSON list of {"after": N, "text": "..."}, and each text goes into
@@ -60,6 +65,7 @@ from typing import Any
 from syscalls.aio import AsyncKernel
 from syscalls.context import AsyncContext
 from syscalls.flags import (
+    UsageError,
     add_prompt_flags,
     add_sampling_flags,
     alip_main,
@@ -105,6 +111,10 @@ class Segment:
     tokens: list[int]
     at: float
     call: str | None = None
+
+
+class ContextFull(Exception):
+    """The next tokens would pass the model's context: the task stops before them."""
 
 
 @dataclass(frozen=True)
@@ -207,8 +217,8 @@ class Task:
     """One generation with tool calls in one KV file, and its record."""
 
     def __init__(self, k: AsyncKernel, ctx: AsyncContext, token_bytes: list[bytes],
-                 special: frozenset[int], tools: Tools, sync: bool, echo: bool):
-        self.k, self.ctx, self.tools, self.sync = k, ctx, tools, sync
+                 special: frozenset[int], tools: Tools, sync: bool, echo: bool, context: int):
+        self.k, self.ctx, self.tools, self.sync, self.context = k, ctx, tools, sync, context
         self.parser = CallParser(token_bytes)
         self.token_bytes, self.special = token_bytes, special
         self.segments: list[Segment] = []
@@ -216,6 +226,8 @@ class Task:
         self.ready: list[Call] = []  # returned, not injected yet
         self.running: set[asyncio.Task] = set()
         self.sampled = 0
+        self.length = 0  # the segments' tokens: the file's and the pending ones
+        self.full: str | None = None  # why the task stopped at the context's end
         self.start = time.monotonic()
         self.text = codecs.getincrementaldecoder("utf-8")(errors="replace") if echo else None
 
@@ -225,6 +237,7 @@ class Task:
     async def record(self, kind: str, tokens: list[int], call: str | None = None) -> None:
         """Note tokens that went (or go, with the next pred) into the file; dispatch the
         calls they complete."""
+        self.length += len(tokens)
         last = self.segments[-1] if self.segments else None
         if kind == "generated" and last and last.kind == kind:
             last.tokens += tokens
@@ -236,6 +249,20 @@ class Task:
         if kind in ("generated", "forced"):
             for call_id, code in self.parser.feed(tokens):
                 await self.dispatch(Call(call_id, code, self.now(), self.sampled))
+
+    def make_room(self, n: int, what: str) -> None:
+        """ContextFull where `n` more tokens (`what`) would pass the model's context."""
+        if self.length + n > self.context:
+            raise ContextFull(f"stopped after {self.sampled} tokens sampled: the KV file's "
+                              f"{self.length} tokens and {what} would pass the model's "
+                              f"context of {self.context} positions")
+
+    async def put(self, kind: str, tokens: list[int], what: str, call: str | None = None
+                  ) -> None:
+        """Add tokens that go in with the next pred, where they fit."""
+        self.make_room(len(tokens), what)
+        await self.ctx.fill(tokens)
+        await self.record(kind, tokens, call)
 
     async def dispatch(self, call: Call) -> None:
         self.calls.append(call)
@@ -256,19 +283,24 @@ class Task:
         """Results that came back go in with the next pred, in the order they came."""
         ready, self.ready = self.ready, []
         for call in ready:
+            await self.put("interrupt", call.tokens,
+                           f"call {call.id}'s result ({len(call.tokens)} tokens)", call.id)
             call.injected, call.injected_after = self.now(), self.sampled
-            await self.ctx.fill(call.tokens)
-            await self.record("interrupt", call.tokens, call.id)
+
+    async def settle(self) -> None:
+        """Wait for every call still running."""
+        while self.running:
+            await asyncio.gather(*self.running)
 
     async def wait_all(self) -> None:
         """AsyncLM's trap: generation waits for every call still running."""
-        while self.running:
-            await asyncio.gather(*self.running)
+        await self.settle()
         await self.inject_ready()
 
     async def sample(self, sampling: dict[str, Any]) -> int:
         if sampling.get("seed") is not None:
             sampling = {**sampling, "seed": sampling["seed"] + self.sampled}
+        self.make_room(1, "a sampled token")
         out = await self.ctx.step(**sampling)  # pending tokens, interrupts included: one pred
         self.sampled += 1
         await self.record("generated", [out.token])
@@ -277,15 +309,26 @@ class Task:
     async def run(self, prompt: list[int], script: list[tuple[int, list[int]]],
                   max_new_tokens: int, answer_tokens: int, stop: tuple[int, ...],
                   sampling: dict[str, Any]) -> None:
-        await self.ctx.fill(prompt)
+        """Generate, and flush the KV file; at the context's end, stop (self.full says why),
+        wait for the calls still running, and flush what was written."""
+        try:
+            await self.generate(prompt, script, max_new_tokens, answer_tokens, stop, sampling)
+        except ContextFull as e:
+            self.full = str(e)
+            await self.settle()  # their values are in the report, not in the file
+        await self.ctx.flush()
+
+    async def generate(self, prompt: list[int], script: list[tuple[int, list[int]]],
+                       max_new_tokens: int, answer_tokens: int, stop: tuple[int, ...],
+                       sampling: dict[str, Any]) -> None:
+        await self.ctx.fill(prompt)  # it fits: run() checked it with the new tokens
         await self.record("prompt", prompt)
         todo = deque(script)
         limit, answering, stopped = max_new_tokens, False, False
         while True:
             while todo and todo[0][0] <= self.sampled:
                 tokens = todo.popleft()[1]
-                await self.ctx.fill(tokens)
-                await self.record("forced", tokens)
+                await self.put("forced", tokens, f"the script's next text ({len(tokens)} tokens)")
             if not self.parser.open:
                 await self.inject_ready()
             if stopped or self.sampled >= limit:
@@ -299,12 +342,11 @@ class Task:
             # A scripted task is not over while calls are still to be forced.
             stopped = token in stop and not todo
         await self.wait_all()  # calls the answer made
-        await self.ctx.flush()
 
     def report(self) -> dict[str, Any]:
         calls = [{k: v for k, v in asdict(c).items() if k != "tokens"} for c in self.calls]
         return {"mode": "sync" if self.sync else "async", "seconds": self.now(),
-                "sampled": self.sampled, "calls": calls,
+                "sampled": self.sampled, "context_full": self.full is not None, "calls": calls,
                 "segments": [asdict(s) for s in self.segments]}
 
 
@@ -379,11 +421,18 @@ async def run(k: AsyncKernel, args: argparse.Namespace) -> int:
     prompt = await aprompt_of(k, args)
     vocab = await k.vocab()
     script = [(f.after, await k.tokenize(f.text)) for f in args.script]
+    forced = sum(len(tokens) for _, tokens in script)
+    new = args.max_new_tokens + args.answer_tokens
+    if len(prompt) + forced + new > info.context_length:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} and --answer-tokens "
+                         f"{args.answer_tokens}: the prompt's {len(prompt)} tokens, the "
+                         f"script's {forced} and {new} new ones pass the model's context of "
+                         f"{info.context_length} positions")
     tools = Tools(args.timeout, args.allow, args.tools, args.max_result_chars)
     save = await asave_path(k, args.save) if args.save else None  # before the work it keeps
     async with await AsyncContext.create(k, stop=info.eos_ids) as ctx:
         task = Task(k, ctx, vocab.tokens, vocab.special_ids, tools, args.sync,
-                    echo=not args.json)
+                    echo=not args.json, context=info.context_length)
         await task.run(prompt, script, args.max_new_tokens, args.answer_tokens,
                        info.eos_ids, sampling_kwargs(args))
         result = task.report()
@@ -395,6 +444,8 @@ async def run(k: AsyncKernel, args: argparse.Namespace) -> int:
         print(f"\n[{len(result['calls'])} calls, {result['sampled']} tokens sampled, "
               f"{result['seconds']:.2f} s end to end, {result['mode']}"
               f"{', scripted' if script else ''}]")
+    if task.full:
+        print(f"async_lm: {task.full}", file=sys.stderr)
     return 0
 
 

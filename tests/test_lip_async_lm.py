@@ -148,6 +148,77 @@ def check_file(daemon, r: dict, name: str) -> None:
         assert [o.token for o in outs] == [tokens[i + 1] for i in rows]
 
 
+def ids(n: int) -> str:
+    """--prompt-ids of n tokens."""
+    return ",".join(str(10 + i % 200) for i in range(n))
+
+
+def test_new_tokens_past_the_context_are_refused_up_front(daemon, k, lip_main, monkeypatch,
+                                                          tmp_path):
+    """`--max-new-tokens 4 --answer-tokens 99999999999` decoded for 100 s, then failed at the
+    context's end (EOVERFLOW, status 1) with nothing printed. The prompt, the script's text
+    and both counts of new tokens must fit the context together, as the other programs'
+    prompt and --max-new-tokens must."""
+    monkeypatch.setenv("SYMPHONY_SOCKET", str(daemon.socket))
+    context = k.model_info().context_length
+    start = time.monotonic()
+    code, out, err = lip_main("async_lm", "--prompt", "x", "--max-new-tokens", "4",
+                              "--answer-tokens", "99999999999", "--json")
+    assert (code, out) == (2, "") and time.monotonic() - start < 10
+    prompt = len(k.tokenize("x", add_special=True))
+    assert err == (f"async_lm: error: --max-new-tokens 4 and --answer-tokens 99999999999: the "
+                   f"prompt's {prompt} tokens, the script's 0 and 100000000003 new ones pass "
+                   f"the model's context of {context} positions\n")
+    text = " and so on"  # forced, and no call: nothing else goes in
+    (tmp_path / "s.json").write_text(json.dumps([{"after": 2, "text": text}]))
+    forced = len(k.tokenize(text))
+    flags = ["--script", str(tmp_path / "s.json"), "--max-new-tokens", "4",
+             "--answer-tokens", "2", "--json", "--prompt-ids"]
+    code, out, err = lip_main("async_lm", *flags, ids(context - forced - 6 + 1))
+    assert (code, out) == (2, "")
+    assert f"the prompt's {context - forced - 5} tokens, the script's {forced} and 6 new" in err
+    code, out, err = lip_main("async_lm", *flags, ids(context - forced - 6))
+    assert (code, err) == (0, "")
+    r = json.loads(out)
+    assert not r["context_full"] and 2 <= r["sampled"] <= 6
+
+
+@pytest.mark.parametrize("over", [0, 1])
+def test_results_that_fill_the_context_stop_the_task_with_what_it_has(
+        daemon, k, lip_main, monkeypatch, tmp_path, over):
+    """A result's length is known only once its tool returns: where the result (over=1) or
+    then a sampled token (over=0, the result filling the context to its last position) would
+    pass the context, the task stops before it, prints its record, says so on stderr, and
+    exits 0; the KV file holds what went in. It failed EOVERFLOW, status 1, nothing printed."""
+    monkeypatch.setenv("SYMPHONY_SOCKET", str(daemon.socket))
+    context = k.model_info().context_length
+    call = " [CALL] big [HEAD] sh: echo hello [END]"
+    (tmp_path / "s.json").write_text(json.dumps([{"after": 1, "text": call}]))
+    forced, result = len(k.tokenize(call)), len(k.tokenize(interrupt_text("big", "hello")))
+    prompt = context - forced - 1 - result + over  # then 1 sampled, the call, its result
+    code, out, err = lip_main(
+        "async_lm", "--prompt-ids", ids(prompt), "--script", str(tmp_path / "s.json"), "--sync",
+        "--max-new-tokens", "1", "--answer-tokens", "1", "--save", f"full{over}.kv", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["context_full"] and r["sampled"] == 1
+    (c,) = r["calls"]
+    assert c["value"] == "hello" and c["returned"] is not None
+    kinds = [s["kind"] for s in r["segments"]]
+    written = [t for s in r["segments"] for t in s["tokens"]]
+    if over:
+        assert kinds == ["prompt", "generated", "forced"] and c["injected"] is None
+        what = f"call big's result ({result} tokens)"
+    else:
+        assert kinds == ["prompt", "generated", "forced", "interrupt"]
+        assert c["injected_after"] == 1 and len(written) == context
+        what = "a sampled token"
+    assert err == (f"async_lm: stopped after 1 tokens sampled: the KV file's {len(written)} "
+                   f"tokens and {what} would pass the model's context of {context} positions\n")
+    with k.open(f"{k.home}/full{over}.kv") as f:
+        assert f.read()[0] == written
+
+
 @pytest.mark.parametrize("args, message", [
     (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
     (["--answer-tokens", "-1"], "--answer-tokens must be >= 0"),
