@@ -300,8 +300,9 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(str(e))
 
 
-def ensure_cache(k: Kernel, path: str, document: list[int]) -> bool:
-    """Make the KV file of `document` at `path` unless it is there; whether it was made.
+def ensure_cache(k: Kernel, path: str, document: list[int]) -> str | None:
+    """Make the KV file of `document` at `path` unless it is there: "built", "dropped"
+    (computed, but another process named its copy first), or None (there already).
 
     It is computed in an anonymous file and named once whole, so no reader ever sees a
     half-computed cache."""
@@ -309,7 +310,7 @@ def ensure_cache(k: Kernel, path: str, document: list[int]) -> bool:
         with k.open(path) as f:
             if f.read()[0] != document:
                 raise ValueError(f"{path}: holds another document; unlink it to rebuild")
-        return False
+        return None
     except FileNotFoundError:
         pass
     with Context(k) as ctx:
@@ -317,9 +318,9 @@ def ensure_cache(k: Kernel, path: str, document: list[int]) -> bool:
         try:
             ctx.save(path)
         except FileExistsError:  # another process made it meanwhile
-            return False
+            return "dropped"
         ctx.file.fsync()
-    return True
+    return "built"
 
 
 def answer(k: Kernel, path: str, question: str, max_new_tokens: int, sampling: dict) -> dict:
@@ -338,11 +339,12 @@ def run_document(k: Kernel, args: argparse.Namespace) -> int:
     path = kv_path(k.home, args.cache)
     document = k.tokenize(args.document, add_special=True)
     start = time.perf_counter()
-    built = ensure_cache(k, path, document)
+    made = ensure_cache(k, path, document)
     result = {
         "cache": path,
-        "built": built,
-        "build_seconds": time.perf_counter() - start if built else 0.0,
+        "built": made == "built",
+        "dropped": made == "dropped",
+        "build_seconds": time.perf_counter() - start if made else 0.0,
         "document_tokens": len(document),
         "answers": [],
     }

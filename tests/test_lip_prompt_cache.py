@@ -15,7 +15,7 @@ import torch
 from daemon import ROOT, SYMPHONY, meminfo
 
 from lips.pml import PMLError, parse_prompt, parse_schema
-from lips.prompt_cache import ModuleCache
+from lips.prompt_cache import ModuleCache, ensure_cache
 from syscalls.client import File
 
 SCHEMA = """<schema name="trip">
@@ -212,6 +212,37 @@ def test_a_module_another_run_linked_first_is_reported_dropped(
         f"dropped {directory}/{raced[0]}, computed in "
     ) and " s: another run linked it first\n" in out
     assert "built" not in out
+
+
+def test_a_document_another_run_named_first_is_reported_dropped(
+    daemon, k, tmp_path, lip_main, monkeypatch
+):
+    """--document: the run whose link comes second computed the whole document, yet said
+    `"built": false` and `"build_seconds": 0`, as if it had found the file; now `dropped`
+    and its seconds. The race made certain as above."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A document about the sea, and the ships on it. " * 8)
+    monkeypatch.setenv("SYMPHONY_SOCKET", str(daemon.socket))
+    link, raced = File.link, []
+
+    def racing(self: File, path: str) -> None:
+        if path.endswith("/race-doc.kv") and not raced:
+            raced.append(path)
+            assert ensure_cache(k, path, k.tokenize(doc.read_text(), add_special=True)) == (
+                "built")
+        link(self, path)
+
+    monkeypatch.setattr(File, "link", racing)
+    argv = ["--document", str(doc), "--cache", "race-doc.kv", "--question", "Ships?",
+            "--max-new-tokens", "2", "--json"]
+    code, out, err = lip_main("prompt_cache", *argv)
+    assert code == 0, err
+    run = json.loads(out)
+    assert (run["built"], run["dropped"]) == (False, True) and run["build_seconds"] > 0
+    code, out, err = lip_main("prompt_cache", *argv)  # found there: neither
+    run = json.loads(out)
+    assert (run["built"], run["dropped"], run["build_seconds"]) == (False, False, 0.0)
+    k.unlink(raced[0])
 
 
 def test_a_union_shares_one_range_and_a_prompt_picks_one(daemon, k, tmp_path):
