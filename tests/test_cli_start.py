@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from daemon import ROOT, alive, wait_for
 
 from symphony import control
@@ -304,3 +305,17 @@ def test_a_kernel_replaces_a_symlink_at_its_pid_file(tmp_path):
         stopped = symphony("stop", "--socket", str(sock))
     assert stopped.returncode == 0, stopped.stderr
     assert root_s.read_text() == "root's\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA")
+@pytest.mark.parametrize("command", [["kernel", "--socket", "{sock}", "--state-dir", "{state}"],
+                                     ["generate", "--prompt-ids", "1,2"]])
+def test_device_cuda_without_cuda_is_one_line(tmp_path, command):
+    """It was an assertion's 30-line traceback from the KV pool (an outside tester's
+    finding); `symphony rank` already said it in a line."""
+    argv = [a.format(sock=tmp_path / "k.sock", state=tmp_path / "st") for a in command]
+    run = symphony(*argv, "--device", "cuda", "--model", str(ROOT / "models" / "tiny"))
+    assert run.returncode == 1
+    assert run.stderr == (f"symphony: --device cuda: no CUDA on this node (host "
+                          f"{socket.gethostname()}): use --device cpu, or a node with a GPU\n")
+    assert not (tmp_path / "k.sock").exists()

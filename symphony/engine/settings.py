@@ -5,6 +5,7 @@ through `HasSettings`."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,10 +13,19 @@ import torch
 
 from kvfs.pool import PageShape, pages_for_fraction
 from symphony.engine.config import ModelConfig
+from symphony.engine.errors import ModelError
 from symphony.engine.tokenizer import Tokenizer
 
 PAGE_SIZE = 16  # entries of a KV page, when none is given
 KV_MEMORY_FRACTION = 0.25  # of free memory the KV pool takes, when no page count is given
+
+
+def require_cuda() -> None:
+    """ModelError, in a line, where this machine has no CUDA (torch's own error was an
+    assertion's traceback, or an AttributeError on _cuda_setDevice)."""
+    if not torch.cuda.is_available():
+        raise ModelError(f"--device cuda: no CUDA on this node (host {socket.gethostname()}): "
+                         "use --device cpu, or a node with a GPU")
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,8 @@ class EngineSettings:
 
         model_dir = Path(model_dir) if model_dir else default_model_dir()
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda":
+            require_cuda()
         return cls(
             model_dir,
             ModelConfig.from_file(model_dir / "config.json"),
