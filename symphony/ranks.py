@@ -10,7 +10,9 @@ at node 0's address (--master-addr, --master-port), rank r on node r // (N / nno
 its Claim in it under its rank (rank count, node count, device kind, and off node 0 its
 checkpoint's fingerprint), as JSON parsed strictly, never unpickled, and rank 0 refuses one
 that differs from its own (meet) before they form the torch.distributed group over the
-store. A second claimant of a rank (a duplicate --node-rank, a node restarted after it
+store. A node's ranks are claimed as a whole: the first claim of a node's ranks makes the
+node its claimant's (the kernel's on node 0, a `symphony rank` process elsewhere), and every
+rank of another claimant of that node (a duplicate --node-rank, a node restarted after it
 claimed, a node started after the group formed) is refused at once; the first keeps its
 place.
 
@@ -48,12 +50,13 @@ import argparse
 import ctypes
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -196,12 +199,17 @@ class Claim:
     device: str  # cpu (gloo) or cuda (NCCL)
     model: str  # the checkpoint's path on the rank's node
     fingerprint: str | None  # the checkpoint's, off node 0 (node 0's ranks read the kernel's)
+    # Its node's identity, with `host` (meet's `node/n`): the pid of the process that started
+    # the node's ranks (the kernel on node 0, `symphony rank` elsewhere) and, off node 0, that
+    # process's random token (a host name and pid alone may be another container's).
+    parent: int = field(default_factory=os.getppid)
+    token: str | None = None
 
 
 def claim(rank: int, rdv: Rendezvous, device: torch.device, model: Path,
-          fingerprint: str | None) -> Claim:
+          fingerprint: str | None, token: str | None = None) -> Claim:
     return Claim(rank, rdv.world, rdv.nnodes, socket.gethostname(), device.type, str(model),
-                 fingerprint)
+                 fingerprint, token=token)
 
 
 CLAIM_BYTES = 16384  # a claim's JSON at most
@@ -212,8 +220,24 @@ MAX_RANKS = 1 << 16
 def encode(c: Claim) -> bytes:
     """A claim as the store holds it: JSON, never a pickle (see decode)."""
     return json.dumps({"rank": c.rank, "world": c.world, "nnodes": c.nnodes, "host": c.host,
-                       "device": c.device, "model": c.model,
-                       "fingerprint": c.fingerprint}).encode()
+                       "device": c.device, "model": c.model, "fingerprint": c.fingerprint,
+                       "parent": c.parent, "token": c.token}).encode()
+
+
+def _node_owner(c: Claim) -> bytes:
+    """What a node's key holds once the claimant of `c` claims the node (meet)."""
+    return json.dumps({"host": c.host, "parent": c.parent, "token": c.token}).encode()
+
+
+def _owner_named(raw: bytes) -> str:
+    """The owner in a node's key, for the refused claimant to name: 'pid P on host H'."""
+    try:
+        d = json.loads(raw.decode("utf-8")) if len(raw) <= CLAIM_BYTES else None
+    except (UnicodeDecodeError, ValueError):
+        d = None
+    if isinstance(d, dict) and type(d.get("parent")) is int and type(d.get("host")) is str:
+        return f"pid {d['parent']} on host {d['host'][:255]}"
+    return f"a claimant that is not one ({bytes(raw[:32])!r})"
 
 
 def decode(raw: bytes, slot: int) -> Claim:
@@ -235,7 +259,7 @@ def decode(raw: bytes, slot: int) -> Claim:
     keys = {f.name for f in fields(Claim)}
     if set(d) != keys:
         raise bad(f"keys {sorted(d)[:10]}, want {sorted(keys)}")
-    for key in ("rank", "world", "nnodes"):
+    for key in ("rank", "world", "nnodes", "parent"):
         if type(d[key]) is not int:
             raise bad(f"{key} {str(d[key])[:32]!r} is not an integer")
     if not 1 <= d["nnodes"] <= d["world"] <= MAX_RANKS or d["world"] % d["nnodes"]:
@@ -244,6 +268,8 @@ def decode(raw: bytes, slot: int) -> Claim:
         raise bad(f"rank {d['rank']} outside [0, {d['world']})")
     if d["rank"] != slot:
         raise bad(f"it names rank {d['rank']}")
+    if not 0 < d["parent"] < 1 << 31:
+        raise bad(f"parent {d['parent']} is not a pid")
     for key, most in _TEXT.items():
         if type(d[key]) is not str or len(d[key]) > most:
             raise bad(f"{key} is not a string of at most {most} characters")
@@ -253,6 +279,10 @@ def decode(raw: bytes, slot: int) -> Claim:
     if fp is not None and (type(fp) is not str or not 0 < len(fp) <= 128
                            or any(ch not in "0123456789abcdef" for ch in fp)):
         raise bad("fingerprint is neither null nor a hex digest")
+    token = d["token"]
+    if token is not None and (type(token) is not str or not 0 < len(token) <= 64
+                              or any(ch not in "0123456789abcdef" for ch in token)):
+        raise bad("token is neither null nor hex")
     return Claim(**d)
 
 
@@ -274,8 +304,8 @@ def _read_verdict(raw: bytes) -> str | None:
 
 
 def disagreement(ours: Claim, theirs: Claim) -> str | None:
-    """Why rank 0 (`ours`) refuses a rank's claim: None if it does not. (A second claimant
-    of a rank never gets here: `claimed/<rank>` refuses it first.)"""
+    """Why rank 0 (`ours`) refuses a rank's claim: None if it does not. (A rank of a second
+    claimant of a node never gets here: `node/<node>` refuses it first.)"""
     who = f"rank {theirs.rank} (node {theirs.rank // (theirs.world // theirs.nnodes)}, " \
           f"host {theirs.host})"
     for flag, mine, its in (("--tensor-parallel", ours.world, theirs.world),
@@ -327,15 +357,24 @@ def _listener(rdv: Rendezvous) -> int:
     return s.detach()
 
 
+class Bystander(ModelError):
+    """What a rank of node 0's hears when rank 0 refused another node's rank: rank 0 says
+    why, in the kernel's log, and this rank ends without a word (run_follower)."""
+
+
 def meet(rdv: Rendezvous, mine: Claim) -> dist.TCPStore:
     """The rendezvous's store (rank 0 serves it at --master-port), once each of the N ranks
     has come and rank 0 has found that its claim agrees with rank 0's; else ModelError, on
-    rank 0 and on the rank it refused alike, in one line naming what differs.
+    rank 0 and on the rank it refused alike, in one line naming what differs (Bystander on
+    node 0's other ranks).
 
-    In the store, all JSON (encode, decode): rank 0's own claim at `kernel`; rank r's at
-    `claim/r`, put there by its first claimant alone (`claimed/r` counts them: a second one
-    is refused at once, the first keeps its place); rank 0's verdict on it at `verdict/r`.
-    A rank outside the kernel's range puts its claim at `stray`, for rank 0 to name."""
+    In the store, all JSON (encode, decode): rank 0's own claim at `kernel`; node n's owner
+    at `node/n` (_node_owner: host, parent pid, token), set by the first claim of any of the
+    node's ranks (n as the kernel counts nodes; rank 0 sets node 0's), so that every rank of
+    another claimant of the node is refused at once and the first keeps its place; rank r's
+    claim at `claim/r`, put there by the node's owner alone; rank 0's verdict on it at
+    `verdict/r`. A rank outside the kernel's range puts its claim at `stray`, for rank 0 to
+    name."""
     where, wait = f"{rdv.master_addr}:{rdv.master_port}", TIMEOUT.total_seconds()
     if mine.rank != 0:
         _reach(rdv, mine.rank)
@@ -353,11 +392,13 @@ def meet(rdv: Rendezvous, mine: Claim) -> dist.TCPStore:
                 problem = disagreement(kernel, mine) or (
                     f"rank {mine.rank} is outside the kernel's ranks 0 to {kernel.world - 1}")
                 raise ModelError(f"{refused}: {problem}")
-            if store.add(f"claimed/{mine.rank}", 1) > 1:
+            node = mine.rank // (kernel.world // kernel.nnodes)
+            owner = store.compare_set(f"node/{node}", b"", _node_owner(mine))
+            if owner != _node_owner(mine):
                 raise ModelError(
-                    f"{refused}: rank {mine.rank} was claimed already (another node with "
-                    f"--node-rank {rdv.node_of(mine.rank)}, this node before a restart, or "
-                    "a group formed already); the first claimant keeps it")
+                    f"{refused}: node {node} was claimed already, by {_owner_named(owner)} "
+                    f"(another node with --node-rank {node}, this node before a restart, or "
+                    "a group formed already); the first claimant keeps its place")
             store.set(f"claim/{mine.rank}", encode(mine))
             raw = store.get(f"verdict/{mine.rank}")
             if raw != _verdict(None):  # heard, for rank 0 that waits to exit (not to go on)
@@ -369,6 +410,8 @@ def meet(rdv: Rendezvous, mine: Claim) -> dist.TCPStore:
             problem = _read_verdict(raw)
         except ValueError as e:
             raise ModelError(f"{refused}: {e}") from None
+        if problem and node == 0:  # another's: node 0's ranks are the kernel's own
+            raise Bystander(f"rank {mine.rank}: rank 0 refused another node's rank")
         if problem:
             raise ModelError(f"{refused}: {problem}")
         return store
@@ -378,6 +421,7 @@ def meet(rdv: Rendezvous, mine: Claim) -> dist.TCPStore:
                               master_listen_fd=_listener(rdv))
     except (OSError, dist.DistError) as e:
         raise ModelError(f"rank 0: cannot listen at {where} ({_first_line(e)})") from None
+    store.set("node/0", _node_owner(mine))  # before `kernel`, which the others wait for
     store.set("kernel", encode(mine))
     came: dict[int, Claim] = {}
     missing = list(range(1, rdv.world))
@@ -678,12 +722,14 @@ def run_follower(
     model_dir: Path,
     arrays: tuple[torch.Tensor, torch.Tensor] | None,
     fingerprint: str | None = None,
+    token: str | None = None,
 ) -> int:
     """A follower rank's life: join, build, follow; its exit status. `fingerprint`: its
-    checkpoint's, off node 0, for rank 0 to compare with the kernel's."""
+    checkpoint's, off node 0, for rank 0 to compare with the kernel's; `token`, off node 0,
+    its `symphony rank`'s (Claim)."""
     try:
         dev = rank_device(device, rdv, rank)
-        cpu_group = join(rdv, claim(rank, rdv, dev, model_dir, fingerprint), dev)
+        cpu_group = join(rdv, claim(rank, rdv, dev, model_dir, fingerprint, token), dev)
         group, engine, mirror = build_follower(rank, rdv, cpu_group, dev, model_dir, arrays)
         try:
             follow(group, engine, mirror)
@@ -693,6 +739,8 @@ def run_follower(
             gist = _first_line(e).rpartition("] ")[2].split(". ")[0]
             raise ModelError(f"the group broke: the kernel's rank 0 at {rdv.master_addr}:"
                              f"{rdv.master_port}, or another rank, went away ({gist})") from e
+    except Bystander:
+        return 1
     except ModelError as e:  # said in a line of its own
         print(f"symphony: {e if str(e).startswith('rank ') else f'rank {rank}: {e}'}",
               file=sys.stderr)
@@ -718,6 +766,7 @@ def follower_main(argv: list[str]) -> int:
     p.add_argument("--parent", type=int)
     p.add_argument("--model")
     p.add_argument("--fingerprint", help="the checkpoint's (symphony.engine.fingerprint)")
+    p.add_argument("--token", help="its `symphony rank`'s, the same for each of its ranks")
     a = p.parse_args(argv)
     if a.socket is not None:
         from symphony.engine_process import mapped, receive  # it imports this module
@@ -734,7 +783,7 @@ def follower_main(argv: list[str]) -> int:
     rdv = Rendezvous(
         a.world, a.nnodes, a.rank // (a.world // a.nnodes), a.master_addr, a.master_port
     )
-    return run_follower(a.rank, rdv, a.device, Path(a.model), None, a.fingerprint)
+    return run_follower(a.rank, rdv, a.device, Path(a.model), None, a.fingerprint, a.token)
 
 
 def start_node(rdv: Rendezvous, device: str, model_dir: Path, fingerprint: str
@@ -747,6 +796,7 @@ def start_node(rdv: Rendezvous, device: str, model_dir: Path, fingerprint: str
     # torch's C++ warnings off (a rank whose kernel stops while it waits for its verdict
     # printed TCPStore's 'recvValueWithTimeout failed' and its C++ frames before its line).
     env = {**os.environ, "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+    token = secrets.token_hex(8)  # this node's, in each of its ranks' claims
     return [
         subprocess.Popen(
             [
@@ -771,6 +821,8 @@ def start_node(rdv: Rendezvous, device: str, model_dir: Path, fingerprint: str
                 str(model_dir),
                 "--fingerprint",
                 fingerprint,
+                "--token",
+                token,
             ],
             stdin=subprocess.DEVNULL,
             env=env,

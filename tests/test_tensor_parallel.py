@@ -25,7 +25,7 @@ from symphony.engine.loader import load_model
 from symphony.engine.tensor_parallel import Group, shard_of
 from symphony.engine.tree import ancestor_bits
 from symphony.engine_process import EngineProcess
-from symphony.ranks import Claim, Rendezvous, from_environment, meet
+from symphony.ranks import Bystander, Claim, Rendezvous, from_environment, meet
 from symphony.top import Sample, frame
 
 ATOL = 1e-4
@@ -357,6 +357,8 @@ def meet_in_threads(rdv: Rendezvous, claims: list[Claim], stagger: float = 0.0
         try:
             stores.append(meet(rdv, claims[i]))
             said[i] = "met"
+        except Bystander as e:  # a ModelError that run_follower does not print
+            said[i] = f"silent: {e}"
         except ModelError as e:
             said[i] = str(e)
 
@@ -405,7 +407,7 @@ def test_a_claim_that_is_not_one_is_refused_in_a_line_and_never_unpickled(
     ranks._reach(rdv, 1)
     client = dist.TCPStore("127.0.0.1", rdv.master_port, is_master=False,
                            timeout=timedelta(seconds=10), wait_for_workers=False)
-    for key in ("claims", "claimed/1"):  # the old protocol's counter, and the new one's
+    for key in ("claims", "claimed/1"):  # earlier protocols' counters
         client.add(key, 1)
     client.set("claim/1", raw)
     t.join(30)
@@ -431,17 +433,59 @@ def test_claims_are_keyed_by_rank_and_a_second_claimant_is_refused(monkeypatch):
         wait_for_workers=False).add("claims", 1)).start()
     again = replace(one, host="d")
     said, stores = meet_in_threads(rdv, [kernel, one, again, two], stagger=0.7)
-    claimed = (f"rank 1: refused by the kernel at 127.0.0.1:{rdv.master_port}: rank 1 was "
-               "claimed already (another node with --node-rank 1, this node before a "
-               "restart, or a group formed already); the first claimant keeps it")
-    assert said == ["met", "met", claimed, "met"], said
+    assert said == ["met", "met", claimed(rdv, 1, 1, "b"), "met"], said
     # A node that comes after the group formed: refused at once.
     start = time.monotonic()
     late, _ = meet_in_threads(rdv, [replace(two, host="e")])
-    assert late == [claimed.replace("rank 1", "rank 2").replace("--node-rank 1",
-                                                                 "--node-rank 2")], late
+    assert late == [claimed(rdv, 2, 2, "c")], late
     assert time.monotonic() - start < 3
     del stores
+
+
+def claimed(rdv: Rendezvous, rank: int, node: int, host: str) -> str:
+    """What a rank of a second claimant of `node` is refused with (its first claimant a
+    thread of this process, on `host`)."""
+    return (f"rank {rank}: refused by the kernel at 127.0.0.1:{rdv.master_port}: node {node} "
+            f"was claimed already, by pid {os.getppid()} on host {host} (another node with "
+            f"--node-rank {node}, this node before a restart, or a group formed already); "
+            "the first claimant keeps its place")
+
+
+def test_a_nodes_ranks_are_claimed_as_a_whole(monkeypatch):
+    """Two `symphony rank` of node 1 started at once: each took one of its two ranks, the
+    group formed from halves of two nodes and served, and each kept a rank. Now the first
+    claim of a node's ranks makes the node its claimant's: the other's ranks are all
+    refused, in one line each, and the first's all meet. (The claims interleave: A's rank 2,
+    B's rank 3, B's rank 2, A's rank 3.)"""
+    from symphony import ranks
+
+    monkeypatch.setattr(ranks, "TIMEOUT", timedelta(seconds=20))
+    rdv = Rendezvous(4, 2, 0, "127.0.0.1", free_port())
+    kernel = Claim(0, 4, 2, "a", "cpu", "/m", "ab")
+    a = replace(kernel, host="vm", fingerprint="ab", token="aa")
+    b = replace(a, token="bb")  # another `symphony rank` on the same host
+    said, stores = meet_in_threads(
+        rdv, [kernel, replace(kernel, rank=1), replace(a, rank=2), replace(b, rank=3),
+              replace(b, rank=2), replace(a, rank=3)], stagger=0.4)
+    assert said == ["met", "met", "met", claimed(rdv, 3, 1, "vm"), claimed(rdv, 2, 1, "vm"),
+                    "met"], said
+    del stores
+
+
+def test_node_0s_ranks_say_nothing_of_another_nodes_refusal(monkeypatch):
+    """Rank 0 refused node 1's rank: node 0's rank 1, which did nothing wrong, said the
+    refusal too (a second line in the kernel's log). It ends without a word now, and the
+    refused rank is told."""
+    from symphony import ranks
+
+    monkeypatch.setattr(ranks, "TIMEOUT", timedelta(seconds=20))
+    rdv = Rendezvous(4, 2, 0, "127.0.0.1", free_port())
+    kernel = Claim(0, 4, 2, "a", "cpu", "/m", "ab")
+    wrong = replace(kernel, rank=2, nnodes=4, host="vm", token="aa")
+    said, _ = meet_in_threads(rdv, [kernel, replace(kernel, rank=1), wrong], stagger=0.4)
+    why = "rank 2 (node 2, host vm) has --nnodes 4, the kernel --nnodes 2"
+    assert said == [f"rank 0: {why}", "silent: rank 1: rank 0 refused another node's rank",
+                    f"rank 2: refused by the kernel at 127.0.0.1:{rdv.master_port}: {why}"], said
 
 
 def test_symphony_rank_with_cuda_on_a_node_without_says_so(monkeypatch, tmp_path):

@@ -10,12 +10,15 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 from daemon import ROOT, alive, prompt, sched, start_daemon, wait_for
 from test_tensor_parallel import free_port
 
@@ -303,3 +306,84 @@ def test_a_kernel_waiting_for_its_ranks_holds_its_socket_and_state(model, tmp_pa
     finally:
         waiting.kill()
         waiting.wait()
+
+
+def four_ranks_on(nnodes: int, node_rank: int, port: int) -> list[str]:
+    return ["--tensor-parallel", "4", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+            "--master-addr", "127.0.0.1", "--master-port", str(port)]
+
+
+def symphony_rank(model, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([*SYMPHONY, "rank", "--device", "cpu", "--model", str(model),
+                             *flags], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+
+
+def test_a_second_node_with_the_same_node_rank_is_refused_whole(model):
+    """Two `symphony rank` of node 1 started at once each took one of its two ranks: the
+    group formed from halves of two nodes and served, and both kept running. Now the first
+    claim makes node 1 its `symphony rank`'s: the other's ranks are each refused in a line
+    naming it, that one exits 1, and the group is node 0's and the first's."""
+    port = free_port()
+    nodes = [symphony_rank(model, *four_ranks_on(2, 1, port)) for _ in range(2)]
+    d = start_daemon(model, None, *FLAGS, *four_ranks_on(2, 0, port))
+    try:
+        wait_for(lambda: any(n.poll() is not None for n in nodes), timeout=30,
+                 what="the second node to be refused")
+        (loser,) = [n for n in nodes if n.poll() is not None]
+        (winner,) = [n for n in nodes if n is not loser]
+        said, _ = loser.communicate(timeout=30)
+        assert loser.returncode == 1, said
+        for rank in (2, 3):
+            assert (f"symphony: rank {rank}: refused by the kernel at 127.0.0.1:{port}: node 1 "
+                    f"was claimed already, by pid {winner.pid} on host {os.uname().nodename} "
+                    "(another node with --node-rank 1, this node before a restart, or a "
+                    "group formed already); the first claimant keeps its place\n") in said, said
+        with d.connect() as k:
+            ranks = ranks_of(sched(k))
+        assert [ranks[r]["node"] for r in range(4)] == ["0", "0", "1", "1"]
+        assert complete(d, [prompt(9)], 3)[0] == complete(d, [prompt(9)], 3)[0]
+    finally:
+        assert d.stop() == 0, d.log_text()
+        for n in nodes:
+            if n.poll() is None:
+                n.wait(30)  # the winner: the kernel's stop ends the group
+    assert winner.returncode == 0, winner.communicate()[0]
+
+
+def claimed(port: int, rank: int) -> bool:
+    """Whether `rank` has put its claim in the rendezvous's store at `port`."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except OSError:
+        return False
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5),
+                          wait_for_workers=False)
+    return store.check([f"claim/{rank}"])
+
+
+def test_a_refused_node_is_said_once_in_the_kernels_log(model):
+    """Rank 0 refused another node's rank: node 0's rank 1, which did nothing wrong, said it
+    too, a line before rank 0's in the kernel's log. Now the log has rank 0's alone. (Node
+    0's rank 1 claims first, as where the other node comes last: the refusal reaches it.)"""
+    port, failed = free_port(), []
+
+    def kernel() -> None:
+        try:
+            start_daemon(model, None, *FLAGS, *four_ranks_on(2, 0, port)).stop()
+        except RuntimeError as e:
+            failed.append(str(e))
+
+    started = threading.Thread(target=kernel)
+    started.start()
+    wait_for(lambda: claimed(port, 1), timeout=60, what="node 0's rank 1 to claim")
+    node = symphony_rank(model, *four_ranks_on(4, 2, port))
+    started.join(120)
+    (log,) = failed
+    assert log.startswith("the kernel exited (1)"), log
+    why = f"rank 2 (node 2, host {os.uname().nodename}) has --nnodes 4, the kernel --nnodes 2"
+    assert [line for line in log.splitlines() if "rank 2 (node 2" in line] == [
+        f"symphony: rank 0: {why}"], log
+    said, _ = node.communicate(timeout=60)
+    assert node.returncode == 1
+    assert f"symphony: rank 2: refused by the kernel at 127.0.0.1:{port}: {why}\n" in said, said
