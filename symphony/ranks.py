@@ -67,6 +67,7 @@ from kvfs.pool import DEVICE, KVPool, PageShape, pool_shard_shape
 from symphony.engine.config import ModelConfig
 from symphony.engine.engine import Batch, Engine
 from symphony.engine.errors import ModelError
+from symphony.engine.settings import require_cuda
 from symphony.engine.tensor_parallel import Group, shard_of
 from symphony.options import RENDEZVOUS_SECONDS
 
@@ -172,17 +173,9 @@ class RankInfo:
 def rank_device(kind: str, rdv: Rendezvous, rank: int) -> torch.device:
     """A rank's device: its own GPU of its node's (cuda:LOCAL_RANK), or the CPU."""
     if kind == "cuda":
-        no_cuda()
+        require_cuda()
         return torch.device("cuda", rank - rdv.node_rank * rdv.per_node)
     return torch.device("cpu")
-
-
-def no_cuda() -> None:
-    """ModelError, in a line, where this node has no CUDA (torch's own error was an
-    AttributeError on _cuda_setDevice)."""
-    if not torch.cuda.is_available():
-        raise ModelError(f"--device cuda: no CUDA on this node (host {socket.gethostname()}): "
-                         "use --device cpu, or a node with a GPU")
 
 
 @dataclass(frozen=True)
@@ -792,7 +785,7 @@ def start_node(rdv: Rendezvous, device: str, model_dir: Path, fingerprint: str
     of their checkpoint. ModelError, before any starts, for --device cuda where this node
     has no CUDA."""
     if device == "cuda":
-        no_cuda()
+        require_cuda()
     # torch's C++ warnings off (a rank whose kernel stops while it waits for its verdict
     # printed TCPStore's 'recvValueWithTimeout failed' and its C++ frames before its line).
     env = {**os.environ, "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
