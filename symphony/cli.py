@@ -230,10 +230,10 @@ def cmd_rank(args: argparse.Namespace) -> int:
         status = 0
         for rank, p in zip(rendezvous.local_ranks(), procs, strict=True):
             code = p.wait()
-            if code:
+            if code not in (0, 1):  # a rank that exits 1 has said why in its own line
                 how = f"was killed by signal {-code}" if code < 0 else f"exited {code}"
                 print(f"symphony rank: rank {rank} (pid {p.pid}) {how}", file=sys.stderr)
-                status = 1
+            status = status or int(code != 0)
         return status
     except KeyboardInterrupt:
         return 1
