@@ -24,6 +24,7 @@ from typing import BinaryIO
 from symphony.options import RENDEZVOUS_SECONDS
 from syscalls.client import Kernel
 from syscalls.flags import each
+from syscalls.pred_rpc import MAIN_THREAD_SIGNALS
 from syscalls.session import DEFAULT_SOCKET, pid_path, socket_path
 
 START_TIMEOUT = 300.0  # loading and fingerprinting a large checkpoint takes a while
@@ -163,9 +164,16 @@ class Claim:
         self.listener.listen()
         # Every probe's connection taken and closed: left in the backlog, 129 of them (a
         # script polling `symphony status` while a model loads) filled it, and every probe
-        # after waited for room until the kernel served.
+        # after waited for room until the kernel served. The thread starts with the
+        # signals the kernel handles blocked (a thread starts with its creator's mask): one
+        # delivered to it would leave the main thread's wait uninterrupted, so a Ctrl-C
+        # while the model loads went unanswered until the load ended.
         self._taker = threading.Thread(target=self._take, args=(self.listener,), daemon=True)
-        self._taker.start()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, MAIN_THREAD_SIGNALS)
+        try:
+            self._taker.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     @staticmethod
     def _take(listener: socket.socket) -> None:

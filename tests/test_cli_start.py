@@ -133,6 +133,12 @@ def test_a_starting_kernel_s_placeholder_answers_every_probe(tmp_path):
     claim = Claim(sock)
     try:
         assert within(30, lambda: [kernel_pid(sock) for _ in range(300)]) == [os.getpid()] * 300
+        # Its thread leaves Ctrl-C to the main thread (taken there, a Ctrl-C while a model
+        # loaded went unanswered till the load ended), and the main thread keeps its mask.
+        with open(f"/proc/self/task/{claim._taker.native_id}/status") as f:
+            blocked = int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+        assert blocked >> (signal.SIGINT - 1) & 1
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     finally:
         claim.release()
     assert kernel_pid(sock) is None and not sock.exists()
