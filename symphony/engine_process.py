@@ -560,8 +560,11 @@ def main(sock: socket.socket) -> None:
     """The engine process (rank 0): build the Engine over the kernel's pool (or take the
     simulated accelerator the kernel sent), with the other ranks where there are, then run
     steps until the kernel closes the socket."""
-    (kernel, model_dir, device, dtype, shape, tier, simulated, weights,
-     ranks) = receive(sock)
+    try:
+        setup = receive(sock)
+    except EOFError:  # the kernel went away first (a Ctrl-C while it started): nothing to do
+        return
+    kernel, model_dir, device, dtype, shape, tier, simulated, weights, ranks = setup
     if not die_with_parent(kernel):  # the kernel died before prctl: nobody would stop us
         return
     if simulated is not None or device.type != "cpu":

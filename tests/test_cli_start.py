@@ -325,3 +325,17 @@ def test_device_cuda_without_cuda_is_one_line(tmp_path, command):
     assert run.stderr == (f"symphony: --device cuda: no CUDA on this node (host "
                           f"{socket.gethostname()}): use --device cpu, or a node with a GPU\n")
     assert not (tmp_path / "k.sock").exists()
+
+
+def test_an_engine_whose_kernel_goes_before_its_setup_exits_quietly():
+    """The kernel interrupted after it started its engine process but before it sent the
+    setup: the engine printed an EOFError's traceback on the terminal they share (the
+    test above failed so once in the suite)."""
+    ours, theirs = socket.socketpair()
+    engine = subprocess.Popen([sys.executable, "-m", "symphony.engine_process",
+                               str(theirs.fileno())], pass_fds=[theirs.fileno()], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    theirs.close()
+    ours.close()
+    out, err = engine.communicate(timeout=120)
+    assert (engine.returncode, out, err) == (0, "", "")
