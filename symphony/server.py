@@ -34,8 +34,8 @@ from symphony.scheduler import taken_back
 from symphony.syscall_table import (
     TABLE,
     einval,
-    pred_reply,
     reply_bound,
+    reply_payload,
     submit_pred,
     sys_pred,
 )
@@ -165,18 +165,19 @@ class Front:
             self._account(proc, name, start)
 
     def lifeline_pred(self, request, who: Callable[[], tuple[Process, Cred]],
-                      answer: Callable[[pb.PredReply], None]) -> asyncio.Future | None:
+                      answer: Callable[[bytes], None]) -> asyncio.Future | None:
         """A pred from the lifeline, as call() would do it but with no task: checked and
-        queued at once, then answer(reply) from its future's callback (a task, its steps
-        and its coroutines cost the loop 3 to 4 us a pred). Returns the future, for a
-        CANCEL frame to take back; None when it was answered at once: it failed, or took
-        a guess already computed (decoding ahead), whose answer needs no callback's turn."""
+        queued at once, then answer(its serialized reply) from its future's callback (a
+        task, its steps and its coroutines cost the loop 3 to 4 us a pred). Returns the
+        future, for a CANCEL frame to take back; None when it was answered at once: it
+        failed, or took a guess already computed (decoding ahead), whose answer needs no
+        callback's turn."""
         start, proc = time.perf_counter(), None
         try:
             proc, cred = self.admit("Pred", request, who)
             future = submit_pred(self.kernel, proc, cred, request)
         except Exception as e:
-            answer(error_reply(pb.PredReply, e))
+            answer(error_reply(pb.PredReply, e).SerializeToString())
             self._account(proc, "Pred", start)
             return None
         if future.done():
@@ -185,12 +186,12 @@ class Front:
         future.add_done_callback(functools.partial(self._answer, proc, start, answer))
         return future
 
-    def _answer(self, proc: Process, start: float, answer: Callable[[pb.PredReply], None],
+    def _answer(self, proc: Process, start: float, answer: Callable[[bytes], None],
                 future: asyncio.Future) -> None:
         if not future.cancelled():  # else whoever cancelled it answers
             error = future.exception()
-            answer(pred_reply(future.result()) if error is None
-                   else error_reply(pb.PredReply, error))
+            answer(reply_payload(future.result()) if error is None
+                   else error_reply(pb.PredReply, error).SerializeToString())
         self._account(proc, "Pred", start)
 
     def unary(self, name: str, fn, reply_type):
@@ -507,12 +508,13 @@ class Hello(asyncio.Protocol):
                "the lifeline has replies waiting to be sent"
                if self.transport.get_write_buffer_size() else None)
         if why is not None:
-            self.send_reply(0, error_reply(pb.PredReply, einval(f"ring setup: {why}")))
+            self.send_reply(0, error_reply(pb.PredReply, einval(f"ring setup: {why}"))
+                            .SerializeToString())
             return
         try:
             made = ring.KernelRing()
         except OSError as e:
-            self.send_reply(0, error_reply(pb.PredReply, e))
+            self.send_reply(0, error_reply(pb.PredReply, e).SerializeToString())
             return
         sock = self.transport.get_extra_info("socket")
         data = wire.frame(wire.RING, 0, ring.GEOMETRY.pack(made.mem.sq_bytes, made.mem.cq_bytes))
@@ -571,7 +573,7 @@ class Hello(asyncio.Protocol):
         if call in self.calls:  # a reply would be that pred's as much as this one's
             self.send_reply(call, error_reply(pb.PredReply, einval(
                 f"pred: call id {call} has a pred in flight; a call id may be used again "
-                "once its reply has come")))
+                "once its reply has come")).SerializeToString())
             return
         request = (pred_request(payload) if kind == wire.PRED
                    else Malformed(ValueError(f"frame kind {kind} is not a pred")))
@@ -610,20 +612,19 @@ class Hello(asyncio.Protocol):
     async def take_back(self, call: int, future: asyncio.Future) -> None:
         """Its one reply, ECANCELED, once its file is as before."""
         await self.kernel.sched.cancel(future)
-        self.reply(call, error_reply(pb.PredReply, taken_back()))
+        self.reply(call, error_reply(pb.PredReply, taken_back()).SerializeToString())
 
-    def reply(self, call: int, reply: pb.PredReply) -> None:
-        """The pred of `call` is answered: its reply goes (send_reply)."""
+    def reply(self, call: int, payload: bytes) -> None:
+        """The pred of `call` is answered: its serialized reply goes (send_reply)."""
         self.answered(call)  # the client may use the call id again
-        self.send_reply(call, reply)
+        self.send_reply(call, payload)
 
-    def send_reply(self, call: int, reply: pb.PredReply) -> None:
+    def send_reply(self, call: int, payload: bytes) -> None:
         """On the ring when it has room, else as a frame on the lifeline. None once the
         process is reaped: its lifeline closes, and that is the answer to what it had in
         flight (the cancelled preds' EINTR is gRPC's)."""
         if self.transport.is_closing() or (self.proc is not None and not self.proc.alive):
             return
-        payload = reply.SerializeToString()
         if self.ring is not None:
             try:
                 posted = self.ring.post(wire.REPLY, call, payload)

@@ -32,6 +32,7 @@ from symphony.process import NICE_MAX, NICE_MIN, Process
 from symphony.top_wire import encode_tops
 from syscalls import symphony_pb2 as pb
 from syscalls import wire
+from syscalls.convert import plain_reply
 from syscalls.users import user_name
 
 if TYPE_CHECKING:
@@ -388,6 +389,15 @@ def pred_reply(outputs: list[Output]) -> pb.PredReply:
         if o.next_logprob is not None:
             out.next_logprob = o.next_logprob
     return reply
+
+
+def reply_payload(outputs: list[Output]) -> bytes:
+    """pred_reply(outputs) serialized, as the lifeline and the rings send it: plain outputs
+    (no top logprobs, nothing a control adds) written directly, with no message built."""
+    for o in outputs:
+        if len(o.top_ids) or o.model_logprob is not None or o.scores or o.next_logprob is not None:
+            return pred_reply(outputs).SerializeToString()
+    return plain_reply([(o.row, o.token, o.logprob) for o in outputs])
 
 
 def _tops(outputs: list[Output]) -> list[bytes]:

@@ -1,15 +1,19 @@
-"""The top logprobs on the wire, built with numpy: what protobuf's own messages give."""
+"""A pred's reply on the wire built without protobuf's messages (its top logprobs with numpy,
+plain outputs directly): what protobuf's own messages give."""
 
 from __future__ import annotations
+
+import struct
 
 import numpy as np
 import pytest
 
 from symphony import syscall_table
 from symphony.pred_job import Output
-from symphony.syscall_table import pred_reply
+from symphony.syscall_table import pred_reply, reply_payload
 from symphony.top_wire import encode_tops
 from syscalls import symphony_pb2 as pb
+from syscalls.convert import _plain_outputs, plain_reply
 
 EDGES = [0, 1, 127, 128, 16383, 16384, 2**21 - 1, 2**21, 2**28 - 1, 2**28, 2**31 - 1]
 
@@ -53,3 +57,31 @@ def test_a_reply_of_rows_with_and_without_tops(monkeypatch, few):
         out.top.extend(as_messages(o.top_ids, o.top_logprobs).top)
     want.outputs[2].model_logprob, want.outputs[2].scores[:] = -3.0, [-1.5]
     assert pred_reply(outputs) == want
+
+
+def test_plain_outputs_serialize_as_protobuf_does_and_parse_back():
+    rng = np.random.default_rng(1)
+    # Zero, negative zero (protobuf writes it), the infinities and NaN, a float32's
+    # smallest and largest, doubles that round.
+    logprobs = [0.0, -0.0, float("-inf"), float("inf"), float("nan"), -1e-45, -3.4e38,
+                -0.1234567890123, *rng.uniform(-30, 0, 8)]
+    for n in range(200):
+        outputs = [(int(rng.choice(EDGES)), int(rng.choice(EDGES)),
+                    float(logprobs[(n + i) % len(logprobs)])) for i in range(n % 4)]
+        want = pb.PredReply()
+        for row, token, logprob in outputs:
+            want.outputs.add(row=row, token=token, logprob=logprob)
+        data = plain_reply(outputs)
+        assert data == want.SerializeToString(), outputs
+        as_bits = struct.Struct("<f").pack  # NaN is not NaN; its bits are
+        assert ([(o.row, o.token, as_bits(o.logprob)) for o in _plain_outputs(data)]
+                == [(o.row, o.token, as_bits(o.logprob)) for o in want.outputs])
+
+
+def test_a_reply_payload_is_the_serialized_reply_whatever_its_outputs():
+    plain = [Output(0, 7, -0.5, [], []), Output(3, 0, 0.0, np.zeros(0), np.zeros(0))]
+    rich = [Output(0, 7, -0.5, [7], [-0.5]), Output(1, 2, -1.0, [], [], model_logprob=-2.0),
+            Output(2, 2, -1.0, [], [], scores=[-1.5]), Output(3, 2, -1.0, [], [],
+                                                             next_logprob=-0.75)]
+    for outputs in ([], plain, *([o] for o in rich), plain + rich):
+        assert reply_payload(outputs) == pred_reply(outputs).SerializeToString()
