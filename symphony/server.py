@@ -145,7 +145,8 @@ class Front:
             raise FSError(errno.EINVAL, f"{name}: malformed request ({request.error})")
         return who()
 
-    def _account(self, proc: Process | None, name: str, start: float) -> None:
+    def account(self, proc: Process | None, name: str, start: float) -> None:
+        """A syscall of proc's ended: its count and time in /proc/PID/syscalls."""
         if proc is not None:
             proc.calls[name] += 1
             proc.call_seconds[name] += time.perf_counter() - start
@@ -162,37 +163,7 @@ class Front:
         except Exception as e:
             return error_reply(reply_type, e)
         finally:
-            self._account(proc, name, start)
-
-    def lifeline_pred(self, request, who: Callable[[], tuple[Process, Cred]],
-                      answer: Callable[[bytes], None]) -> asyncio.Future | None:
-        """A pred from the lifeline, as call() would do it but with no task: checked and
-        queued at once, then answer(its serialized reply) from its future's callback (a
-        task, its steps and its coroutines cost the loop 3 to 4 us a pred). Returns the
-        future, for a CANCEL frame to take back; None when it was answered at once: it
-        failed, or took a guess already computed (decoding ahead), whose answer needs no
-        callback's turn."""
-        start, proc = time.perf_counter(), None
-        try:
-            proc, cred = self.admit("Pred", request, who)
-            future = submit_pred(self.kernel, proc, cred, request)
-        except Exception as e:
-            answer(error_reply(pb.PredReply, e).SerializeToString())
-            self._account(proc, "Pred", start)
-            return None
-        if future.done():
-            self._answer(proc, start, answer, future)
-            return None
-        future.add_done_callback(functools.partial(self._answer, proc, start, answer))
-        return future
-
-    def _answer(self, proc: Process, start: float, answer: Callable[[bytes], None],
-                future: asyncio.Future) -> None:
-        if not future.cancelled():  # else whoever cancelled it answers
-            error = future.exception()
-            answer(reply_payload(future.result()) if error is None
-                   else error_reply(pb.PredReply, error).SerializeToString())
-        self._account(proc, "Pred", start)
+            self.account(proc, name, start)
 
     def unary(self, name: str, fn, reply_type):
         async def handle(request, context):
@@ -237,7 +208,7 @@ class Front:
                 if not context.cancelled():
                     yield error_reply(reply_type, e)
             finally:
-                self._account(proc, name, start)
+                self.account(proc, name, start)
 
         return handle
 
@@ -257,7 +228,7 @@ class Front:
             except Exception as e:
                 return error_reply(reply_type, e)
             finally:
-                self._account(proc, name, start)
+                self.account(proc, name, start)
 
         return handle
 
@@ -570,22 +541,44 @@ class Hello(asyncio.Protocol):
         return self.held_back()
 
     def pred(self, kind: int, call: int, payload: bytes) -> None:
+        """A pred from the lifeline or the ring, as Front.call would do it but with no task
+        (a task, its steps and its coroutines cost the loop 3 to 4 us a pred): checked and
+        queued at once, then answered from its future's callback, or at once when it failed
+        or took a guess already computed (decoding ahead)."""
         if call in self.calls:  # a reply would be that pred's as much as this one's
             self.send_reply(call, error_reply(pb.PredReply, einval(
                 f"pred: call id {call} has a pred in flight; a call id may be used again "
                 "once its reply has come")).SerializeToString())
             return
+        start, proc = time.perf_counter(), None
         request = (pred_request(payload) if kind == wire.PRED
                    else Malformed(ValueError(f"frame kind {kind} is not a pred")))
-        future = self.front.lifeline_pred(request, self.caller,
-                                          functools.partial(self.reply, call))
-        if future is not None:
-            self.calls[call] = future
-            self.owes[call] = owes = reply_bound(request)
-            self.kernel.owed.add(self.debtor, owes)
-            if len(self.calls) >= IN_FLIGHT_MAX and not self.full:
-                self.full = True
-                self.reads.pause(IN_FLIGHT)
+        try:
+            proc, cred = self.front.admit("Pred", request, self.caller)
+            future = submit_pred(self.kernel, proc, cred, request)
+        except Exception as e:
+            self.send_reply(call, error_reply(pb.PredReply, e).SerializeToString())
+            self.front.account(proc, "Pred", start)
+            return
+        if future.done():
+            self.answer(call, start, future)
+            return
+        future.add_done_callback(functools.partial(self.answer, call, start))
+        self.calls[call] = future
+        self.owes[call] = owes = reply_bound(request)
+        self.kernel.owed.add(self.debtor, owes)
+        if len(self.calls) >= IN_FLIGHT_MAX and not self.full:
+            self.full = True
+            self.reads.pause(IN_FLIGHT)
+
+    def answer(self, call: int, start: float, future: asyncio.Future) -> None:
+        """The pred of `call` is done: its reply goes, unless it was cancelled (whoever
+        cancelled it answers)."""
+        if not future.cancelled():
+            error = future.exception()
+            self.reply(call, reply_payload(future.result()) if error is None
+                       else error_reply(pb.PredReply, error).SerializeToString())
+        self.front.account(self.proc, "Pred", start)
 
     def answered(self, call: int) -> None:
         """call is answered, or taken back: its debt is paid, and under IN_FLIGHT_LOW in

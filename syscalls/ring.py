@@ -299,14 +299,21 @@ class KernelRing:
     def post(self, kind: int, call: int, payload: bytes) -> bool:
         """Write a completion; False when it does not fit now (the caller sends a frame).
         RingError when the process's cq_head is not possible."""
-        used = self.cq_tail - self.mem.get(CQ_HEAD)
-        if not 0 <= used <= self.mem.cq_bytes:
-            raise RingError(f"cq_head {self.mem.get(CQ_HEAD)} with cq_tail {self.cq_tail} and "
-                            f"a ring of {self.mem.cq_bytes} bytes")
-        if used + record_bytes(len(payload)) > self.mem.cq_bytes:
+        mem, tail = self.mem, self.cq_tail  # one call a pred: written out, not in helpers
+        head = mem.get(CQ_HEAD)
+        if not 0 <= tail - head <= mem.cq_bytes:
+            raise RingError(f"cq_head {head} with cq_tail {tail} and a ring of "
+                            f"{mem.cq_bytes} bytes")
+        end = tail + RECORD.size + padded(len(payload))
+        if end - head > mem.cq_bytes:
             return False
-        self.cq_tail = _write(self.mem.cq, self.cq_tail, kind, call, payload)
-        self.mem.set(CQ_TAIL, self.cq_tail)
+        record, at = RECORD.pack(len(payload), call, kind, 0) + payload, tail % mem.cq_bytes
+        if at + len(record) <= mem.cq_bytes:
+            mem.cq[at:at + len(record)] = record
+        else:
+            _put(mem.cq, tail, record)
+        self.cq_tail = end
+        mem.set(CQ_TAIL, end)
         return True
 
     def ring_process(self) -> None:
