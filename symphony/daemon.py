@@ -4,12 +4,14 @@ socket, on uvloop."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import os
 import resource
 import signal
 import socket
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -148,6 +150,12 @@ class Kernel:
         server.add_generic_rpc_handlers([front.handler()])
         if not server.add_insecure_port(f"unix:{sock}"):
             raise OSError(f"{sock}: cannot listen")
+        # Both bound and opened to all before either listens: a swapped path (share_socket)
+        # stops the kernel before it serves anything.
+        share_socket(sock)
+        hello_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        hello_sock.bind(str(hello_path(sock)))
+        share_socket(hello_path(sock))
         await server.start()
         # Counted per user: past its limit a user's connections are shut down, so that
         # none fills the cap (connections.py). Looked over once the kernel holds an eighth
@@ -156,10 +164,7 @@ class Kernel:
         self.connections = Connections(
             str(sock), per_user_limit(self.opts.max_procs_per_user, cap), cap // 8)
         watch = loop.create_task(self.connections.watch())
-        hello = await loop.create_unix_server(lambda: Hello(self, front), str(hello_path(sock)))
-        # Every local user may connect; identity comes from SO_PEERCRED, not from access.
-        for path in (sock, hello_path(sock)):
-            os.chmod(path, 0o666)
+        hello = await loop.create_unix_server(lambda: Hello(self, front), sock=hello_sock)
         write_pid(pid_path(sock))
         # Either ends early only when the engine process died: the kernel stops then.
         scheduler = loop.create_task(self.sched.run())
@@ -214,6 +219,34 @@ def scheduler_defect(scheduler: asyncio.Task) -> BaseException | None:
         return None
     e = scheduler.exception()
     return None if isinstance(e, EngineDied) else e
+
+
+def share_socket(path: Path) -> None:
+    """Mode 0666 for the socket the kernel bound at `path`: every local user may connect;
+    identity comes from SO_PEERCRED, not from access. Changed through a descriptor of the
+    node, never by path: the kernel runs as root, and in a socket's directory others may
+    write in (--socket /tmp/k.sock) another user could put a symlink in the socket's place
+    after bind, whose target (/etc/shadow) os.chmod would make 0666. The node, opened
+    without following a link, must be a socket of the kernel's user, which no other user
+    can make: anything else there means the path was swapped, and the kernel stops rather
+    than serve on it (ELOOP, ENOTSOCK or EPERM naming the path). An O_PATH descriptor's
+    mode changes only through /proc/self/fd, as glibc's fchmodat(AT_SYMLINK_NOFOLLOW)."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):
+            code, what = errno.ELOOP, "a symlink"
+        elif not stat.S_ISSOCK(st.st_mode):
+            code, what = errno.ENOTSOCK, "not a socket"
+        elif st.st_uid != os.geteuid():
+            code, what = errno.EPERM, f"a socket of uid {st.st_uid}'s"
+        else:
+            os.chmod(f"/proc/self/fd/{fd}", 0o666)
+            return
+        raise OSError(code, f"{path}: {what}, not the socket the kernel bound there (whoever "
+                            f"may write in {path.parent} replaced it): the kernel stops")
+    finally:
+        os.close(fd)
 
 
 def write_pid(path: Path) -> None:
