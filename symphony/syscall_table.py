@@ -207,27 +207,27 @@ def sys_vocab(k: Kernel, proc: Process, cred: Cred, req: pb.Void) -> pb.VocabRep
 
 
 @functools.lru_cache(maxsize=1024)
-def _checked_sampler(temperature: float, top_k: int, top_p: float, min_p: float,
-                     seed: int | None, top_logprobs: int, vocab: int) -> SamplingParams:
-    """One SamplingParams per distinct sampler, checked once: a LIP sends the same sampler
-    with every pred, and a frozen dataclass is slow to build. Raises ValueError."""
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                            seed=seed, top_logprobs=top_logprobs)
-    params.validate(vocab)
+def _checked_sampler(sampler: bytes, vocab: int) -> SamplingParams:
+    """One SamplingParams per distinct sampler (by its bytes on the wire), checked once: a
+    LIP sends the same sampler with every pred, and reading its fields and building a
+    frozen dataclass each time is slow. EINVAL for a sampler out of range."""
+    s = pb.Sampler.FromString(sampler)
+    if not 0 <= s.top_p <= 1:  # 0 is the field unset: no limit, as 1
+        raise einval(f"pred: sampler: top_p must be in [0, 1] (0 or 1: no limit), "
+                     f"got {s.top_p}")
+    params = SamplingParams(temperature=s.temperature, top_k=s.top_k,
+                            top_p=1.0 if s.top_p == 0 else s.top_p, min_p=s.min_p,
+                            seed=s.seed if s.HasField("seed") else None,
+                            top_logprobs=s.top_logprobs)
+    try:
+        params.validate(vocab)
+    except ValueError as e:
+        raise einval(f"pred: sampler: {e}") from e
     return params
 
 
 def _sampling(req: pb.PredRequest, vocab: int) -> SamplingParams:
-    s = req.sampler
-    if not 0 <= s.top_p <= 1:  # 0 is the field unset: no limit, as 1
-        raise einval(f"pred: sampler: top_p must be in [0, 1] (0 or 1: no limit), "
-                     f"got {s.top_p}")
-    try:
-        return _checked_sampler(s.temperature, s.top_k, 1.0 if s.top_p == 0 else s.top_p,
-                                s.min_p, s.seed if s.HasField("seed") else None,
-                                s.top_logprobs, vocab)
-    except ValueError as e:
-        raise einval(f"pred: sampler: {e}") from e
+    return _checked_sampler(req.sampler.SerializeToString(), vocab)
 
 
 def pred_reply_bytes(rows: int, top_logprobs: int,
@@ -358,7 +358,7 @@ def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> as
     if controls is not None:  # kept with their rows, which the scheduler takes sorted
         order = sorted(range(len(rows)), key=rows.__getitem__)
         rows, controls = [rows[i] for i in order], [controls[i] for i in order]
-    else:
+    elif len(rows) > 1:
         rows = sorted(rows)
     spec = PredSpec(tokens, positions, rows, params, controls=controls,
                     score_next=req.score_next, tree=tree, depths=tree_depths, cut=cut)
