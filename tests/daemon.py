@@ -258,10 +258,12 @@ def errno_of(fn, *args) -> int:
 
 def as_user(uid: int, *cmd: str) -> subprocess.CompletedProcess:
     """A plain system tool (ls, cat, cp on the mount) run as another user: what the mount
-    tests ask of the file system needs no Python."""
+    tests ask of the file system needs no Python. Through setpriv, not subprocess's user=:
+    with user= Python forks (no vfork), and fork runs gRPC's at-fork handler, which in this
+    process of many gRPC channels once waited forever on gRPC's own shutdown thread."""
     return subprocess.run(
-        cmd, user=uid, group=uid, extra_groups=[], capture_output=True, cwd="/", timeout=60
-    )
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *cmd],
+        capture_output=True, cwd="/", timeout=60)
 
 
 def make(k: Kernel, path: str, n: int, mode: int = 0o644, salt: int = 0) -> None:
