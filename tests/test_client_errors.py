@@ -77,9 +77,9 @@ def test_a_process_whose_uid_the_protocol_cannot_carry_is_refused_at_hello(daemo
     hello is refused, EINVAL naming it, and the kernel goes on."""
     if os.geteuid() != 0:
         pytest.skip("only root can run a process as uid 3000000000")
-    run = subprocess.run([sys.executable, "-c", HELLO, str(daemon.socket)], cwd=ROOT,
-                         user=3000000000, group=3000000000, extra_groups=[],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(["setpriv", "--reuid=3000000000", "--regid=3000000000", "--clear-groups",
+                          sys.executable, "-c", HELLO, str(daemon.socket)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)  # daemon.as_user: why
     assert run.stdout.startswith(f"{errno.EINVAL} ") and "uid 3000000000 is not in" in run.stdout, \
         (run.stdout, run.stderr)
     with daemon.connect() as k:

@@ -184,7 +184,7 @@ def take_pid(pid: int, uid: int) -> subprocess.Popen:
     may take it first, so it tries a few times)."""
     for _ in range(50):
         NS_LAST_PID.write_text(str(pid - 1))
-        sleeper = subprocess.Popen(["sleep", "300"], user=uid)
+        sleeper = subprocess.Popen(["setpriv", f"--reuid={uid}", "sleep", "300"])  # as_user
         if sleeper.pid == pid:
             return sleeper
         sleeper.kill()
