@@ -22,9 +22,9 @@ forever (they are never wrapped); a ring holds `tail - head` bytes.
 Doorbells: each side writes its tail, then reads the other side's wake flag, and writes
 the other side's eventfd only when the flag is 1 (the kernel bell: the kernel is not
 draining this ring; the process bell: the process sleeps on its completions). A side that
-goes to sleep sets its flag, then looks at the ring once more. So a busy kernel takes a
-whole step's preds without a system call on either side, and one bell wakes a process for
-every completion a step made.
+goes to sleep sets its flag, then looks at the ring once more. So one bell wakes a process
+for every completion a step made. This kernel keeps its own flag at 1, and is rung for
+every submission (docs/syscalls.md, "When the kernel looks", says why).
 
 Memory the process can write is untrusted: the kernel copies what lies between sq_head and
 sq_tail out once, then checks the copy; a tail or head that is not possible, or records
