@@ -206,10 +206,17 @@ def test_when_every_request_waits_for_pages_the_youngest_waits_and_both_complete
                                                   for r in requests))
                 return [await _served(client, False, **r) for r in requests]
 
-        start, preempted = time.monotonic(), preemptions(server)
-        both = asyncio.run(run(True))
-        assert time.monotonic() - start < 30  # the wait's limit is 60 s
-        assert preemptions(server) == preempted + 1
+        # They meet only if the younger's prompt comes before the older's first decode takes
+        # the page it needs: on a loaded machine the server may send it a step later, and
+        # then they run one after the other, which is no deadlock (seen once in the suite).
+        for _ in range(3):
+            start, preempted = time.monotonic(), preemptions(server)
+            both = asyncio.run(run(True))
+            assert time.monotonic() - start < 30  # the wait's limit is 60 s
+            if preemptions(server) == preempted + 1:
+                break
+        else:
+            pytest.fail("the two requests never met in three tries: no preemption to see")
         assert both == asyncio.run(run(False))
         assert [completion_tokens for _, _, completion_tokens in both] == [8, 8]
         wait_for(lambda: meminfo(k)["device_used"] == used, what="every page freed")
