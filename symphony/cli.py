@@ -90,6 +90,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     from symphony.engine.cuda_graphs import ENV as CUDA_GRAPHS_ENV
     from symphony.engine.settings import EngineSettings
     from symphony.engine_process import EngineProcess
+    from symphony.ranks import bound
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     log = logging.getLogger("symphony.kernel")
@@ -122,6 +123,10 @@ def cmd_kernel(args: argparse.Namespace) -> int:
 
         signal.signal(signal.SIGTERM, stopped)  # till the kernel's own handlers, as it serves
         if rendezvous.nnodes > 1:
+            # An address this machine cannot listen at is said now, not after a line saying
+            # it waits. Bound, not listening: no other node's rank takes it for rank 0's store
+            # (which binds it again, in ranks.meet).
+            bound(rendezvous).close()
             log.info("waiting up to %.0f s for the ranks of the other %d node(s) at %s",
                      RENDEZVOUS_SECONDS, rendezvous.nnodes - 1, rendezvous.init_method)
         try:

@@ -334,20 +334,25 @@ def _reach(rdv: Rendezvous, rank: int) -> None:
             time.sleep(1.0)
 
 
-def _listener(rdv: Rendezvous) -> int:
-    """A socket listening at --master-addr:--master-port, on that address's interface
-    alone (torch's TCPStore would listen on all of them): its descriptor, the store's."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        rdv.master_addr, rdv.master_port, type=socket.SOCK_STREAM)[0]
-    s = socket.socket(family, kind, proto)
+def bound(rdv: Rendezvous) -> socket.socket:
+    """A socket bound to --master-addr:--master-port, for rank 0's store to listen on that
+    address's interface alone (torch's TCPStore would listen on all of them); ModelError
+    naming the address where this machine cannot listen (not its address, a port another
+    socket listens on, no such host)."""
     try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(address)
-        s.listen(128)
-    except BaseException:
-        s.close()
-        raise
-    return s.detach()
+        family, kind, proto, _, address = socket.getaddrinfo(
+            rdv.master_addr, rdv.master_port, type=socket.SOCK_STREAM)[0]
+        s = socket.socket(family, kind, proto)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+        except BaseException:
+            s.close()
+            raise
+    except OSError as e:
+        raise ModelError(f"rank 0: cannot listen at {rdv.master_addr}:{rdv.master_port} "
+                         f"({_first_line(e)})") from None
+    return s
 
 
 class Bystander(ModelError):
@@ -408,11 +413,14 @@ def meet(rdv: Rendezvous, mine: Claim) -> dist.TCPStore:
         if problem:
             raise ModelError(f"{refused}: {problem}")
         return store
+    listening = bound(rdv)
     try:
+        listening.listen(128)
         store = dist.TCPStore(rdv.master_addr, rdv.master_port, is_master=True,
                               timeout=TIMEOUT, wait_for_workers=False,
-                              master_listen_fd=_listener(rdv))
+                              master_listen_fd=listening.detach())
     except (OSError, dist.DistError) as e:
+        listening.close()  # unless the store took it
         raise ModelError(f"rank 0: cannot listen at {where} ({_first_line(e)})") from None
     store.set("node/0", _node_owner(mine))  # before `kernel`, which the others wait for
     store.set("kernel", encode(mine))

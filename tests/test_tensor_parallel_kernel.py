@@ -189,6 +189,24 @@ def test_a_node_without_the_checkpoint_says_so_before_it_waits(tmp_path):
     assert said.stderr == f"symphony: {tmp_path}/nowhere/config.json: no such file\n", said
 
 
+def test_a_kernel_that_cannot_listen_at_master_addr_says_so_before_it_waits(model, tmp_path):
+    """A --master-addr not this machine's (TEST-NET-3, RFC 5737) was logged as the address
+    the kernel waited for its ranks at, and only then refused: now refused first, and no
+    wait is logged."""
+    port = free_port()
+    said = subprocess.run(
+        [*SYMPHONY, "kernel", "--model", str(model), "--socket", str(tmp_path / "k.sock"),
+         "--state-dir", str(tmp_path / "state"), *FLAGS, "--tensor-parallel", "2",
+         "--nnodes", "2", "--node-rank", "0", "--master-addr", "203.0.113.1",
+         "--master-port", str(port)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert said.returncode == 1, said
+    assert said.stderr.endswith(f"symphony: rank 0: cannot listen at 203.0.113.1:{port} "
+                                f"([Errno {errno.EADDRNOTAVAIL}] Cannot assign requested "
+                                "address)\n"), said
+    assert "waiting up to" not in said.stderr, said
+
+
 def test_a_killed_kernel_takes_every_rank_with_it(two_ranks):
     with two_ranks.connect() as k:
         pids = [int(f["pid"]) for f in ranks_of(sched(k)).values()]
