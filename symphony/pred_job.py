@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -99,6 +99,8 @@ class PredJob:
     # A guess on a guess in a step still in flight: its token is that guess's sample, which
     # the engine process fills in (StepPlan.placeholders) and finish() then learns.
     after: PredJob | None = None
+    # Called with the future once it is settled (Scheduler.submit's `reply`).
+    reply: Callable[[asyncio.Future], None] | None = None
 
     @property
     def remaining(self) -> int:

@@ -127,8 +127,11 @@ class Scheduler:
 
     # -- level 1: submission, fair share, cancellation -----------------------------------
 
-    def submit(self, proc: Process, handle: Handle, spec: PredSpec) -> asyncio.Future:
-        """Queue a checked pred; the future gets its Outputs, or the error that failed it."""
+    def submit(self, proc: Process, handle: Handle, spec: PredSpec,
+               reply: Callable[[asyncio.Future], None] | None = None) -> asyncio.Future:
+        """Queue a checked pred; the future gets its Outputs, or the error that failed it,
+        and `reply`, if given, is then called with it at once (before submit returns, when
+        the pred is answered right away)."""
         # Decoding ahead guesses the preds of decode loops, plain or masked: a guess
         # computed without this pred's scores, tree or cut is not its answer, and after it
         # the next pred will carry its own. A mask is applied when the pred takes the guess
@@ -138,13 +141,13 @@ class Scheduler:
         if guess is not None and (spec.controls is None or self._maskable(guess)):
             # The pred owns the guess: its request is the guessed one (match) but for its
             # controls, which a step still to build or the sampling of kept logits applies.
-            guess.spec = spec
+            guess.spec, guess.reply = spec, reply
             return self._take(guess)
         self.ahead.drop(handle.inode, self.running)  # any other pred on the file drops it
         self._arrive(proc)
         job = PredJob(proc, handle, spec, spec.params.generator(self.engine.device),
                       asyncio.get_running_loop().create_future(), next(self._seqs),
-                      positions=spec.positions,
+                      positions=spec.positions, reply=reply,
                       follows=looping and self.ahead.follows(handle, spec))
         self._enqueue(job)
         self._wake.set()
@@ -304,6 +307,8 @@ class Scheduler:
             # refused preds of millions of tokens held gigabytes.
             job.future.set_exception(err.with_traceback(None) if isinstance(err, OSError)
                                      else err)
+            if job.reply is not None:
+                job.reply(job.future)
 
     def uses(self, handle: Handle) -> bool:
         return any(j.handle is handle for j in self.queue)
@@ -636,5 +641,7 @@ class Scheduler:
         self.ahead.answered(job)
         if not job.future.done():
             job.future.set_result(job.outputs)
+            if job.reply is not None:
+                job.reply(job.future)
         if self.ahead.go_ahead(job, file_queued=job.handle.inode in self._queued_on):
             self._wake.set()

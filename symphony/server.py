@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 
 from kvfs.errors import FSError
 from kvfs.perm import Cred, check_ids
+from symphony.known_preds import KnownPreds
 from symphony.process import Process
 from symphony.read_pause import IN_FLIGHT, OWED, REPLIES, ReadPause
 from symphony.reply_budget import ReplyBudget, debtor
@@ -34,8 +35,10 @@ from symphony.scheduler import taken_back
 from symphony.syscall_table import (
     TABLE,
     einval,
+    known_pred,
     reply_bound,
     reply_payload,
+    submit_known,
     submit_pred,
     sys_pred,
 )
@@ -124,6 +127,19 @@ def as_cred(value: str) -> Cred:
 class Front:
     def __init__(self, kernel: Kernel):
         self.kernel = kernel
+        # Processes whose completions were posted this loop turn: their bells ring in one
+        # callback at the turn's end, not one callback a process (a step answers many).
+        self.bells_due: list[Hello] = []
+
+    def ring_later(self, hello: Hello) -> None:
+        if not self.bells_due:
+            asyncio.get_running_loop().call_soon(self.ring_bells)
+        self.bells_due.append(hello)
+
+    def ring_bells(self) -> None:
+        due, self.bells_due = self.bells_due, []
+        for hello in due:
+            hello.ring_bell()
 
     def caller(self, context) -> tuple[Process, Cred]:
         meta = dict(context.invocation_metadata() or ())
@@ -345,7 +361,8 @@ class Hello(asyncio.Protocol):
     def __init__(self, kernel: Kernel, front: Front):
         self.kernel, self.front, self.proc = kernel, front, None
         self.frames = wire.Frames()
-        self.calls: dict[int, asyncio.Future] = {}  # preds in flight, by call id
+        # Preds in flight, by call id: their futures and what answers them.
+        self.calls: dict[int, tuple[asyncio.Future, Callable]] = {}
         self.taking_back: set[asyncio.Task] = set()
         self.ring: ring.KernelRing | None = None
         # Ring records not taken yet: after a FRAMED record whose frame has not come.
@@ -358,6 +375,7 @@ class Hello(asyncio.Protocol):
         self.full = False  # IN_FLIGHT_MAX preds in flight: take no more
         self.in_debt = False  # its debtor is over symphony/owed.py's bounds: take no more
         self.debtor: object = None  # its user, or the process if root's (reply_budget.debtor)
+        self.known = KnownPreds()  # its decode loops' requests, known by their bytes
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -543,7 +561,7 @@ class Hello(asyncio.Protocol):
     def pred(self, kind: int, call: int, payload: bytes) -> None:
         """A pred from the lifeline or the ring, as Front.call would do it but with no task
         (a task, its steps and its coroutines cost the loop 3 to 4 us a pred): checked and
-        queued at once, then answered from its future's callback, or at once when it failed
+        queued at once, then answered when the scheduler settles it, at once when it failed
         or took a guess already computed (decoding ahead)."""
         if call in self.calls:  # a reply would be that pred's as much as this one's
             self.send_reply(call, error_reply(pb.PredReply, einval(
@@ -551,21 +569,31 @@ class Hello(asyncio.Protocol):
                 "once its reply has come")).SerializeToString())
             return
         start, proc = time.perf_counter(), None
-        request = (pred_request(payload) if kind == wire.PRED
-                   else Malformed(ValueError(f"frame kind {kind} is not a pred")))
+        answer = functools.partial(self.answer, call, start)
+        known = (self.known.match(payload, self.kernel.engine.config.vocab_size)
+                 if kind == wire.PRED else None)
         try:
-            proc, cred = self.front.admit("Pred", request, self.caller)
-            future = submit_pred(self.kernel, proc, cred, request)
+            if known is not None:
+                proc, _ = self.caller()
+                future = submit_known(self.kernel, proc, *known, reply=answer)
+                owes = known[0].bound
+            else:
+                request = (pred_request(payload) if kind == wire.PRED
+                           else Malformed(ValueError(f"frame kind {kind} is not a pred")))
+                proc, cred = self.front.admit("Pred", request, self.caller)
+                future = submit_pred(self.kernel, proc, cred, request, reply=answer)
+                owes = reply_bound(request)
+                key = self.known.key(payload, request)
+                if key is not None:
+                    self.known.learn(key, known_pred(self.kernel, request))
         except Exception as e:
             self.send_reply(call, error_reply(pb.PredReply, e).SerializeToString())
             self.front.account(proc, "Pred", start)
             return
-        if future.done():
-            self.answer(call, start, future)
+        if future.done():  # answered already (a computed guess, or failed at once)
             return
-        future.add_done_callback(functools.partial(self.answer, call, start))
-        self.calls[call] = future
-        self.owes[call] = owes = reply_bound(request)
+        self.calls[call] = future, answer
+        self.owes[call] = owes
         self.kernel.owed.add(self.debtor, owes)
         if len(self.calls) >= IN_FLIGHT_MAX and not self.full:
             self.full = True
@@ -573,7 +601,8 @@ class Hello(asyncio.Protocol):
 
     def answer(self, call: int, start: float, future: asyncio.Future) -> None:
         """The pred of `call` is done: its reply goes, unless it was cancelled (whoever
-        cancelled it answers)."""
+        cancelled it answers). The scheduler calls it the moment it settles the future
+        (Scheduler.submit's `reply`), not through a callback of the loop's."""
         if not future.cancelled():
             error = future.exception()
             self.reply(call, reply_payload(future.result()) if error is None
@@ -595,9 +624,10 @@ class Hello(asyncio.Protocol):
     def cancel(self, call: int) -> None:
         """A CANCEL frame: take back the pred of that call id. None in flight (answered
         already: the frames crossed; or no such call) is nothing to do."""
-        future = self.calls.get(call)
+        future, answer = self.calls.get(call, (None, None))
         self.answered(call)
         if future is not None and future.cancel():
+            answer(future)  # counted in /proc/PID/syscalls; take_back replies
             task = asyncio.get_running_loop().create_task(self.take_back(call, future))
             self.taking_back.add(task)
             task.add_done_callback(self.taking_back.discard)
@@ -627,7 +657,7 @@ class Hello(asyncio.Protocol):
             if posted:
                 if not self.bell_due:
                     self.bell_due = True
-                    asyncio.get_running_loop().call_soon(self.ring_bell)
+                    self.front.ring_later(self)
                 return
         self.transport.write(wire.frame(wire.REPLY, call, payload))
 

@@ -27,6 +27,7 @@ from kvfs.perm import Cred
 from symphony.engine.sampler import RowControl, SamplingParams
 from symphony.engine.tokenizer import Tokenizer
 from symphony.engine.tree import ancestor_bits, depths
+from symphony.known_preds import KnownPred
 from symphony.pred_job import Output, PredSpec
 from symphony.process import NICE_MAX, NICE_MIN, Process
 from symphony.top_wire import encode_tops
@@ -306,12 +307,33 @@ def _controls(req: pb.PredRequest, rows: list[int], tokens: list[int],
     return None if all(c is None for c in controls) else controls
 
 
-def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> asyncio.Future:
-    """A pred up to its wait: checked, then queued; the future gets its Outputs. The
-    lifeline answers from the future's callback (no task per pred), gRPC by sys_pred."""
-    handle = proc.handle(req.fd)
+def _writable(proc: Process, fd: int) -> Handle:
+    handle = proc.handle(fd)
     if not handle.writable:
-        raise FSError(errno.EBADF, f"pred: fd {req.fd} is not open for writing")
+        raise FSError(errno.EBADF, f"pred: fd {fd} is not open for writing")
+    return handle
+
+
+def known_pred(k: Kernel, req: pb.PredRequest) -> KnownPred:
+    """What the checks made of a decode loop's request that passed them (submit_pred), to
+    know it by its bytes from now on (known_preds.py)."""
+    return KnownPred(req.fd, _sampling(req, k.engine.config.vocab_size), reply_bound(req))
+
+
+def submit_known(k: Kernel, proc: Process, known: KnownPred, token: int,
+                 reply: Callable[[asyncio.Future], None] | None = None) -> asyncio.Future:
+    """submit_pred of a known decode request with this token (in the vocabulary): only
+    what may have changed since its bytes were checked, the fd, is checked again."""
+    spec = PredSpec([token], None, [0], known.params)
+    return k.sched.submit(proc, _writable(proc, known.fd), spec, reply)
+
+
+def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest,
+                reply: Callable[[asyncio.Future], None] | None = None) -> asyncio.Future:
+    """A pred up to its wait: checked, then queued; the future gets its Outputs. The
+    lifeline and the rings pass `reply`, called with the future once it is settled (no task
+    or callback of the loop's a pred); gRPC awaits it in sys_pred."""
+    handle = _writable(proc, req.fd)
     config = k.engine.config
     vocab = config.vocab_size
     tokens = _check_ids(req.tokens, vocab, "pred")
@@ -362,7 +384,7 @@ def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest) -> as
         rows = sorted(rows)
     spec = PredSpec(tokens, positions, rows, params, controls=controls,
                     score_next=req.score_next, tree=tree, depths=tree_depths, cut=cut)
-    return k.sched.submit(proc, handle, spec)
+    return k.sched.submit(proc, handle, spec, reply)
 
 
 # Top logprobs in a reply past which numpy builds them (symphony/top_wire.py): below,
