@@ -79,15 +79,18 @@ class Daemon:
 
 
 def start_daemon(model: Path, root: Path | None = None, *flags: str,
-                 preexec_fn: Callable[[], None] | None = None) -> Daemon:
-    """preexec_fn runs in the kernel's process before it starts (to lower a limit)."""
+                 nofile: int | None = None) -> Daemon:
+    """nofile: the kernel's RLIMIT_NOFILE, soft and hard. prlimit sets it and execs the
+    kernel (the pid stays the kernel's), not a preexec_fn, which makes subprocess run Python
+    in the forked child of this process, gRPC's at-fork handler too (once hung the suite)."""
     root = root or world_dir()
     sock, state, log = root / "kernel.sock", root / "state", root / "kernel.log"
+    limit = [] if nofile is None else ["prlimit", f"--nofile={nofile}:{nofile}", "--"]
     with open(log, "ab") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "symphony.cli", "kernel", "--model", str(model),
+            [*limit, sys.executable, "-m", "symphony.cli", "kernel", "--model", str(model),
              "--socket", str(sock), "--state-dir", str(state), *flags],
-            stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=ROOT, preexec_fn=preexec_fn)
+            stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=ROOT)
     daemon = Daemon(sock, state, log, process)
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:

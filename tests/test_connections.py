@@ -215,9 +215,10 @@ def test_a_user_holding_connections_cannot_stop_another_users_session(model):
     have), so another user's session connects and calls; root's are never counted."""
     assert FDS - FD_RESERVE == 256 and per_user_limit(MAX_PROCS, 128) == 12
     d = start_daemon(model, None, "--kv-pages", "64", "--max-procs-per-user", str(MAX_PROCS),
-                     preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (FDS, FDS)))
+                     nofile=FDS)
     holders = []
     try:
+        assert resource.prlimit(d.process.pid, resource.RLIMIT_NOFILE) == (FDS, FDS)
         holders.append(Holder(0, 20, d.socket))  # root's: never counted
         holders.append(Holder(FLOODER, 300, d.socket))
         assert holders[1].made == 300  # the ones past the cap are taken, and closed at once

@@ -144,9 +144,9 @@ def test_the_kernel_keeps_descriptors_for_root_and_running_sessions(model):
     capped, so root still connects and a running session still fsyncs and preds."""
     limit = 512
     d = start_daemon(model, None, "--kv-pages", "64", "--max-procs-per-user", "100000",
-                     preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
-                                                           (limit, limit)))
+                     nofile=limit)
     try:
+        assert resource.prlimit(d.process.pid, resource.RLIMIT_NOFILE) == (limit, limit)
         user = as_user(d, 60012, DESCRIPTOR_FLOOD, str(limit))
         first = report(user)
         assert first["hello"][0] == errno.EAGAIN, first
