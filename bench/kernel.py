@@ -821,10 +821,12 @@ def pingpong_floor(tmp: Path) -> str:
         return f"no floor: bench/pingpong.c did not build: {built.stderr.strip()[:200]}"
     parts = []
     for how in ("futex", "eventfd"):
-        for cpus, where in ((None, "any CPUs"), ({0}, "one CPU")):
-            out = subprocess.run([str(binary), how, "20000"], capture_output=True, text=True,
-                                 check=True, preexec_fn=cpus and (lambda c=cpus:
-                                                                  os.sched_setaffinity(0, c)))
+        # taskset, not preexec_fn: subprocess's fork would run gRPC's at-fork handler in
+        # this process, which has used channels, and that can hang; the binary's own fork
+        # inherits the CPU mask, so both sides are on CPU 0.
+        for pin, where in (([], "any CPUs"), (["taskset", "-c", "0"], "one CPU")):
+            out = subprocess.run([*pin, str(binary), how, "20000"], capture_output=True,
+                                 text=True, check=True)
             wall, cpu = (float(x) / 1e3 for x in out.stdout.split())
             parts.append(f"{how} on {where} {wall:.1f} us ({cpu:.1f} us of CPU)")
     return "a bare ping-pong between two processes, a round trip: " + ", ".join(parts)

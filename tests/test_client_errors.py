@@ -233,23 +233,25 @@ def symphony(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def zombie() -> int:
-    """A child of ours that has exited and that nobody has waited for."""
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    while open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z":
+def zombie() -> subprocess.Popen:
+    """A child of ours that has exited and that nobody has waited for: a program run, not
+    os.fork, whose child would run gRPC's at-fork handler in the suite's process (that can
+    hang). Keep the Popen referenced until the end: one collected unwaited is reaped by
+    subprocess's next start."""
+    child = subprocess.Popen(["true"])
+    while open(f"/proc/{child.pid}/stat").read().split(") ")[1][0] != "Z":
         time.sleep(0.01)
-    return pid
+    return child
 
 
 @pytest.mark.parametrize("stale", ["a live process", "a zombie"])
 def test_start_after_a_crash_whose_pid_file_names_another_process(model, tmp_path, stale):
     sock = tmp_path / "kernel.sock"
-    other = subprocess.Popen(["sleep", "300"]) if stale == "a live process" else None
-    pid = other.pid if other else zombie()
+    live = stale == "a live process"
+    other = subprocess.Popen(["sleep", "300"]) if live else zombie()
     try:
-        sock.with_name("kernel.sock.pid").write_text(f"{pid}\n")  # as a crash leaves it
+        # as a crash leaves it
+        sock.with_name("kernel.sock.pid").write_text(f"{other.pid}\n")
         started = symphony("start", "--socket", str(sock), "--model", str(model),
                            "--state-dir", str(tmp_path / "state"), "--kv-pages", "64")
         assert started.returncode == 0, started.stderr
@@ -258,14 +260,11 @@ def test_start_after_a_crash_whose_pid_file_names_another_process(model, tmp_pat
         stopped = symphony("stop", "--socket", str(sock))
         assert stopped.returncode == 0, stopped.stderr
         assert symphony("stop", "--socket", str(sock)).returncode == 1  # none runs now
-        assert other is None or other.poll() is None  # not signalled
+        assert not live or other.poll() is None  # not signalled
     finally:
         symphony("stop", "--socket", str(sock))  # when the test failed with it running
-        if other:
-            other.kill()
-            other.wait()
-        else:
-            os.waitpid(pid, 0)
+        other.kill()
+        other.wait()
 
 
 def test_a_process_has_at_most_fd_max_fds_open(daemon):
