@@ -476,18 +476,25 @@ class Scheduler:
         answered = min((vruntime(c.job.proc) for plan in self.running for c in plan.chunks
                         if c.job.state is JobState.ADMITTED
                         and c.end == len(c.job.spec.tokens)), default=float("inf"))
-        decodes = sum(j.unplanned == 1 for j in self.queue)
+        # One pass over the queue: the decodes in it, each file's first pred not admitted
+        # yet, and the jobs with tokens to plan (not those in flight, nor a masked pred's
+        # computed guess, sampled soon): in a decode loop the queue is mostly preds that
+        # took a guess a step in flight computes, and only the rest is sorted.
+        decodes = 0
         first: dict[int, int] = {}  # id(inode) -> seq of its earliest pred not yet admitted
+        todo: list[PredJob] = []
         for j in self.queue:
+            left = len(j.spec.tokens) - j.planned
+            decodes += left == 1
             if j.state is JobState.QUEUED:
                 key = id(j.handle.inode)
                 first[key] = min(first.get(key, j.seq), j.seq)
+            if left and j.state is not JobState.CANCELLED:
+                todo.append(j)
         patient = time.monotonic() - PREFILL_PATIENCE
-        for job in sorted(self.queue, key=lambda j: (vruntime(j.proc),
-                                                     j.unplanned > 1 and j.enqueued > patient,
-                                                     j.seq)):
-            if job.unplanned == 0 or job.state is JobState.CANCELLED:
-                continue  # in flight, or a masked pred's computed guess sampled soon
+        todo.sort(key=lambda j: (vruntime(j.proc), j.unplanned > 1 and j.enqueued > patient,
+                                 j.seq))
+        for job in todo:
             if self.running and (vruntime(job.proc) > answered or (
                     job.generator is not None and self._computing(job))):
                 continue
