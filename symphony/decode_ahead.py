@@ -35,6 +35,7 @@ writing its last guess ends.
 from __future__ import annotations
 
 import asyncio
+import operator
 import weakref
 from collections.abc import Callable
 
@@ -49,6 +50,7 @@ from symphony.sched_stats import SchedStats
 from symphony.step import StepPlan
 
 DEPTH = 2  # guesses per file at most: the LIP may come back a whole step late
+BY_VRUNTIME = operator.attrgetter("proc.vruntime", "seq")
 
 
 class DecodeAhead:
@@ -103,7 +105,11 @@ class DecodeAhead:
             self.guesses[inode], guess.following = following, None
         guess.state = JobState.ADMITTED
         self.stats.ahead_used += 1
-        return following is not None and self._go_on(self._chain(following)[-1])
+        if following is None:
+            return False
+        while following.following is not None:  # to the chain's last
+            following = following.following
+        return self._go_on(following)
 
     def go_ahead(self, job: PredJob, file_queued: bool) -> bool:
         """After job was answered: guess the pred its LIP will most likely send next.
@@ -128,10 +134,13 @@ class DecodeAhead:
         chain's last guess, planned or computed, while the chain is shorter than DEPTH. Not
         after a masked pred (the next token is the mask's to choose), an end of sequence,
         or the context's end. Whether a guess was made."""
-        first = self.guesses.get(guess.handle.inode)
-        chain = self._chain(first) if first is not None else []
+        last, length = self.guesses.get(guess.handle.inode), 1  # the chain's last, its length
+        if last is None:
+            return False
+        while last.following is not None:
+            last, length = last.following, length + 1
         ready = guess.planned if self.pipelined else guess.done
-        if (not chain or chain[-1] is not guess or not ready or len(chain) >= DEPTH
+        if (last is not guess or not ready or length >= DEPTH
                 or guess.keep_logits or not guess.proc.alive or guess.handle.closed
                 or (guess.done and guess.outputs[-1].token in self.eos)
                 or guess.positions[-1] + 1 >= self.context):
@@ -189,10 +198,14 @@ class DecodeAhead:
         """Up to `slots` guesses not yet planned (the last of their chains), lowest virtual
         runtime first. One whose token is unknown only if the step in flight, the one this
         step follows, samples it."""
-        lasts = (self._chain(first)[-1] for first in self.guesses.values())
-        waiting = sorted((j for j in lasts if not j.planned and (
-            j.after is None or (running and running[-1].computes(j.after)))),
-            key=lambda j: (j.proc.vruntime, j.seq))
+        sampled_next = running[-1].jobs if running else frozenset()  # what it computes
+        waiting = []
+        for last in self.guesses.values():  # every file, every step: walked, not listed
+            while last.following is not None:
+                last = last.following
+            if not last.planned and (last.after is None or last.after in sampled_next):
+                waiting.append(last)
+        waiting.sort(key=BY_VRUNTIME)
         return waiting[:max(0, slots)]
 
     def drop(self, inode: Inode, running: list[StepPlan]) -> PredJob | None:
