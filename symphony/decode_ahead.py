@@ -91,7 +91,7 @@ class DecodeAhead:
         guessed = guess.spec
         if (guessed.tokens == spec.tokens and spec.rows == guessed.rows
                 and spec.positions in (None, guess.positions)
-                and spec.params == guessed.params):
+                and (spec.params is guessed.params or spec.params == guessed.params)):
             return guess
         return None
 

@@ -28,7 +28,9 @@ BACKED_UP_MAX = 4
 
 class Owed:
     def __init__(self) -> None:
-        self.owed: Counter[object] = Counter()  # debtor -> bytes its preds in flight owe
+        # debtor -> bytes its preds in flight owe: a dict, as it changes twice a pred
+        # (a Counter's missing key and its del run Python)
+        self.owed: dict[object, int] = {}
         self.backed_up: Counter[object] = Counter()  # debtor -> its lifelines backed up
         # Debtors that passed a bound and are not yet back under OWED_LOW and BACKED_UP_MAX:
         # a set, since every lifeline asks before it takes each pred.
@@ -49,15 +51,17 @@ class Owed:
                 del self._held[debtor]
 
     def add(self, debtor: object, size: int) -> None:
-        self.owed[debtor] += size
-        if self.owed[debtor] >= OWED_MAX:
+        owed = self.owed[debtor] = self.owed.get(debtor, 0) + size
+        if owed >= OWED_MAX:
             self.over.add(debtor)
 
     def pay(self, debtor: object, size: int) -> None:
         """Preds of the debtor's owing `size` in all were answered or are gone."""
-        self.owed[debtor] -= size
-        if not self.owed[debtor]:
-            del self.owed[debtor]
+        owed = self.owed.get(debtor, 0) - size
+        if owed:
+            self.owed[debtor] = owed
+        else:
+            self.owed.pop(debtor, None)
         if debtor in self.over:
             self._go_on(debtor)
 
@@ -74,7 +78,7 @@ class Owed:
 
     def _go_on(self, debtor: object) -> None:
         """Back under OWED_LOW and BACKED_UP_MAX: the debtor's held lifelines take again."""
-        if self.owed[debtor] <= OWED_LOW and self.backed_up[debtor] < BACKED_UP_MAX:
+        if self.owed.get(debtor, 0) <= OWED_LOW and self.backed_up[debtor] < BACKED_UP_MAX:
             self.over.discard(debtor)
             for resume in self._held.pop(debtor, ()):
                 resume()

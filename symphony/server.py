@@ -376,6 +376,7 @@ class Hello(asyncio.Protocol):
         self.in_debt = False  # its debtor is over symphony/owed.py's bounds: take no more
         self.debtor: object = None  # its user, or the process if root's (reply_budget.debtor)
         self.known = KnownPreds()  # its decode loops' requests, known by their bytes
+        self.vocab = kernel.engine.config.vocab_size
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -570,8 +571,7 @@ class Hello(asyncio.Protocol):
             return
         start, proc = time.perf_counter(), None
         answer = functools.partial(self.answer, call, start)
-        known = (self.known.match(payload, self.kernel.engine.config.vocab_size)
-                 if kind == wire.PRED else None)
+        known = self.known.match(payload, self.vocab) if kind == wire.PRED else None
         try:
             if known is not None:
                 proc, _ = self.caller()
