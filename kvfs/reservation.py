@@ -38,7 +38,12 @@ class Reservation:
     start: int  # where the new entries go: the file's length, or the cut
     count: int
     new_pages: list[Page] = field(default_factory=list)
-    page_table: list[int] = field(default_factory=list)  # device ids, covering start + count
+    # Device ids, covering start + count. An appending reservation's is the file's own
+    # table, not a copy (a pred costs O(new pages)): later reservations may add pages at
+    # its end and their rollbacks take them off again, never touching the pages before,
+    # and a move or a cut gives the file a new list. Read it right away (a step is
+    # pickled as it is planned).
+    page_table: list[int] = field(default_factory=list)
     # What the forward pass attends around: the file's excluded ranges before `start`.
     excluded: list[tuple[int, int]] = field(default_factory=list)
     # A cutting reservation: new_pages take the place of the file's pages from the one
@@ -93,7 +98,7 @@ def reserve(fs: FileSystem, handle: Handle, count: int, cut: int | None = None) 
     elif res.new_pages:
         table.extend(p.slot for p in res.new_pages)
     inode.table, inode.table_moves = table, store.moves
-    res.page_table = list(table)  # the file's own goes on changing
+    res.page_table = table  # the file's own (see page_table)
     inode.reserved = 1
     return res
 
@@ -118,7 +123,7 @@ def reserve_after(fs: FileSystem, res: Reservation, count: int) -> Reservation:
                         excluded=res.excluded, leader=res, uid=inode.uid)
     inode.pages.extend(after.new_pages)
     inode.table.extend(p.slot for p in after.new_pages)
-    after.page_table = list(inode.table)
+    after.page_table = inode.table
     res.follower = after
     inode.reserved += 1
     return after

@@ -417,9 +417,11 @@ def test_stacked_reservations_commit_in_order_and_roll_back_last_first(fs):
     append(fs, h, list(range(3)))
     free = fs.store.pool.free_in("device")
     first = fs.reserve(h, 1)  # entry 3: the first page's last row
+    covering = list(first.page_table)  # the file's own table: it grows with the others
     second = fs.reserve_after(first, 1)  # entry 4: a new page
     third = fs.reserve_after(second, 1)
-    assert (second.start, third.start) == (4, 5) and third.page_table[:1] == first.page_table
+    assert (second.start, third.start) == (4, 5) and covering == third.page_table[:1]
+    assert len(third.page_table) == 2 and first.page_table[:1] == covering
     assert len(h.inode.pages) == 2 and fs.store.pool.free_in("device") == free - 1
     for res, t in ((first, 30), (second, 40), (third, 50)):
         write_kv(fs, res, [t], [res.start])
