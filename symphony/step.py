@@ -43,14 +43,17 @@ class StepPlan:
     jobs: frozenset[PredJob] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.jobs = frozenset(c.job for c in self.chunks)
+        self.jobs = frozenset([c.job for c in self.chunks])
 
     @classmethod
     def build(cls, chunks: list[Chunk]) -> StepPlan:
         ids, pos, q_lens, kv_lens, tables, rows, excluded = [], [], [], [], [], [], []
         samples, kept, placeholders = [], [], []
+        treed = controlled = False  # only a step with a tree or a control pays for them
         for c in chunks:
             job, start, end = c.job, c.start, c.start + c.size
+            treed = treed or job.spec.tree is not None
+            controlled = controlled or job.spec.controls is not None
             base = len(ids)
             ids += job.spec.tokens[start:end]
             if job.after is not None:  # a guess on a guess the step before samples
@@ -68,15 +71,14 @@ class StepPlan:
                         kept.append(len(samples))
                     job.logit_row = len(samples)
                     samples.append((job, r))
-        # Only a step with a tree or a control pays for them.
         trees = controls = None
-        specs = [c.job.spec for c in chunks]
-        if any(s.tree is not None for s in specs):
-            trees = [None if s.tree is None else TreeRows(c.job.res.start, s.tree[c.start:c.end])
-                     for c, s in zip(chunks, specs, strict=True)]
-        if any(s.controls is not None for s in specs):
+        if treed:
+            trees = [None if c.job.spec.tree is None
+                     else TreeRows(c.job.res.start, c.job.spec.tree[c.start:c.end])
+                     for c in chunks]
+        if controlled:
             controls = [None if s.controls is None else s.controls[i]
-                        for c, s in zip(chunks, specs, strict=True)
+                        for c in chunks for s in (c.job.spec,)
                         for i, r in enumerate(s.rows) if c.start <= r < c.end]
         return cls(chunks, Batch(ids, pos, q_lens, kv_lens, tables, rows, excluded, trees=trees),
                    samples, controls, kept, placeholders)

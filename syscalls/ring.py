@@ -43,6 +43,7 @@ import threading
 MAGIC = 0x53594D52494E4731  # "SYMRING1"
 HEADER_BYTES = 4096
 LINE = 64  # each counter on a cache line of its own
+WORDS = LINE // 8  # a counter's index among the header's u64s: counter * WORDS
 MAGIC_AT, SQ_HEAD, SQ_TAIL, CQ_HEAD, CQ_TAIL, KERNEL_WAKE, PROCESS_WAKE = range(7)
 SQ_BYTES = 256 << 10
 CQ_BYTES = 256 << 10
@@ -106,10 +107,10 @@ class RingMemory:
         return ring, fd
 
     def get(self, counter: int) -> int:
-        return self.counters[counter * (LINE // 8)]
+        return self.counters[counter * WORDS]
 
     def set(self, counter: int, value: int) -> None:
-        self.counters[counter * (LINE // 8)] = value
+        self.counters[counter * WORDS] = value
 
     def close(self) -> None:
         self.counters.release()
@@ -284,23 +285,23 @@ class KernelRing:
 
     def take(self) -> list[tuple[int, int, bytes]]:
         """Every record submitted since the last take, copied and checked; RingError when
-        the ring is broken."""
-        tail = self.mem.get(SQ_TAIL)
+        the ring is broken. (Its counters read and written in place: once a pred.)"""
+        mem = self.mem
+        tail = mem.counters[SQ_TAIL * WORDS]
         if tail == self.sq_head:
             return []
-        if not 0 < tail - self.sq_head <= self.mem.sq_bytes:
+        if not 0 < tail - self.sq_head <= mem.sq_bytes:
             raise RingError(f"sq_tail {tail} with sq_head {self.sq_head} and a ring of "
-                            f"{self.mem.sq_bytes} bytes")
-        data = _copy_out(self.mem.sq, self.sq_head, tail)
-        self.sq_head = tail
-        self.mem.set(SQ_HEAD, tail)
+                            f"{mem.sq_bytes} bytes")
+        data = _copy_out(mem.sq, self.sq_head, tail)
+        self.sq_head = mem.counters[SQ_HEAD * WORDS] = tail
         return _records(data)
 
     def post(self, kind: int, call: int, payload: bytes) -> bool:
         """Write a completion; False when it does not fit now (the caller sends a frame).
         RingError when the process's cq_head is not possible."""
         mem, tail = self.mem, self.cq_tail  # one call a pred: written out, not in helpers
-        head = mem.get(CQ_HEAD)
+        head = mem.counters[CQ_HEAD * WORDS]
         if not 0 <= tail - head <= mem.cq_bytes:
             raise RingError(f"cq_head {head} with cq_tail {tail} and a ring of "
                             f"{mem.cq_bytes} bytes")
@@ -312,14 +313,13 @@ class KernelRing:
             mem.cq[at:at + len(record)] = record
         else:
             _put(mem.cq, tail, record)
-        self.cq_tail = end
-        mem.set(CQ_TAIL, end)
+        self.cq_tail = mem.counters[CQ_TAIL * WORDS] = end
         return True
 
     def ring_process(self) -> None:
         """Ring the process's bell if it sleeps on its completions."""
         fence()
-        if self.mem.get(PROCESS_WAKE):
+        if self.mem.counters[PROCESS_WAKE * WORDS]:
             os.eventfd_write(self.process_bell, 1)
 
     def close(self) -> None:
