@@ -121,8 +121,9 @@ def reserve_after(fs: FileSystem, res: Reservation, count: int) -> Reservation:
         fs._room(inode, new, new)
     after = Reservation(res.handle, start, count, store.new(new, inode.uid),
                         excluded=res.excluded, leader=res, uid=inode.uid)
-    inode.pages.extend(after.new_pages)
-    inode.table.extend(p.slot for p in after.new_pages)
+    if after.new_pages:  # one entry a guess: a new page only every page_size of them
+        inode.pages.extend(after.new_pages)
+        inode.table.extend(p.slot for p in after.new_pages)
     after.page_table = inode.table
     res.follower = after
     inode.reserved += 1

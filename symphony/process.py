@@ -21,9 +21,9 @@ FIRST_FD = 3  # an fd left at the proto default (0) is never valid
 NICE_MIN, NICE_MAX = -20, 19
 
 
-def nice_weight(nice: int) -> float:
-    """CFS's weight: each nice step is worth about 10% of CPU, nice 0 weighs 1024."""
-    return 1024 / 1.25**nice
+# CFS's weights, by nice from NICE_MIN: each nice step is worth about 10% of CPU, nice 0
+# weighs 1024.
+NICE_WEIGHTS = tuple(1024 / 1.25**nice for nice in range(NICE_MIN, NICE_MAX + 1))
 
 
 def os_groups(os_pid: int) -> frozenset[int]:
@@ -99,7 +99,7 @@ class Process:
 
     @property
     def weight(self) -> float:
-        return nice_weight(self.nice)
+        return NICE_WEIGHTS[self.nice - NICE_MIN]
 
     @property
     def state(self) -> str:

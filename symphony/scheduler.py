@@ -438,7 +438,7 @@ class Scheduler:
             return None
         plan = StepPlan.build(chunks)
         for c in chunks:
-            c.job.planned = c.end
+            c.job.planned = c.start + c.size
         self.running.append(plan)
         if self.pipeline:  # guesses on the guesses just planned, for the step after
             for c in chunks:
@@ -473,9 +473,9 @@ class Scheduler:
         def vruntime(p: Process) -> float:
             return p.vruntime + owed.get(p, 0.0)
 
-        answered = min((vruntime(c.job.proc) for plan in self.running for c in plan.chunks
+        answered = min([vruntime(c.job.proc) for plan in self.running for c in plan.chunks
                         if c.job.state is JobState.ADMITTED
-                        and c.end == len(c.job.spec.tokens)), default=float("inf"))
+                        and c.start + c.size == len(c.job.spec.tokens)], default=float("inf"))
         # One pass over the queue: the decodes in it, each file's first pred not admitted
         # yet, and the jobs with tokens to plan (not those in flight, nor a masked pred's
         # computed guess, sampled soon): in a decode loop the queue is mostly preds that
@@ -598,7 +598,7 @@ class Scheduler:
             else:
                 prefill += c.size
             if job.state in (JobState.AHEAD, JobState.DROPPED):
-                self.ahead.computed(job, c.end, seconds)  # charged when a pred takes it
+                self.ahead.computed(job, c.start + c.size, seconds)  # charged when taken
                 continue
             self._charge(job, c.size, seconds)
             if job.future.cancelled():  # taken back, before its canceller ran cancel()
@@ -607,7 +607,7 @@ class Scheduler:
                 if not self._computing(job):  # else when the last step computing it ends
                     self._fail(job, job.error)
                 continue
-            job.done = c.end
+            job.done = c.start + c.size
             if job.remaining == 0:
                 self._complete(job)
         self.stats.record(StepRecord(time.monotonic(), result.seconds, len(plan.chunks),

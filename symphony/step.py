@@ -92,7 +92,7 @@ class StepPlan:
 
     @property
     def tokens(self) -> int:
-        return sum(c.size for c in self.chunks)
+        return sum([c.size for c in self.chunks])
 
     def computes(self, job: PredJob) -> bool:
         return job in self.jobs

@@ -327,7 +327,7 @@ def plain_reply(outputs: Iterable[tuple[int, int, float]]) -> bytes:
         body = ((b"\x08" + _varint_bytes(row) if row else b"")
                 + (b"\x10" + _varint_bytes(token) if token else b"")
                 + (b"" if bits == _ZERO_F32 else b"\x1d" + bits))
-        parts.append(b"\x12" + _varint_bytes(len(body)) + body)
+        parts.append(b"\x12" + bytes((len(body),)) + body)  # at most 17 bytes
     return b"".join(parts)
 
 

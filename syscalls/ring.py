@@ -146,7 +146,7 @@ def _records(data: bytes) -> list[tuple[int, int, bytes]]:
         if len(data) - at < RECORD.size:
             raise RingError(f"a record header cut short at byte {at}")
         size, call, kind, zero = RECORD.unpack_from(data, at)
-        end = at + RECORD.size + padded(size)
+        end = at + RECORD.size + ((size + ALIGN - 1) & ~(ALIGN - 1))  # padded(), once a pred
         if zero:
             raise RingError(f"record at byte {at}: its fourth field is {zero}, not 0")
         if end > len(data):
@@ -305,7 +305,7 @@ class KernelRing:
         if not 0 <= tail - head <= mem.cq_bytes:
             raise RingError(f"cq_head {head} with cq_tail {tail} and a ring of "
                             f"{mem.cq_bytes} bytes")
-        end = tail + RECORD.size + padded(len(payload))
+        end = tail + RECORD.size + ((len(payload) + ALIGN - 1) & ~(ALIGN - 1))  # padded()
         if end - head > mem.cq_bytes:
             return False
         record, at = RECORD.pack(len(payload), call, kind, 0) + payload, tail % mem.cq_bytes
