@@ -119,7 +119,7 @@ def reserve_after(fs: FileSystem, res: Reservation, count: int) -> Reservation:
     new = fs._pages_for(start + count) - len(inode.pages)
     if new:
         fs._room(inode, new, new)
-    after = Reservation(res.handle, start, count, store.new(new, inode.uid),
+    after = Reservation(res.handle, start, count, store.new(new, inode.uid) if new else [],
                         excluded=res.excluded, leader=res, uid=inode.uid)
     if after.new_pages:  # one entry a guess: a new page only every page_size of them
         inode.pages.extend(after.new_pages)
