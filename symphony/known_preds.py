@@ -24,6 +24,9 @@ from syscalls import symphony_pb2 as pb
 
 FD_TAG, TOKENS_TAG = 0x08, 0x12
 KNOWN_MAX = 64  # requests known per process: a process cycling through more is forgotten
+# The longest request learned: a decode loop's is some 10 to 40 bytes (fd, token, sampler);
+# a longer one (unknown fields protobuf skips) would make each key a copy of it to keep.
+KNOWN_BYTES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +88,7 @@ class KnownPreds:
     def key(self, payload: bytes, req: pb.PredRequest) -> bytes | None:
         """The key to know a request by, once it was parsed and checked: None when it is
         not a decode loop's, its bytes are not as split() reads them, or it is known."""
-        if not plain_decode(req):
+        if len(payload) > KNOWN_BYTES or not plain_decode(req):
             return None
         cut = split(payload)
         if cut is None or cut[1] != req.tokens[0] or cut[0] in self.known:

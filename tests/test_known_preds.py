@@ -104,6 +104,18 @@ def test_a_token_outside_the_vocabulary_is_not_known():
     assert known.match(request(3, [VOCAB]), VOCAB) is None
 
 
+def test_a_long_request_is_not_learned():
+    """Bytes protobuf skips (an unknown field) make a decode request as long as its sender
+    likes: kept as a key, 64 of them could hold gigabytes."""
+    padding = b"\xfa\x0f" + bytes([0x80 | 300 & 0x7F, 300 >> 7]) + b"x" * 300  # field 255
+    payload = request(3, [5]) + padding
+    req = pb.PredRequest.FromString(payload)
+    assert len(req.tokens) == 1  # protobuf takes it, unknown field and all
+    assert KnownPreds().key(payload, req) is None
+    short = request(3, [5]) + padding[:2] + b"\x04" + b"x" * 4
+    assert KnownPreds().key(short, pb.PredRequest.FromString(short)) is not None
+
+
 def test_a_process_knows_a_bounded_number_of_requests():
     known = KnownPreds()
     for seed in range(200):
