@@ -207,11 +207,9 @@ def sys_vocab(k: Kernel, proc: Process, cred: Cred, req: pb.Void) -> pb.VocabRep
     return _vocab(_tokenizer(k, "vocab"), k.engine.config.vocab_size)
 
 
-@functools.lru_cache(maxsize=1024)
-def _checked_sampler(sampler: bytes, vocab: int) -> SamplingParams:
-    """One SamplingParams per distinct sampler (by its bytes on the wire), checked once: a
-    LIP sends the same sampler with every pred, and reading its fields and building a
-    frozen dataclass each time is slow. EINVAL for a sampler out of range."""
+def _sampler_params(sampler: bytes, vocab: int) -> SamplingParams:
+    """The checked SamplingParams of a sampler's bytes on the wire; EINVAL for one out of
+    range."""
     s = pb.Sampler.FromString(sampler)
     if not 0 <= s.top_p <= 1:  # 0 is the field unset: no limit, as 1
         raise einval(f"pred: sampler: top_p must be in [0, 1] (0 or 1: no limit), "
@@ -227,8 +225,19 @@ def _checked_sampler(sampler: bytes, vocab: int) -> SamplingParams:
     return params
 
 
+# One SamplingParams per distinct sampler, checked once: a LIP sends the same sampler with
+# every pred, and reading its fields and building a frozen dataclass each time is slow. Keyed
+# by the bytes, so only short ones are kept: fields protobuf skips can make a sampler as long
+# as its sender likes, and 1024 such keys could hold gigabytes.
+_checked_sampler = functools.lru_cache(maxsize=1024)(_sampler_params)
+SAMPLER_KEPT_BYTES = 128  # a sampler's fields take at most some 40
+
+
 def _sampling(req: pb.PredRequest, vocab: int) -> SamplingParams:
-    return _checked_sampler(req.sampler.SerializeToString(), vocab)
+    sampler = req.sampler.SerializeToString()
+    if len(sampler) > SAMPLER_KEPT_BYTES:
+        return _sampler_params(sampler, vocab)
+    return _checked_sampler(sampler, vocab)
 
 
 def pred_reply_bytes(rows: int, top_logprobs: int,

@@ -24,7 +24,7 @@ from kvfs_helpers import make_fs
 from kvfs.fs import Handle
 from kvfs.pages import DEVICE, HOST
 from kvfs.perm import Cred
-from symphony import scheduler
+from symphony import scheduler, syscall_table
 from symphony.engine.engine import Batch
 from symphony.engine.sampler import GREEDY, SamplingParams
 from symphony.engine.tree import ancestor_bits
@@ -1390,3 +1390,28 @@ async def test_behind_a_step_a_seeded_pred_waits_for_its_generator():
     w.sched.finish(first, result(first))
     w.step()
     assert len(answer.result()) == 2
+
+
+@in_loop
+async def test_a_sampler_padded_with_fields_protobuf_skips_is_checked_but_not_kept():
+    """A sampler's bytes key the cache of checked samplers: a long one (an unknown field,
+    which protobuf skips) is checked each time and never kept, or 1024 of them could hold
+    gigabytes; a short one is kept once."""
+    w = World()
+    p, f = w.process()
+    unknown = b"\xfa\x0f" + bytes([0x80 | 1000 & 0x7F, 1000 >> 7]) + b"x" * 1000  # field 255
+    padded = pb.Sampler.FromString(pb.Sampler(temperature=0.5).SerializeToString() + unknown)
+    syscall_table._checked_sampler.cache_clear()
+    answer = w.submit(p, f, [1, 2, 3], sampler=padded)
+    w.step()
+    assert len(await answer) == 1
+    assert syscall_table._checked_sampler.cache_info().currsize == 0
+    answer = w.submit(p, f, [4], sampler=pb.Sampler(temperature=0.5))
+    w.step()
+    assert len(await answer) == 1
+    assert syscall_table._checked_sampler.cache_info().currsize == 1
+    bad = pb.Sampler.FromString(pb.Sampler(top_p=2.0).SerializeToString() + unknown)
+    with pytest.raises(OSError) as e:
+        w.submit(p, f, [5], sampler=bad)
+    assert e.value.errno == errno.EINVAL and "top_p" in str(e.value)
+    assert f.inode.length == 4
