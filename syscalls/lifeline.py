@@ -121,7 +121,7 @@ class Lifeline:
         call = next(self._ids)
         sending = self._calls[call] = Sending()  # before sending: replies to no call drop
         try:
-            self._send(wire.frame(wire.PRED, call, payload), sending)
+            self._send_pred(call, payload, sending)
             return self._wait(call, None)
         except BaseException:  # interrupted, or failed: take back what the kernel has
             self._take_back([call])
@@ -155,6 +155,9 @@ class Lifeline:
             sending.on(progress, end)
         with self._sending:
             self._push(b"".join(frames), progress)
+
+    def _send_pred(self, call: int, payload: bytes, sending: Sending) -> None:
+        self._send(wire.frame(wire.PRED, call, payload), sending)
 
     def _send(self, data: bytes, sending: Sending | None = None) -> None:
         """One frame: a PRED, its Sending saying whether it went, or a CANCEL."""

@@ -291,6 +291,28 @@ def test_the_lifeline_request_is_protobufs_serialization(fd, tokens, positions, 
     assert got == want.SerializeToString()
 
 
+EDGE_INTS = st.sampled_from([0, 1, 127, 128, 16383, 16384, (1 << 31) - 1, 1 << 31, -1])
+
+
+@FEW
+@given(fd=st.integers(0, (1 << 31) - 1) | EDGE_INTS,
+       tokens=st.lists(st.integers(0, (1 << 31) - 1) | EDGE_INTS, min_size=0, max_size=10),
+       seed=st.none() | st.integers(0, 1 << 40))
+def test_a_decode_loops_request_is_written_as_protobuf_writes_it(fd, tokens, seed):
+    """A request of a few tokens is written without protobuf's message (_plain_head):
+    byte for byte its serialization, and whatever that path does not take (a negative or
+    too large value, no tokens, more than PLAIN_TOKENS) fails or is written as protobuf
+    does it."""
+    sampling = convert.Sampling(seed=seed)
+    assert _outcome(convert.pred_request, fd, tokens, None, None, sampling, False) == _outcome(
+        lambda: convert.pred(fd, tokens, None, None, sampling, False).request
+        .SerializeToString())
+    for other in ([True], [3.0], (5,)):  # not a list of ints: protobuf's path, same bytes
+        assert _outcome(convert.pred_request, fd, other, None, None, sampling, False) == (
+            _outcome(lambda o=other: convert.pred(fd, o, None, None, sampling, False).request
+                     .SerializeToString()))
+
+
 def _outcome(fn, *args):
     try:
         return fn(*args)
