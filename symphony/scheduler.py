@@ -28,7 +28,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 
 import torch
 
@@ -88,6 +87,25 @@ def controlled(output: Output, job: PredJob, control: RowControl, result: StepRe
         if job.spec.score_next and output.row < len(job.spec.tokens) - 1:
             output.next_logprob = scores.pop()
         output.scores = scores
+
+
+async def _done_or_timeout(future: asyncio.Future, seconds: float) -> None:
+    """Wait until the future is done or `seconds` have passed: asyncio.wait([future],
+    timeout=seconds) without its sets and task wrapping, once a step."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    timer = loop.call_later(seconds, wake)
+    future.add_done_callback(wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        future.remove_done_callback(wake)
 
 
 class Scheduler:
@@ -351,7 +369,7 @@ class Scheduler:
                 # decodes on guesses this one computes take their tokens in the engine.
                 due = started + last_step * (1 - PIPELINE_LEAD) - time.monotonic()
                 if due > 0:
-                    await asyncio.wait([answer], timeout=due)
+                    await _done_or_timeout(answer, due)
                 if not answer.done():
                     self._launch(answers)
             try:
@@ -368,7 +386,8 @@ class Scheduler:
                 answers.pop(0)
                 now = time.monotonic()
                 last_step, started = now - started, now
-                self.finish(plan, replace(result, seconds=last_step))
+                result.seconds = last_step  # the engine's answer is the scheduler's own
+                self.finish(plan, result)
             served = [c.job.proc for c in plan.chunks if c.job.future.done()]
 
     def _launch(self, answers: list[asyncio.Future]) -> bool:
