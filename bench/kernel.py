@@ -20,7 +20,11 @@
    random-weight model of one layer and hidden 64, where a forward pass costs next to
    nothing; with the kernel's and the LIPs' CPU per pred. With --path-engine sleep:MS the
    kernel's engine is a simulated accelerator whose steps take MS (`symphony kernel
-   --engine`): also the preds it delivered per step time against the ideal, N.
+   --engine`): also the preds it delivered per step time against the ideal, N. Beside
+   them, what explains the CPU figures: a bare ping-pong's round trip, the Python floor
+   of the loop's work, the sync client's own CPU a pred with no wait, and what the same
+   slice of Python costs right after its thread slept (a pred's CPU here is as much the
+   wake-ups around it as its code).
 6. one long prefill: time to the first token of a 512-token prompt, generate against one
    pred of a LIP, with the same token budget, on a random Llama of a matmul-heavy shape
    (or Llama-3.2-1B's), with the kernel's steps and engine time for the pred.
@@ -788,6 +792,8 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
         row(name, "preds/s", ours, peer, False, "none set")
     print(f"  the floor: {pingpong_floor(tmp)}")
     print(f"  the Python floor: {python_floor()}")
+    print(f"  the client's Python: {client_cost()}")
+    print(f"  this machine's wake-ups: {wake_cost()}")
     for name, n, ours, _, cpu, peer_cpu, same, loop, engine_busy, secs in results:
         kc, lc = (statistics.median(c) for c in zip(*cpu, strict=True))
         print(f"  {name}: CPU per pred, median: kernel {kc:.0f} (its loop thread {loop:.0f}, "
@@ -842,9 +848,7 @@ def python_floor(preds: int = 20000) -> str:
     from syscalls import ring
     from syscalls import symphony_pb2 as pb
 
-    kernel = ring.KernelRing()
-    process = ring.ProcessRing(ring.RingMemory(os.dup(kernel.memfd)), os.dup(kernel.kernel_bell),
-                               os.dup(kernel.process_bell))
+    kernel, process = ring_pair()
     files: dict[int, list[int]] = {fd: [] for fd in range(32)}
     payloads = [pb.PredRequest(fd=fd, tokens=[5]).SerializeToString() for fd in files]
 
@@ -880,6 +884,83 @@ def python_floor(preds: int = 20000) -> str:
         process.close()
         kernel.close()
     return ", ".join(parts)
+
+
+def ring_pair() -> tuple:
+    """A real pair of syscall rings in this process: the kernel's side and the process's."""
+    from syscalls import ring
+
+    kernel = ring.KernelRing()
+    process = ring.ProcessRing(ring.RingMemory(os.dup(kernel.memfd)), os.dup(kernel.kernel_bell),
+                               os.dup(kernel.process_bell))
+    return kernel, process
+
+
+def client_cost(preds: int = 20000) -> str:
+    """The sync client's CPU a pred with no wait in it: a one-token greedy pred written,
+    sent through its RingLine over a real ring pair, and its reply read, the kernel's side
+    answering the moment it is rung (its take and post counted too). The LIP's figure
+    above less this is its sleeps and wake-ups."""
+    import socket
+
+    from syscalls import convert, wire
+    from syscalls.ring_line import RingLine
+
+    kernel, process = ring_pair()
+    reply = convert.plain_reply([(0, 12345, -0.5)])
+
+    def answer() -> None:
+        for _, call, _ in kernel.take():
+            kernel.post(wire.REPLY, call, reply)
+        kernel.ring_process()
+
+    process.ring_kernel = answer
+    ours, theirs = socket.socketpair()
+    line = RingLine(ours, "bench", process)
+    try:
+        best = float("inf")
+        for _ in range(3):
+            t = time.thread_time()
+            for i in range(preds):
+                request = convert.pred_request(3, [i % 1000], None, None, convert.GREEDY, False)
+                convert.pred_outputs(line.call(request))
+            best = min(best, (time.thread_time() - t) / preds * 1e6)
+    finally:
+        theirs.close()
+        ours.close()
+        process.close()
+        kernel.close()
+    return f"{best:.1f} us of CPU a pred, the kernel's side of the ring included (best of 3)"
+
+
+def wake_cost(slices: int = 400) -> str:
+    """The same slice of Python (a loop and a dict, some 10 us) timed warm, and right after
+    its thread slept 1 and 5 ms: what waking costs the work that follows it on this machine
+    (a virtual CPU that idled runs slowly for a while). Every LIP sleeps between its preds,
+    and the loop between steps."""
+
+    def work() -> int:
+        total, names = 0, {}
+        for i in range(300):
+            total += i * i
+        for i in range(50):
+            names[i] = str(i)
+        return total + len(names)
+
+    for _ in range(1000):
+        work()
+    parts = []
+    for pause in (0.0, 0.001, 0.005):
+        cpu = 0.0
+        for _ in range(slices):
+            if pause:
+                time.sleep(pause)
+            t = time.thread_time()
+            work()
+            cpu += time.thread_time() - t
+        parts.append(f"{cpu / slices * 1e6:.0f} us" + (f" after {pause * 1e3:g} ms asleep"
+                                                     if pause else " warm"))
+    return "a fixed slice of Python takes " + ", ".join(parts)
 
 
 def bench_masked(args: argparse.Namespace, tmp: Path) -> None:
