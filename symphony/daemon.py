@@ -37,6 +37,7 @@ from syscalls import wire
 from syscalls.session import hello_path, pid_path
 
 log = logging.getLogger("symphony.kernel")
+YOUNG_OBJECTS = 10_000  # the collector's first threshold while the kernel serves (serve())
 
 
 def default_state_dir() -> Path:
@@ -285,11 +286,18 @@ def run_kernel(engine: EngineProcess, opts: Options,
     # many as the OS allows.
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    thresholds = gc.get_threshold()
     try:
         kernel = Kernel(engine, opts)
         gc.freeze()  # see engine_process.py's main
+        # A step's objects (a guess's job, reservation and future a pred, the answers) are
+        # mostly freed by their counts within a step or two; at the default threshold (700
+        # objects allocated net) that churn alone set off a collection every 50 preds at
+        # 256 a step. Above a full step's churn, collections follow real growth.
+        gc.set_threshold(YOUNG_OBJECTS, *thresholds[1:])
         uvloop.run(kernel.serve(release))
     finally:
+        gc.set_threshold(*thresholds)
         gc.unfreeze()
         engine.close()
     return 1 if kernel.engine_lost else 0
