@@ -17,8 +17,9 @@ it will carry its own (the scheduler's submit decides). A grammar-constrained lo
 mask the guess cannot know: so a guess made after a masked pred keeps its row's logits, and
 the pred that takes it samples them with its mask (its own seeded generator, so the token
 is the one it would have drawn). A pred that takes a guess brings its own PredSpec: the
-guessed one but for the controls. A masked pred takes a guess made after a plain one only
-while it is not computed yet.
+guessed one but for the controls; a decode loop's plain pred known by its bytes
+(known_preds.py) builds none and keeps the guess's, the same request. A masked pred takes
+a guess made after a plain one only while it is not computed yet.
 
 A LIP whose round trip outlasts a step (32 processes sharing two cores with the forward
 pass) would still miss every other step: its guess waits, computed, and the next is made
@@ -44,6 +45,7 @@ import torch
 from kvfs.errors import FSError
 from kvfs.fs import FileSystem, Handle, Reservation
 from kvfs.inode import Inode
+from symphony.engine.sampler import SamplingParams
 from symphony.pred_job import JobState, PredJob, PredSpec
 from symphony.process import Process
 from symphony.sched_stats import SchedStats
@@ -92,6 +94,17 @@ class DecodeAhead:
         if (guessed.tokens == spec.tokens and spec.rows == guessed.rows
                 and spec.positions in (None, guess.positions)
                 and (spec.params is guessed.params or spec.params == guessed.params)):
+            return guess
+        return None
+
+    def decode_guess(self, handle: Handle, token: int, params: SamplingParams) -> PredJob | None:
+        """The guess on the file if a plain decode pred of `token` sampled with `params` is
+        the one it guessed (a guess is one token at the next position, sampled at it)."""
+        guess = self.guesses.get(handle.inode)
+        if guess is None or guess.handle is not handle:
+            return None
+        guessed = guess.spec
+        if guessed.tokens[0] == token and (guessed.params is params or guessed.params == params):
             return guess
         return None
 

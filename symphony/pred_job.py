@@ -53,7 +53,8 @@ class Output:
 class PredSpec:
     """What a pred asked, checked once at the syscall (syscall_table.submit_pred) and never
     changed after: the job that does the work holds it (PredJob.spec). A guess's spec is
-    the pred it guessed, until the pred that takes it brings its own (decode_ahead.py)."""
+    the pred it guessed, until the pred that takes it brings its own (a plain decode pred
+    known by its bytes keeps the guess's: decode_ahead.py)."""
 
     tokens: list[int]
     positions: list[int] | None  # None: after the file's last position, read on admission

@@ -35,7 +35,7 @@ from kvfs.errors import FSError
 from kvfs.fs import FileSystem, Handle
 from kvfs.inode import Inode
 from symphony.decode_ahead import DecodeAhead
-from symphony.engine.sampler import RowControl
+from symphony.engine.sampler import RowControl, SamplingParams
 from symphony.engine_process import EngineDied, EngineProcess
 from symphony.pred_job import JobState, Output, PredJob, PredSpec
 from symphony.process import Process
@@ -170,6 +170,17 @@ class Scheduler:
         self._enqueue(job)
         self._wake.set()
         return job.future
+
+    def take_guess(self, handle: Handle, token: int, params: SamplingParams,
+                   reply: Callable[[asyncio.Future], None] | None) -> asyncio.Future | None:
+        """A plain decode pred (`token` fed back, sampled with `params`, nothing else) that is
+        the file's guess takes it as submit would, keeping the guess's spec, which is the
+        same request; None when it is not the guess (then submit it)."""
+        guess = self.ahead.decode_guess(handle, token, params)
+        if guess is None:
+            return None
+        guess.reply = reply
+        return self._take(guess)
 
     def _arrive(self, proc: Process) -> None:
         """A pred of proc arrives: the wake-up clamp, its think time, its pending count."""

@@ -332,9 +332,14 @@ def known_pred(k: Kernel, req: pb.PredRequest) -> KnownPred:
 def submit_known(k: Kernel, proc: Process, known: KnownPred, token: int,
                  reply: Callable[[asyncio.Future], None] | None = None) -> asyncio.Future:
     """submit_pred of a known decode request with this token (in the vocabulary): only
-    what may have changed since its bytes were checked, the fd, is checked again."""
-    spec = PredSpec([token], None, [0], known.params)
-    return k.sched.submit(proc, _writable(proc, known.fd), spec, reply)
+    what may have changed since its bytes were checked, the fd, is checked again. When it
+    is the file's guess, it takes the guess with no request built (a decode loop's steady
+    state); otherwise it is queued as submit_pred queues it."""
+    handle = _writable(proc, known.fd)
+    taken = k.sched.take_guess(handle, token, known.params, reply)
+    if taken is not None:
+        return taken
+    return k.sched.submit(proc, handle, PredSpec([token], None, [0], known.params), reply)
 
 
 def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest,

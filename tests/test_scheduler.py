@@ -579,6 +579,30 @@ async def test_a_guess_is_computed_unseen_and_a_matching_pred_takes_it_without_a
 
 
 @in_loop
+async def test_a_known_decode_pred_takes_its_guess_as_submit_would_with_no_request_built():
+    """syscall_table.submit_known's steady state: a plain decode pred that is the file's
+    guess takes it (Scheduler.take_guess) keeping the guess's spec; any other token, a
+    sampler not equal, or another open file of the same inode takes nothing and leaves
+    the guess as it was, for submit to drop."""
+    w = World(ahead=True)
+    p, f = w.process()
+    guess = await decoding(w, p, f)
+    spec = guess.spec
+    other = w.fs.open(p.cred, "", os.O_RDWR)  # not the guess's handle
+    for handle, token, params in ((f, 10, GREEDY), (f, 9, SamplingParams(temperature=0.5)),
+                                  (other, 9, GREEDY)):
+        assert w.sched.take_guess(handle, token, params, None) is None
+        assert w.sched.ahead.guesses[f.inode] is guess and guess.state is JobState.AHEAD
+    replied = []
+    answer = w.sched.take_guess(f, 9, SamplingParams(), replied.append)  # equal, not the same
+    assert answer is guess.future and guess.state is JobState.ADMITTED and guess.spec is spec
+    w.step([11])
+    assert answer.result()[0].token == 11 and replied == [answer]
+    assert f.inode.tokens == [1, 2, 3, SAMPLE, 9] and p.tokens == 5 and p.pending == 0
+    assert w.sched.stats.ahead_used == 1 and w.sched.ahead.guesses[f.inode].spec.tokens == [11]
+
+
+@in_loop
 async def test_a_pred_takes_its_guess_in_the_running_step():
     w = World(ahead=True)
     p, f = w.process()
