@@ -147,6 +147,8 @@ class DecodeAhead:
         chain's last guess, planned or computed, while the chain is shorter than DEPTH. Not
         after a masked pred (the next token is the mask's to choose), an end of sequence,
         or the context's end. Whether a guess was made."""
+        if guess.following is not None:  # not its chain's last (a computed guess, mostly)
+            return False
         last, length = self.guesses.get(guess.handle.inode), 1  # the chain's last, its length
         if last is None:
             return False
