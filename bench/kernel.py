@@ -22,9 +22,10 @@
    kernel's engine is a simulated accelerator whose steps take MS (`symphony kernel
    --engine`): also the preds it delivered per step time against the ideal, N. Beside
    them, what explains the CPU figures: a bare ping-pong's round trip, the Python floor
-   of the loop's work, the sync client's own CPU a pred with no wait, and what the same
-   slice of Python costs right after its thread slept (a pred's CPU here is as much the
-   wake-ups around it as its code).
+   of the loop's work, the sync client's own CPU a pred with no wait, the kernel's own
+   path warm in one process with nothing asleep, and what the same slice of Python costs
+   right after its thread slept (a pred's CPU here is as much the wake-ups around it as
+   its code).
 6. one long prefill: time to the first token of a 512-token prompt, generate against one
    pred of a LIP, with the same token budget, on a random Llama of a matmul-heavy shape
    (or Llama-3.2-1B's), with the kernel's steps and engine time for the pred.
@@ -793,6 +794,7 @@ def bench_path(args: argparse.Namespace, tmp: Path) -> None:
     print(f"  the floor: {pingpong_floor(tmp)}")
     print(f"  the Python floor: {python_floor()}")
     print(f"  the client's Python: {client_cost()}")
+    print(f"  the loop's path warm: {warm_loop_cost()}")
     print(f"  this machine's wake-ups: {wake_cost()}")
     for name, n, ours, _, cpu, peer_cpu, same, loop, engine_busy, secs in results:
         kc, lc = (statistics.median(c) for c in zip(*cpu, strict=True))
@@ -931,6 +933,103 @@ def client_cost(preds: int = 20000) -> str:
         process.close()
         kernel.close()
     return f"{best:.1f} us of CPU a pred, the kernel's side of the ring included (best of 3)"
+
+
+def warm_loop_cost(processes: int = 32, steps: int = 200) -> str:
+    """The kernel's own CPU a pred for decode loops in one process with nothing asleep:
+    `processes` real `Hello`s, each on a real ring pair whose records this function writes
+    as their LIPs would, the real scheduler (decoding ahead, pipelined) over a real kvfs, a
+    step's samples made up instead of an engine. Counted: the bells' callbacks (drain, known
+    pred, queue), planning, finishing (answers posted), the processes' bells. The loop's
+    figures above less this are wake-ups and a shared machine's cold caches."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvfs.fs import FileSystem
+    from kvfs.pages import PageStore
+    from kvfs.perm import Cred
+    from kvfs.pool import KVPool, PageShape
+    from symphony.owed import Owed
+    from symphony.process import Process
+    from symphony.read_pause import ReadPause
+    from symphony.scheduler import Scheduler
+    from symphony.server import Front, Hello
+    from symphony.step import StepResult
+    from syscalls import convert, ring
+
+    class Lifeline:  # a live lifeline that nothing is written to: answers go on the rings
+        def is_closing(self) -> bool:
+            return False
+
+        def write(self, data: bytes) -> None:
+            raise AssertionError("a reply on the lifeline: the ring was full")
+
+    async def run() -> float:
+        config = SimpleNamespace(max_position_embeddings=4096, vocab_size=320)
+        engine = SimpleNamespace(config=config, device=torch.device("cpu"),
+                                 eos_ids=lambda: ())
+        fs = FileSystem(PageStore(KVPool(PageShape(1, 1, 8, 16, torch.float32), 8192, 0,
+                                         "cpu", 1), None, 0), fingerprint="bench")
+        procs: list = []
+        sched = Scheduler(engine, fs, lambda: procs, 4096, 256, True, pipeline=True)
+        kernel = SimpleNamespace(engine=engine, sched=sched, owed=Owed())
+        front, lips = Front(kernel), []
+        for pid in range(1, processes + 1):
+            proc = Process(pid, 0, Cred(1000 + pid, 1000 + pid), f"t{pid}")
+            procs.append(proc)
+            fd = proc.add_fd(fs.open(proc.cred, "", os.O_RDWR))
+            hello = Hello(kernel, front)
+            hello.proc, hello.debtor, hello.transport = proc, proc, Lifeline()
+            hello.reads = ReadPause(hello.transport)
+            hello.ring = ring.KernelRing()
+            side = ring.ProcessRing(ring.RingMemory(os.dup(hello.ring.memfd)),
+                                    os.dup(hello.ring.kernel_bell),
+                                    os.dup(hello.ring.process_bell))
+            side.sleeping(True)
+            side.submit(ring.PRED, 1, convert.pred_request(fd, list(range(1, 33)), None, None,
+                                                           convert.GREEDY, False), bell=False)
+            hello.drain()  # the prompt, parsed and checked
+            lips.append((hello, side, fd))
+        plans: list = []
+
+        def plan() -> None:  # up to two steps in flight, as the pipelined kernel keeps
+            while len(plans) < 2 and (step := sched.schedule()) is not None:
+                plans.append(step)
+
+        plan()
+        cpu, preds, call = 0.0, 0, 2
+        for n in range(steps):
+            if n == steps // 5:  # the first fifth warms up
+                cpu, preds = 0.0, 0
+            done = plans.pop(0)
+            samples = len(done.samples)
+            t = time.thread_time()
+            sched.finish(done, StepResult([7 + n % 50] * samples, [-1.0] * samples,
+                                          [[]] * samples, [[]] * samples, 0.005))
+            await asyncio.sleep(0)  # the bells' callback
+            cpu += time.thread_time() - t
+            for hello, side, fd in lips:
+                for _, _, reply in side.completions():
+                    token = convert.pred_outputs(reply)[0].token
+                    side.submit(ring.PRED, call, convert.pred_request(
+                        fd, [token], None, None, convert.GREEDY, False))
+                    call += 1
+                    t = time.thread_time()
+                    hello.rung()
+                    cpu += time.thread_time() - t
+                    preds += 1
+            t = time.thread_time()
+            plan()
+            cpu += time.thread_time() - t
+        for hello, side, _ in lips:
+            side.close()
+            hello.ring.close()
+        return cpu / preds * 1e6
+
+    return (f"{asyncio.run(run()):.1f} us of the kernel's CPU a pred, {processes} processes "
+            "on rings decoding, in one process with nothing asleep and no engine")
 
 
 def wake_cost(slices: int = 400) -> str:
