@@ -959,7 +959,7 @@ def warm_loop_cost(processes: int = 32, steps: int = 200) -> str:
     from symphony.step import StepResult
     from syscalls import convert, ring
 
-    class Lifeline:  # a live lifeline that nothing is written to: answers go on the rings
+    class OpenTransport:  # a lifeline that stays open, never written: answers go on rings
         def is_closing(self) -> bool:
             return False
 
@@ -981,12 +981,9 @@ def warm_loop_cost(processes: int = 32, steps: int = 200) -> str:
             procs.append(proc)
             fd = proc.add_fd(fs.open(proc.cred, "", os.O_RDWR))
             hello = Hello(kernel, front)
-            hello.proc, hello.debtor, hello.transport = proc, proc, Lifeline()
+            hello.proc, hello.debtor, hello.transport = proc, proc, OpenTransport()
             hello.reads = ReadPause(hello.transport)
-            hello.ring = ring.KernelRing()
-            side = ring.ProcessRing(ring.RingMemory(os.dup(hello.ring.memfd)),
-                                    os.dup(hello.ring.kernel_bell),
-                                    os.dup(hello.ring.process_bell))
+            hello.ring, side = ring_pair()
             side.sleeping(True)
             side.submit(ring.PRED, 1, convert.pred_request(fd, list(range(1, 33)), None, None,
                                                            convert.GREEDY, False), bell=False)

@@ -37,7 +37,7 @@ from syscalls import wire
 from syscalls.session import hello_path, pid_path
 
 log = logging.getLogger("symphony.kernel")
-YOUNG_OBJECTS = 10_000  # the collector's first threshold while the kernel serves (serve())
+YOUNG_OBJECTS = 10_000  # the collector's first threshold while the kernel serves (run_kernel)
 
 
 def default_state_dir() -> Path:
