@@ -11,9 +11,10 @@ pass instead of inside it, as vLLM v1's engine core runs apart from its API serv
 What the two share is the KV pool's device tier: on the CPU an anonymous shared file
 (memfd) that both map, on a GPU device memory shared by CUDA IPC. The kernel allocates,
 copies, moves and rotates pages there (kvfs), and the engine writes the running step's K/V
-rows there. Nothing else is shared. A step goes over a socket pair as a pickled StepWork,
-and its StepResult comes back the same way. The kernel never touches the rows of the
-running step, as before (scheduler.py: quiesce and settle wait for the step).
+rows there. Nothing else is shared. A step goes over a socket pair as its StepWork, and
+its StepResult comes back the same way (step_wire.py: fixed-layout bytes, or a pickle).
+The kernel never touches the rows of the running step, as before (scheduler.py: quiesce
+and settle wait for the step).
 
 The engine process is the kernel's child (`python -m symphony.engine_process`): it exits
 when its socket closes (the kernel's close()) or, killed or crashed, when the kernel dies
@@ -32,7 +33,6 @@ import asyncio
 import contextlib
 import errno
 import gc
-import io
 import math
 import os
 import pickle
@@ -52,6 +52,7 @@ import torch.multiprocessing  # noqa: F401  (CUDA tensors pickle as IPC handles)
 
 from kvfs.errors import FSError
 from kvfs.pool import KVPool, PageShape, pool_shard_shape
+from symphony import step_wire
 from symphony.engine.config import ModelConfig
 from symphony.engine.engine import Engine
 from symphony.engine.fingerprint import fingerprint
@@ -77,7 +78,7 @@ from symphony.ranks import (
 )
 from symphony.step import StepResult, StepWork, fill_placeholders, forward
 
-LENGTH = struct.Struct("<Q")  # each message: its pickle's length, then the pickle
+LENGTH = struct.Struct("<Q")  # each message: its length, then it (step_wire.py)
 
 
 class EngineDied(FSError):
@@ -309,7 +310,7 @@ class EngineProcess(HasSettings):
             for device in self._gpus:  # every rank's
                 torch.cuda.synchronize(device)
         dirty = self.pool.take_dirty() if isinstance(self.pool, MirroredPool) else []
-        data = _message(dumps((work, dirty)))
+        data = _message(step_wire.dumps((work, dirty)))
         answer = asyncio.get_running_loop().create_future()
         first = not self._steps
         self._steps.append((answer, work))
@@ -408,7 +409,7 @@ class EngineProcess(HasSettings):
             (size,) = LENGTH.unpack_from(self._buf)
             if len(self._buf) < LENGTH.size + size:
                 return
-            message = pickle.loads(self._buf[LENGTH.size:LENGTH.size + size])
+            message = step_wire.loads(self._buf[LENGTH.size:LENGTH.size + size])
             del self._buf[:LENGTH.size + size]
             answer, work = self._steps.pop(0)
             if self._held:
@@ -486,32 +487,8 @@ def _message(data: bytes) -> bytes:
     return LENGTH.pack(len(data)) + data
 
 
-class _Pickler(pickle.Pickler):
-    """Pickles a CPU tensor as a numpy array of its own elements. torch's own pickling writes
-    a tensor's whole storage, so each kept logit row, a view of the step's logits, would carry
-    all of them (32 rows: 16 MB a step, 37 ms), and it goes through torch.save's archive
-    format, about 60 us a tensor even when small (a pred's mask)."""
-
-    def reducer_override(self, obj: object) -> object:
-        if (type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad
-                and obj.dtype in _NUMPY_DTYPES):
-            return torch.from_numpy, (obj.numpy(),)
-        return NotImplemented
-
-
-_NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
-                 torch.int16, torch.int8, torch.uint8, torch.bool}
-
-
-def dumps(message: object) -> bytes:
-    """A step's work or result as the other process takes it (pickle.loads reads it)."""
-    out = io.BytesIO()
-    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
-    return out.getvalue()
-
-
 def _send(sock: socket.socket, message: object) -> None:
-    sock.sendall(_message(dumps(message)))
+    sock.sendall(_message(step_wire.dumps(message)))
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
@@ -530,7 +507,7 @@ def receive(sock: socket.socket) -> object:
     body = None if head is None else _recv_exactly(sock, LENGTH.unpack(head)[0])
     if body is None:
         raise EOFError("the other end of the engine's socket closed")
-    return pickle.loads(body)
+    return step_wire.loads(body)
 
 
 def _picklable(e: BaseException) -> BaseException:
