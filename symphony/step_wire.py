@@ -17,9 +17,9 @@ WORK, after its kind byte: int64s
     token_ids[n_tokens], positions[n_tokens], q_lens[n_seqs], kv_lens[n_seqs],
     table_lens[n_seqs], the page tables' ids[n_table], logit_rows[n_rows],
     excluded_counts[n_seqs] and the ranges' (start, end)[n_excluded] (when not None),
-    placeholders' (at, row)[n_placeholders], each row's (top_k, top_logprobs)[n_rows]
+    placeholders' (at, row)[n_placeholders], the rows' top_k[n_rows], top_logprobs[n_rows]
 
-then float64s: each row's (temperature, top_p, min_p)[n_rows].
+then float64s: the rows' temperature[n_rows], top_p[n_rows], min_p[n_rows].
 
 RESULT, after its kind byte: int64s n_rows, top_width, tokens[n_rows], top_ids[n_rows *
 top_width]; float64s seconds, logprobs[n_rows]; float32s top_logprobs[n_rows * top_width].
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import struct
 from array import array
 
 import numpy as np
@@ -112,36 +113,35 @@ def _plain_result(result: StepResult) -> bool:
 
 
 def _work_bytes(work: StepWork) -> bytes:
-    b = work.batch
-    ints = array("q", (len(b.q_lens), len(b.token_ids), len(b.logit_rows),
-                       sum(map(len, b.page_tables)),
-                       -1 if b.excluded is None else sum(map(len, b.excluded)),
-                       len(work.placeholders)))
-    ints.extend(b.token_ids)
-    ints.extend(b.positions)
-    ints.extend(b.q_lens)
-    ints.extend(b.kv_lens)
-    ints.extend(map(len, b.page_tables))
+    b, params = work.batch, work.params
+    ints = [len(b.q_lens), len(b.token_ids), len(b.logit_rows), sum(map(len, b.page_tables)),
+            -1 if b.excluded is None else sum(map(len, b.excluded)), len(work.placeholders)]
+    ints += b.token_ids
+    ints += b.positions
+    ints += b.q_lens
+    ints += b.kv_lens
+    ints += map(len, b.page_tables)
     for table in b.page_tables:
-        ints.extend(table)
-    ints.extend(b.logit_rows)
+        ints += table
+    ints += b.logit_rows
     if b.excluded is not None:
-        ints.extend(map(len, b.excluded))
+        ints += map(len, b.excluded)
         for ranges in b.excluded:
-            for start, end in ranges:
-                ints.append(start)
-                ints.append(end)
-    for at, row in work.placeholders:
-        ints.append(at)
-        ints.append(row)
-    floats = array("d")
-    for p in work.params:
-        ints.append(p.top_k)
-        ints.append(p.top_logprobs)
-        floats.append(p.temperature)
-        floats.append(p.top_p)
-        floats.append(p.min_p)
-    return bytes((WORK,)) + ints.tobytes() + floats.tobytes()
+            for pair in ranges:
+                ints += pair
+    for pair in work.placeholders:
+        ints += pair
+    ints += [p.top_k for p in params]
+    ints += [p.top_logprobs for p in params]
+    floats = [p.temperature for p in params]
+    floats += [p.top_p for p in params]
+    floats += [p.min_p for p in params]
+    # struct packs a list of numbers in one C loop (array.extend takes one at a time).
+    return bytes((WORK,)) + struct.pack(f"<{len(ints)}q{len(floats)}d", *ints, *floats)
+
+
+def _pairs(flat: list[int]) -> list[tuple[int, int]]:
+    return list(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _work(data: memoryview) -> StepWork:
@@ -150,30 +150,30 @@ def _work(data: memoryview) -> StepWork:
              + (seqs + 2 * excluded if excluded >= 0 else 0))
     ints = _numbers("q", data[:8 * count])
     floats = _numbers("d", data[8 * count:8 * count + 8 * 3 * rows])
-    at = WORK_HEAD
-
-    def take(n: int) -> list[int]:
-        nonlocal at
+    runs, at = [], WORK_HEAD
+    for n in (tokens, tokens, seqs, seqs, seqs):
+        runs.append(ints[at:at + n])
         at += n
-        return ints[at - n:at]
-
-    token_ids, positions = take(tokens), take(tokens)
-    q_lens, kv_lens, table_lens = take(seqs), take(seqs), take(seqs)
-    page_tables = [take(n) for n in table_lens]
-    logit_rows = take(rows)
+    token_ids, positions, q_lens, kv_lens, table_lens = runs
+    page_tables = []
+    for n in table_lens:
+        page_tables.append(ints[at:at + n])
+        at += n
+    logit_rows = ints[at:at + rows]
+    at += rows
     ranges = None
     if excluded >= 0:
+        counts, at = ints[at:at + seqs], at + seqs
         ranges = []
-        for n in take(seqs):
-            flat = take(2 * n)
-            ranges.append(list(zip(flat[::2], flat[1::2], strict=True)))
-    flat = take(2 * placeholders)
-    spots = list(zip(flat[::2], flat[1::2], strict=True))
-    knobs = take(2 * rows)
+        for n in counts:
+            ranges.append(_pairs(ints[at:at + 2 * n]) if n else [])
+            at += 2 * n
+    spots = _pairs(ints[at:at + 2 * placeholders])
+    at += 2 * placeholders
     samplers: dict[tuple, SamplingParams] = {}  # a step's rows mostly share one
     params = []
-    for i in range(rows):
-        key = (knobs[2 * i], knobs[2 * i + 1], *floats[3 * i:3 * i + 3])
+    for key in zip(ints[at:at + rows], ints[at + rows:at + 2 * rows], floats[:rows],
+                   floats[rows:2 * rows], floats[2 * rows:], strict=True):
         p = samplers.get(key)
         if p is None:
             p = samplers[key] = SamplingParams(temperature=key[2], top_k=key[0], top_p=key[3],
@@ -186,14 +186,10 @@ def _work(data: memoryview) -> StepWork:
 def _result_bytes(result: StepResult) -> bytes:
     rows = len(result.tokens)
     width = len(result.top_ids[0]) if rows else 0
-    ints = array("q", (rows, width))
-    ints.extend(result.tokens)
-    floats = array("d", (result.seconds,))
-    floats.extend(result.logprobs)
-    parts = [bytes((RESULT,)), ints.tobytes()]
+    parts = [bytes((RESULT,)), struct.pack(f"<2q{rows}q", rows, width, *result.tokens)]
     if width:
         parts.append(np.ascontiguousarray(result.top_ids, dtype=np.int64).tobytes())
-    parts.append(floats.tobytes())
+    parts.append(struct.pack(f"<{1 + rows}d", result.seconds, *result.logprobs))
     if width:
         parts.append(np.ascontiguousarray(result.top_logprobs, dtype=np.float32).tobytes())
     return b"".join(parts)
