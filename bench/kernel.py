@@ -888,11 +888,12 @@ def python_floor(preds: int = 20000) -> str:
     return ", ".join(parts)
 
 
-def ring_pair() -> tuple:
-    """A real pair of syscall rings in this process: the kernel's side and the process's."""
+def ring_pair(kernel_bell: int | None = None) -> tuple:
+    """A real pair of syscall rings in this process: the kernel's side and the process's
+    (the kernel's bell `kernel_bell`, or the ring's own)."""
     from syscalls import ring
 
-    kernel = ring.KernelRing()
+    kernel = ring.KernelRing(kernel_bell)
     process = ring.ProcessRing(ring.RingMemory(os.dup(kernel.memfd)), os.dup(kernel.kernel_bell),
                                os.dup(kernel.process_bell))
     return kernel, process
@@ -951,6 +952,7 @@ def warm_loop_cost(processes: int = 32, steps: int = 200) -> str:
     from kvfs.pages import PageStore
     from kvfs.perm import Cred
     from kvfs.pool import KVPool, PageShape
+    from symphony.kernel_bell import KernelBell
     from symphony.owed import Owed
     from symphony.process import Process
     from symphony.read_pause import ReadPause
@@ -983,12 +985,14 @@ def warm_loop_cost(processes: int = 32, steps: int = 200) -> str:
             hello = Hello(kernel, front)
             hello.proc, hello.debtor, hello.transport = proc, proc, OpenTransport()
             hello.reads = ReadPause(hello.transport)
-            hello.ring, side = ring_pair()
+            bell = KernelBell()  # the process's, as the kernel gives it (one a process)
+            hello.ring, side = ring_pair(bell.fd)
+            bell.rings[hello] = None
             side.sleeping(True)
             side.submit(ring.PRED, 1, convert.pred_request(fd, list(range(1, 33)), None, None,
                                                            convert.GREEDY, False), bell=False)
             hello.drain()  # the prompt, parsed and checked
-            lips.append((hello, side, fd))
+            lips.append((hello, side, fd, bell))
         plans: list = []
 
         def plan() -> None:  # up to two steps in flight, as the pipelined kernel keeps
@@ -1007,22 +1011,23 @@ def warm_loop_cost(processes: int = 32, steps: int = 200) -> str:
                                           [[]] * samples, [[]] * samples, 0.005))
             await asyncio.sleep(0)  # the bells' callback
             cpu += time.thread_time() - t
-            for hello, side, fd in lips:
+            for _, side, fd, bell in lips:
                 for _, _, reply in side.completions():
                     token = convert.pred_outputs(reply)[0].token
                     side.submit(ring.PRED, call, convert.pred_request(
                         fd, [token], None, None, convert.GREEDY, False))
                     call += 1
                     t = time.thread_time()
-                    hello.rung()
+                    bell.rung()
                     cpu += time.thread_time() - t
                     preds += 1
             t = time.thread_time()
             plan()
             cpu += time.thread_time() - t
-        for hello, side, _ in lips:
+        for hello, side, _, bell in lips:
             side.close()
             hello.ring.close()
+            os.close(bell.fd)
         return cpu / preds * 1e6
 
     return (f"{asyncio.run(run()):.1f} us of the kernel's CPU a pred, {processes} processes "

@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 
 from kvfs.errors import FSError
 from kvfs.perm import Cred, check_ids
+from symphony.kernel_bell import KernelBells
 from symphony.known_preds import KnownPreds
 from symphony.process import Process
 from symphony.read_pause import IN_FLIGHT, OWED, REPLIES, ReadPause
@@ -130,6 +131,7 @@ class Front:
         # Processes whose completions were posted this loop turn: their bells ring in one
         # callback at the turn's end, not one callback a process (a step answers many).
         self.bells_due: list[Hello] = []
+        self.kernel_bells = KernelBells()  # a process's rings share one bell
 
     def ring_later(self, hello: Hello) -> None:
         if not self.bells_due:
@@ -501,9 +503,11 @@ class Hello(asyncio.Protocol):
             self.send_reply(0, error_reply(pb.PredReply, einval(f"ring setup: {why}"))
                             .SerializeToString())
             return
+        bells, key = self.front.kernel_bells, (self.proc.uid, self.proc.os_pid)
         try:
-            made = ring.KernelRing()
+            made = ring.KernelRing(bells.bell(key).fd)
         except OSError as e:
+            bells.unused(key)
             self.send_reply(0, error_reply(pb.PredReply, e).SerializeToString())
             return
         sock = self.transport.get_extra_info("socket")
@@ -513,22 +517,17 @@ class Hello(asyncio.Protocol):
                 sent = socket.send_fds(raw, [data], made.fds())
         except OSError as e:
             made.close()
+            bells.unused(key)
             self.drop(f"ring setup failed: {e}")
             return
         made.sent()
         if sent != len(data):  # a fresh lifeline's buffer takes a frame whole
             made.close()
+            bells.unused(key)
             self.drop(f"ring setup: {sent} of {len(data)} bytes sent")
             return
         self.ring = made
-        asyncio.get_running_loop().add_reader(made.kernel_bell, self.rung)
-
-    def rung(self) -> None:
-        try:  # once a pred: a try is cheaper than contextlib.suppress
-            os.eventfd_read(self.ring.kernel_bell)
-        except BlockingIOError:
-            pass
-        self.drain()
+        bells.join(key, self)
 
     def drain(self) -> bool:
         """Take every record submitted to the ring, in order; stop at a FRAMED record whose
@@ -681,7 +680,7 @@ class Hello(asyncio.Protocol):
             if self.backed_up:
                 self.kernel.owed.backs_up(self.debtor, False)
         if self.ring is not None:
-            asyncio.get_running_loop().remove_reader(self.ring.kernel_bell)
+            self.front.kernel_bells.leave((self.proc.uid, self.proc.os_pid), self)
             self.ring.close()
         if self.proc is not None:
             self.kernel.lifelines.pop(self.proc.pid, None)

@@ -2,7 +2,8 @@
 
 As io_uring does for Linux I/O, a process that asks at hello (a RING_SETUP frame on its
 lifeline, syscalls/wire.py) gets a memfd holding two rings and two eventfds, passed with
-SCM_RIGHTS in the kernel's RING frame:
+SCM_RIGHTS in the kernel's RING frame (the kernel bell, the one the process rings, is the
+same eventfd for every ring of one process):
 
     offset 0      header: one 64-byte line per counter (little-endian u64)
                     0 magic    1 sq_head (kernel)   2 sq_tail (process)
@@ -258,17 +259,26 @@ class ProcessRing:
 
 class KernelRing:
     """The kernel's side: it consumes submissions (copied out, then checked) and produces
-    completions. The process can write the whole memory at any time."""
+    completions. The process can write the whole memory at any time.
 
-    def __init__(self) -> None:
+    `kernel_bell`: the eventfd the process rings, its caller's (the kernel gives all the
+    rings of one process one bell, symphony/kernel_bell.py), or, None, one of the ring's
+    own, closed with it."""
+
+    def __init__(self, kernel_bell: int | None = None) -> None:
         self.mem, fd = RingMemory.create()
+        made = []
         try:
-            self.kernel_bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            self.process_bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            for _ in range(1 + (kernel_bell is None)):
+                made.append(os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
         except OSError:
-            os.close(fd)
+            for bell in [fd, *made]:
+                os.close(bell)
             self.mem.close()
             raise
+        self.process_bell = made[0]
+        self.own_bell = kernel_bell is None
+        self.kernel_bell = made[1] if self.own_bell else kernel_bell
         self.memfd = fd
         self.sq_head = 0
         self.cq_tail = 0
@@ -324,6 +334,6 @@ class KernelRing:
 
     def close(self) -> None:
         self.mem.close()
-        for fd in (self.memfd, self.kernel_bell, self.process_bell):
+        for fd in (self.memfd, self.process_bell, self.kernel_bell if self.own_bell else -1):
             if fd >= 0:
                 os.close(fd)

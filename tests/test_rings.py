@@ -22,6 +22,7 @@ import pytest
 from daemon import (
     HOG,
     HOG_TOKENS,
+    ROOT,
     hog_payload,
     meminfo,
     preds_answered,
@@ -313,6 +314,75 @@ def test_a_record_of_an_unknown_kind_gets_einval_and_the_ring_goes_on(daemon):
         lifeline.close()
         rings.close()
     assert got == {1: errno.EINVAL, 2: errno.EINVAL, 3: errno.EBADF}
+
+
+def einval_completion(rings: ring.ProcessRing) -> int:
+    """The errno of the one completion this ring waits for (a record of no known kind)."""
+    while not rings.ready():
+        assert select.select([rings.process_bell], [], [], 30)[0], "no completion"
+        os.eventfd_read(rings.process_bell)
+    (_, _, payload), = rings.completions()
+    return pb.PredReply.FromString(payload).error.errno
+
+
+def test_one_bell_drains_every_ring_of_its_process(daemon):
+    """symphony/kernel_bell.py: the rings of one process share the kernel's bell, and it
+    drains them all. A record left in one session's ring without ringing is taken when
+    another session of the process rings."""
+    (a_line, _, a), (b_line, _, b) = rung_session(daemon.socket), rung_session(daemon.socket)
+    try:
+        for rings in (a, b):
+            rings.sleeping(True)
+        b.submit(9, 1, b"", bell=False)
+        a.submit(9, 1, b"")
+        assert einval_completion(b) == errno.EINVAL  # taken on a's bell
+        assert einval_completion(a) == errno.EINVAL
+        a_line.close()  # one session ends: the bell stays for the other
+        a.close()
+        b.submit(9, 2, b"")
+        assert einval_completion(b) == errno.EINVAL
+    finally:
+        b_line.close()
+        b.close()
+
+
+OTHER_PROCESS = """
+import os, select, sys
+from pathlib import Path
+from syscalls import session
+lifeline, _, rings = session.open_session(Path(sys.argv[1]), True)
+rings.sleeping(True)
+rings.submit(9, 1, b"", bell=False)
+print("submitted", flush=True)
+sys.stdin.readline()  # the test's own process rang its bell meanwhile
+taken_before = bool(select.select([rings.process_bell], [], [], 0.5)[0]) or rings.ready()
+rings.submit(9, 2, b"")  # its own bell: both records are taken now
+got = set()
+while len(got) < 2 and select.select([rings.process_bell], [], [], 30)[0]:
+    os.eventfd_read(rings.process_bell)
+    got |= {call for _, call, _ in rings.completions()}
+print(taken_before, sorted(got), flush=True)
+"""
+
+
+def test_a_bell_drains_no_other_process_s_ring(daemon):
+    child = subprocess.Popen([sys.executable, "-c", OTHER_PROCESS, str(daemon.socket)],
+                             env=daemon.env(), cwd=ROOT, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    lifeline, _, rings = rung_session(daemon.socket)
+    try:
+        assert child.stdout.readline() == "submitted\n"
+        rings.sleeping(True)
+        rings.submit(9, 1, b"")
+        assert einval_completion(rings) == errno.EINVAL  # our bell was drained
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "False [1, 2]\n"
+    finally:
+        lifeline.close()
+        rings.close()
+        child.kill()
+        child.wait()
 
 
 def test_preds_in_flight_when_the_process_exits_get_no_reply(daemon):
