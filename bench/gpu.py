@@ -9,7 +9,7 @@ its manifest), api (tests/test_gpu_api.py: the torch/Triton names the GPU path t
 kernels (tests/test_kernels.py: compiled on CUDA, fp32/fp16/bf16; interpreted in the dry run),
 parity (tests/test_gpu_parity.py: the engine against transformers on the device;
 tests/test_cuda_graphs.py: decode steps replayed from CUDA graphs against eager ones), daemon
-(tests/test_kernel.py, test_crash.py, test_engine_process.py: a daemon on the device, CUDA IPC
+(tests/test_kernel.py, test_crash.py, test_step_wire.py: a daemon on the device, CUDA IPC
 of the KV pool, complete.py equal to generate, 16 concurrent LIPs, a killed LIP leaking
 nothing, a dead engine process stopping the kernel), then bench/kernels.py and
 bench/prefill_kernels.py, bench/engine.py (on a random Llama of Llama-3.2-1B's shape, our
@@ -88,7 +88,7 @@ def steps(dry: bool, out: Path) -> list[Step]:
                 "a_step_that_cannot_be_captured_runs_eagerly",
                 "greedy_decoding_is_the_same_with_and_without_graphs")))
         daemon = pytest_argv(
-            out, "daemon", "tests/test_engine_process.py",
+            out, "daemon", "tests/test_step_wire.py",
             "tests/test_kernel.py::test_complete_equals_generate",
             "tests/test_kernel.py::test_sixteen_concurrent_lips_get_what_they_get_alone",
             "tests/test_kernel.py::test_killed_lip_leaks_nothing",

@@ -62,3 +62,17 @@ def test_a_bad_manifest_is_caught(tmp_path):
     good = hashlib.sha256(b"wheel").hexdigest()
     (tmp_path / MANIFEST).write_text(f"# comment\na\t1.0\t{good}\ta-1.0-py3-none-any.whl\n")
     assert read_manifest(tmp_path)[0]["version"] == "1.0"
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_every_test_a_step_names_is_there(dry, tmp_path):
+    """The GPU run's steps name test files and tests the dry run does not all run (a file
+    renamed once left the GPU's daemon step pointing at nothing)."""
+    named = [a for step in gpu.steps(dry, tmp_path) if step.argv
+             for a in step.argv if a.startswith("tests/")]
+    assert named
+    for arg in named:
+        path, _, test = arg.partition("::")
+        assert (ROOT / path).is_file(), arg
+        if test:
+            assert f"def {test.partition('[')[0]}(" in (ROOT / path).read_text(), arg
