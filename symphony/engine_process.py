@@ -520,26 +520,17 @@ def _picklable(e: BaseException) -> BaseException:
 
 # The nice value of a process that drives an accelerator (a GPU, or the simulated one).
 DRIVER_NICE = -10
-# How far above the kernel's own nice a CPU engine runs.
-CPU_ENGINE_RAISE = 5
 
 
-def run_above_the_loop(cpu: bool) -> None:
-    """Raise this process's priority where the OS allows it (root or CAP_SYS_NICE), every
-    thread made from here on with it.
-
-    A driver of an accelerator runs at DRIVER_NICE: it spends a step waiting for its device
-    and must run the moment the step ends, or the device idles; at nice 0 it waited behind
-    the slices of the LIPs its last answers had woken (bench/RESULTS.md, issue 27, session
-    13). A CPU engine runs CPU_ENGINE_RAISE above the kernel: its OpenMP threads meet at a
-    barrier after every parallel region, so a slice of the loop or of a LIP that preempts
-    one of them stalls the whole forward pass, where the loop, planning a step ahead, can
-    wait (session 27: the batch-1 tax). Only a little above: the LIPs decode on the same
-    CPU, and far above, the engine's spinning threads would starve them."""
-    nice = (max(-20, os.getpriority(os.PRIO_PROCESS, 0) - CPU_ENGINE_RAISE) if cpu
-            else DRIVER_NICE)
+def drives_accelerator() -> None:
+    """Run at DRIVER_NICE, where the OS allows it (root or CAP_SYS_NICE), every thread made
+    from here on with it. Such a process spends a step waiting for its device and must run
+    the moment the step ends, or the device idles: at nice 0 it waited behind the slices of
+    the LIPs its last answers had woken (bench/RESULTS.md, issue 27, session 13). A CPU
+    engine, whose steps are the CPU's own work, keeps the kernel's nice: above the LIPs it
+    would starve them of the CPU they decode on."""
     with contextlib.suppress(PermissionError):
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        os.setpriority(os.PRIO_PROCESS, 0, DRIVER_NICE)
 
 
 def main(sock: socket.socket) -> None:
@@ -553,7 +544,8 @@ def main(sock: socket.socket) -> None:
     kernel, model_dir, device, dtype, shape, tier, simulated, weights, ranks = setup
     if not die_with_parent(kernel):  # the kernel died before prctl: nobody would stop us
         return
-    run_above_the_loop(cpu=simulated is None and device.type == "cpu")
+    if simulated is not None or device.type != "cpu":
+        drives_accelerator()
     leader = None
     if simulated is not None:  # no weights to load
         step, attention = simulated.forward, "none"

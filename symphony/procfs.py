@@ -121,7 +121,7 @@ class ProcFS:
             ("engine_mode", engine.mode),
             # The process that runs them (engine_process.py): its CPU is not the kernel's.
             ("engine_pid", engine.pid),
-            # Its nice value: above the kernel's (engine_process.run_above_the_loop).
+            # Its nice value: DRIVER_NICE when it drives an accelerator (engine_process.py).
             ("engine_nice", "-" if (nice := engine.nice()) is None else nice),
             # Its ranks (symphony.ranks): each one's pid, machine and device, and its busy
             # share (CPU seconds per second over the window; "-" off this machine).

@@ -19,7 +19,7 @@ import pytest
 import torch
 from daemon import ROOT, meminfo, prompt, run_script, sched, start_daemon, wait_for
 
-from symphony.engine_process import CPU_ENGINE_RAISE
+from symphony.engine_process import DRIVER_NICE
 from syscalls import symphony_pb2 as pb
 from syscalls.aio import AsyncKernel
 from syscalls.convert import proc_fields
@@ -673,16 +673,13 @@ def test_a_prefill_is_not_starved_by_decodes_that_fill_every_step(model):
         assert d.stop() == 0, d.log_text()
 
 
-def test_a_cpu_engine_runs_a_little_above_the_kernel(daemon, k):
-    # Above the loop, whose slices would stall its OpenMP team; only a little, as the LIPs
-    # decode on the same CPU (a GPU's driver or the simulated accelerator runs at
-    # DRIVER_NICE: test_engine_sleep). A user who may not raise it keeps the kernel's.
+def test_a_cpu_engine_keeps_the_kernels_nice(daemon, k):
+    # Its steps are the CPU's own work: above the LIPs it would starve them (a GPU's driver
+    # or the simulated accelerator runs at DRIVER_NICE: test_engine_sleep).
     kernel = os.getpriority(os.PRIO_PROCESS, daemon.process.pid)
-    engine = int(sched(k)["engine_nice"])
-    if os.geteuid() == 0:
-        assert engine == max(-20, kernel - CPU_ENGINE_RAISE) < kernel
-    else:
-        assert engine == kernel
+    if kernel == DRIVER_NICE:
+        pytest.skip(f"the kernel itself runs at {DRIVER_NICE}: the two cannot be told apart")
+    assert int(sched(k)["engine_nice"]) == kernel
 
 
 def test_other_calls_are_answered_while_a_long_text_is_tokenized(daemon):
