@@ -401,6 +401,7 @@ class Hello(asyncio.Protocol):
             transport.close()
             return
         self.proc = self.kernel.procs.spawn(pid, uid, gid, peer_pidfd(sock, pid))
+        self.bell_key = (uid, pid)  # its rings' kernel bell is its process's (kernel_bell.py)
         self.debtor = debtor(self.proc)
         self.kernel.lifelines[self.proc.pid] = transport
         transport.write(f"{self.proc.token}\n".encode())
@@ -503,7 +504,7 @@ class Hello(asyncio.Protocol):
             self.send_reply(0, error_reply(pb.PredReply, einval(f"ring setup: {why}"))
                             .SerializeToString())
             return
-        bells, key = self.front.kernel_bells, (self.proc.uid, self.proc.os_pid)
+        bells, key = self.front.kernel_bells, self.bell_key
         try:
             made = ring.KernelRing(bells.bell(key).fd)
         except OSError as e:
@@ -680,7 +681,7 @@ class Hello(asyncio.Protocol):
             if self.backed_up:
                 self.kernel.owed.backs_up(self.debtor, False)
         if self.ring is not None:
-            self.front.kernel_bells.leave((self.proc.uid, self.proc.os_pid), self)
+            self.front.kernel_bells.leave(self.bell_key, self)
             self.ring.close()
         if self.proc is not None:
             self.kernel.lifelines.pop(self.proc.pid, None)
