@@ -58,11 +58,12 @@ BY_VRUNTIME = operator.attrgetter("proc.vruntime", "seq")
 class DecodeAhead:
     def __init__(self, fs: FileSystem, stats: SchedStats, *, enabled: bool, eos: set[int],
                  context: int, device: torch.device, seq: Callable[[], int],
-                 pipelined: bool = False):
+                 new_future: Callable[[], asyncio.Future], pipelined: bool = False):
         self.fs, self.stats = fs, stats
         self.pipelined = pipelined  # a guess may follow one a step in flight computes
         self.enabled, self.eos, self.context, self.device = enabled, eos, context, device
         self.seq = seq  # the scheduler's arrival numbers, which guesses share
+        self.new_future = new_future  # one of the scheduler's loop
         self.guesses: dict[Inode, PredJob] = {}  # the first of each file's chain
         # Chains dropped while the running step computes their last guess, by that guess:
         # rolled back when the step ends.
@@ -176,7 +177,7 @@ class DecodeAhead:
         token = after.outputs[-1].token if after.done else -1
         spec = PredSpec([token], [after.positions[-1] + 1], [0], params)
         guess = PredJob(after.proc, after.handle, spec, params.generator(self.device),
-                        asyncio.get_running_loop().create_future(), self.seq(),
+                        self.new_future(), self.seq(),
                         positions=spec.positions, state=JobState.AHEAD, res=res, follows=True,
                         keep_logits=keep_logits)
         if not after.done:

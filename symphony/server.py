@@ -133,9 +133,15 @@ class Front:
         self.bells_due: list[Hello] = []
         self.kernel_bells = KernelBells()  # a process's rings share one bell
 
+    @functools.cached_property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop serving the syscalls, asked once (get_running_loop makes a system call,
+        as Scheduler.loop says)."""
+        return asyncio.get_running_loop()
+
     def ring_later(self, hello: Hello) -> None:
         if not self.bells_due:
-            asyncio.get_running_loop().call_soon(self.ring_bells)
+            self.loop.call_soon(self.ring_bells)
         self.bells_due.append(hello)
 
     def ring_bells(self) -> None:
