@@ -30,6 +30,7 @@ from syscalls import convert, errors, pred_rpc, rollbacks, session
 from syscalls import symphony_pb2_grpc as pb_grpc
 from syscalls.convert import Fd, Identity, KvPath, LogitControl, PredOutput, Sampling, Target
 from syscalls.lifeline import Lifeline
+from syscalls.own_pid import own_pid
 from syscalls.ring import ProcessRing
 from syscalls.ring_line import RingLine
 from syscalls.usys import FileCalls, KernelCalls
@@ -68,7 +69,7 @@ class Session:
         self._rings = rings
         self._line = (self.LINE(lifeline, str(sock)) if rings is None
                       else self.RING_LINE(lifeline, str(sock), rings))
-        self._opener = os.getpid()  # a forked child holds the same connection
+        self._opener = own_pid()  # a forked child holds the same connection
         self._channel = channel
         self._stub = pb_grpc.KernelStub(channel)
         self._metadata = [(session.SESSION_KEY, token)]
@@ -147,7 +148,7 @@ class Session:
 
     def _close_rings(self) -> None:
         """Unmap the rings and close their bells (the session has ended)."""
-        if self._rings is not None and os.getpid() == self._opener:
+        if self._rings is not None and own_pid() == self._opener:
             self._rings.close()
             self._rings = None
 
@@ -211,10 +212,10 @@ class Kernel(KernelCalls, Session):
             return
         self._end(errno.EBADF, "the session is closed")
         self._channel.close()
-        if self._rpcs is not None and self._rpcs.pid == os.getpid():
+        if self._rpcs is not None and self._rpcs.pid == own_pid():
             self._rpcs.close()
             self._rpcs = None
-        if os.getpid() == self._opener:  # a child's close must not end its parent's session
+        if own_pid() == self._opener:  # a child's close must not end its parent's session
             with contextlib.suppress(OSError):  # wakes a thread reading it; the kernel reaps
                 self._lifeline.shutdown(socket.SHUT_RDWR)
         self._lifeline.close()
@@ -320,7 +321,7 @@ class Kernel(KernelCalls, Session):
         try:
             if threading.current_thread() is not threading.main_thread():
                 return pred_rpc.here(start, requests)
-            if self._rpcs is None or self._rpcs.pid != os.getpid():  # a child has its own
+            if self._rpcs is None or self._rpcs.pid != own_pid():  # a child has its own
                 self._rpcs = pred_rpc.Rpcs()
             return self._rpcs.call(start, requests)
         except BaseException:

@@ -371,9 +371,14 @@ class AsyncLifeline(asyncio.Protocol):
         self._joining: asyncio.Task | None = None
         self._closed: Why | None = None
         self.stopping = False  # the kernel said it is stopping cleanly (SHUTDOWN)
+        # The loop of the first call, which the socket joins: kept, as asking for it is a
+        # system call in Python 3.11 (get_running_loop checks the pid), once a pred.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def call(self, payload: bytes) -> bytes:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         if self._transport is None and not self._closed:
             if self._joining is None:  # once, however many tasks call first
                 self._joining = loop.create_task(

@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import grpc
 
 from syscalls.lifeline import MAIN_WAIT_SLICE
+from syscalls.own_pid import own_pid
 
 Start = Callable[[Any], Any]  # a request -> the rpc's future (stub.Pred.future)
 T = TypeVar("T")
@@ -145,7 +146,7 @@ class Rpcs:
     the main thread: a job's rpc is done, or its start failed, or its rpcs are cancelled."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
+        self.pid = own_pid()
         self.jobs: queue.SimpleQueue[tuple[str, Job] | None] = queue.SimpleQueue()
         self.bell = os.eventfd(0, os.EFD_CLOEXEC)
         # Closed once nothing refers to this any more: not the main thread waiting on it,

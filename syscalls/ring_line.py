@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from syscalls import errors, ring, wire
 from syscalls.lifeline import AsyncLifeline, Lifeline, Sending, _gone, _left, wait_slice
+from syscalls.own_pid import own_pid
 
 RING_FULL_PAUSE = 0.001  # seconds between looks at a full submission ring
 
@@ -41,14 +42,14 @@ class RingLine(Lifeline):
     def __init__(self, sock: socket.socket, where: str, rings: ring.ProcessRing):
         super().__init__(sock, where)
         self.rings = rings
-        self._opener = os.getpid()
+        self._opener = own_pid()
         rings.sleeping(True)
         self._poll = select.poll()
         self._poll.register(rings.process_bell, select.POLLIN)
         self._poll.register(sock, select.POLLIN)
 
     def call(self, payload: bytes) -> bytes:
-        if os.getpid() != self._opener:
+        if own_pid() != self._opener:
             raise _not_ours(self.where, self._opener)
         return super().call(payload)
 
@@ -196,19 +197,18 @@ class AsyncRingLine(AsyncLifeline):
     def __init__(self, sock: socket.socket, where: str, rings: ring.ProcessRing):
         super().__init__(sock, where)
         self.rings = rings
-        self._opener = os.getpid()
+        self._opener = own_pid()
         self._bell_loop: asyncio.AbstractEventLoop | None = None
         self._bell_due = False  # the kernel's bell is rung once per loop turn
         self._held: collections.deque[tuple[int, int, bytes]] = collections.deque()
         rings.sleeping(True)
 
     async def call(self, payload: bytes) -> bytes:
-        if os.getpid() != self._opener:
+        if own_pid() != self._opener:
             raise _not_ours(self.where, self._opener)
-        loop = asyncio.get_running_loop()
         if self._bell_loop is None and not self._closed:
-            self._bell_loop = loop
-            loop.add_reader(self.rings.process_bell, self._rung)
+            self._bell_loop = asyncio.get_running_loop()
+            self._bell_loop.add_reader(self.rings.process_bell, self._rung)
         return await super().call(payload)
 
     def _write(self, kind: int, call: int, payload: bytes) -> None:
@@ -227,7 +227,7 @@ class AsyncRingLine(AsyncLifeline):
             self.rings.submit(kind, call, payload, bell=False)
             if not self._bell_due:
                 self._bell_due = True
-                asyncio.get_running_loop().call_soon(self._ring_kernel)
+                self._loop.call_soon(self._ring_kernel)
             return True
         # A CANCEL is never FRAMED: the kernel takes only a PRED frame in a record's place.
         if kind == wire.CANCEL or not self.rings.room_to_frame():

@@ -10,6 +10,8 @@ import inspect
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import grpc
@@ -637,3 +639,28 @@ def test_an_argument_the_wire_cannot_carry_is_einval_naming_the_call(build):
     with pytest.raises(OSError) as e:
         build()
     assert e.value.errno == errno.EINVAL and "does not fit" in str(e.value)
+
+
+OWN_PID_CHILD = """
+import os, sys
+from syscalls.own_pid import own_pid
+assert own_pid() == os.getpid()
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.write(w, b"%d %d" % (own_pid(), os.getpid()))
+    os._exit(0)
+os.waitpid(child, 0)
+kept, real = map(int, os.read(r, 64).split())
+print(kept == real == child and own_pid() == os.getpid() != child)
+"""
+
+
+def test_own_pid_is_the_childs_after_a_fork():
+    """The clients' fork check reads the pid kept by syscalls/own_pid.py: a forked child
+    must read its own, or it would use its parent's ring. (The fork happens in a process of
+    its own, as test_rings.py's does.)"""
+    out = subprocess.run([sys.executable, "-c", OWN_PID_CHILD], capture_output=True, text=True,
+                         timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
