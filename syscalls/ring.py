@@ -318,11 +318,12 @@ class KernelRing:
         end = tail + RECORD.size + ((len(payload) + ALIGN - 1) & ~(ALIGN - 1))  # padded()
         if end - head > mem.cq_bytes:
             return False
-        record, at = RECORD.pack(len(payload), call, kind, 0) + payload, tail % mem.cq_bytes
-        if at + len(record) <= mem.cq_bytes:
-            mem.cq[at:at + len(record)] = record
+        at = tail % mem.cq_bytes
+        if at + RECORD.size + len(payload) <= mem.cq_bytes:
+            RECORD.pack_into(mem.cq, at, len(payload), call, kind, 0)
+            mem.cq[at + RECORD.size:at + RECORD.size + len(payload)] = payload
         else:
-            _put(mem.cq, tail, record)
+            _put(mem.cq, tail, RECORD.pack(len(payload), call, kind, 0) + payload)
         self.cq_tail = mem.counters[CQ_TAIL * WORDS] = end
         return True
 
