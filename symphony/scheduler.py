@@ -146,8 +146,9 @@ class Scheduler:
 
     @functools.cached_property
     def loop(self) -> asyncio.AbstractEventLoop:
-        """The loop that serves the preds, asked once: Python 3.11's get_running_loop()
-        makes a getpid system call each time, some 5% of the loop's CPU when once a pred."""
+        """The loop that serves the preds: the one run() drives, or, before run(), the one
+        first asked for. Asked once: Python 3.11's get_running_loop() makes a getpid system
+        call each time, some 5% of the loop's CPU when once a pred."""
         return asyncio.get_running_loop()
 
     def _new_future(self) -> asyncio.Future:
@@ -371,6 +372,7 @@ class Scheduler:
     # -- the driver ---------------------------------------------------------------------
 
     async def run(self) -> None:
+        self.loop = asyncio.get_running_loop()
         served: list[Process] = []
         last_step = 0.0
         answers: list[asyncio.Future] = []  # of the steps in flight, as self.running
