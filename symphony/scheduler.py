@@ -502,6 +502,23 @@ class Scheduler:
         nothing), and a seeded pred's next chunk waits for its generator to come back."""
         chunks: list[Chunk] = []
         budget = self.token_budget
+        # One pass over the queue: the decodes in it, each file's first pred not admitted
+        # yet, and the jobs with tokens to plan (not those in flight, nor a masked pred's
+        # computed guess, sampled soon): in a decode loop the queue is mostly preds that
+        # took a guess a step in flight computes, and only the rest is sorted.
+        decodes = 0
+        first: dict[int, int] = {}  # id(inode) -> seq of its earliest pred not yet admitted
+        todo: list[PredJob] = []
+        for j in self.queue:
+            left = len(j.spec.tokens) - j.planned
+            decodes += left == 1
+            if j.state is JobState.QUEUED:
+                key = id(j.handle.inode)
+                first[key] = min(first.get(key, j.seq), j.seq)
+            if left and j.state is not JobState.CANCELLED:
+                todo.append(j)
+        if not todo:  # a decode loop's steady state: every pred took a guess; guesses only
+            return self._guesses_to_compute(chunks, budget)
         # Behind a step in flight, each process counts with what that step will charge it
         # (finish charges it): else the process whose turn it was also got the step behind,
         # two steps a turn (three each, two at nice 0), whatever the step in flight gave it.
@@ -518,21 +535,6 @@ class Scheduler:
         answered = min([vruntime(c.job.proc) for plan in self.running for c in plan.chunks
                         if c.job.state is JobState.ADMITTED
                         and c.start + c.size == len(c.job.spec.tokens)], default=float("inf"))
-        # One pass over the queue: the decodes in it, each file's first pred not admitted
-        # yet, and the jobs with tokens to plan (not those in flight, nor a masked pred's
-        # computed guess, sampled soon): in a decode loop the queue is mostly preds that
-        # took a guess a step in flight computes, and only the rest is sorted.
-        decodes = 0
-        first: dict[int, int] = {}  # id(inode) -> seq of its earliest pred not yet admitted
-        todo: list[PredJob] = []
-        for j in self.queue:
-            left = len(j.spec.tokens) - j.planned
-            decodes += left == 1
-            if j.state is JobState.QUEUED:
-                key = id(j.handle.inode)
-                first[key] = min(first.get(key, j.seq), j.seq)
-            if left and j.state is not JobState.CANCELLED:
-                todo.append(j)
         patient = time.monotonic() - PREFILL_PATIENCE
         todo.sort(key=lambda j: (vruntime(j.proc), j.unplanned > 1 and j.enqueued > patient,
                                  j.seq))
@@ -554,7 +556,11 @@ class Scheduler:
             size = min(job.unplanned, max(1, budget - min(decodes, room)))
             chunks.append(Chunk(job, job.planned, size))
             budget -= size
-        # Work ahead only fills room no pred wants: a guess never delays a pred.
+        return self._guesses_to_compute(chunks, budget)
+
+    def _guesses_to_compute(self, chunks: list[Chunk], budget: int) -> list[Chunk]:
+        """The chunks with guesses added in the room left: work ahead only fills room no
+        pred wants, so a guess never delays a pred."""
         for guess in self.ahead.to_compute(min(budget, self.max_seqs - len(chunks)),
                                            self.running):
             chunks.append(Chunk(guess, 0, 1))
