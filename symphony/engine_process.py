@@ -222,6 +222,7 @@ class EngineProcess(HasSettings):
         self._held: list[bytes] = []
         self._out = bytearray()  # bytes written that the socket has not taken yet
         self._writing = False  # the loop calls _flush when the socket can take more
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one reading the answers
         try:
             # Node 0's ranks: rank 0 here, the others in symphony.ranks; each with its socket.
             for r in rdv.local_ranks():
@@ -311,11 +312,10 @@ class EngineProcess(HasSettings):
                 torch.cuda.synchronize(device)
         dirty = self.pool.take_dirty() if isinstance(self.pool, MirroredPool) else []
         data = _message(step_wire.dumps((work, dirty)))
-        answer = asyncio.get_running_loop().create_future()
+        answer = self._reading_loop().create_future()
         first = not self._steps
         self._steps.append((answer, work))
         if first:
-            self._sock_reading(True)
             self._write(data)
         elif len(data) <= self._sndbuf // 2 and not self._held:
             self._write(data)
@@ -343,31 +343,36 @@ class EngineProcess(HasSettings):
             return
         if bool(self._out) != self._writing:  # the writer callback wanted, or no longer
             self._writing = bool(self._out)
-            loop = asyncio.get_running_loop()
+            loop = self._loop
             if self._writing:
                 loop.add_writer(self._sock, self._flush)
             else:
                 loop.remove_writer(self._sock)
 
-    def _sock_reading(self, on: bool) -> None:
-        loop = asyncio.get_running_loop()
-        if on:
+    def _reading_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop that reads the engine's answers, the socket its reader from the first
+        step on: adding the reader at each step sent with none in flight and removing it
+        after took two epoll_ctl and two getpid system calls a step at batch 1."""
+        loop = self._loop
+        if loop is None or loop.is_closed():  # a test's engine may serve several loops
+            loop = self._loop = asyncio.get_running_loop()
             loop.add_reader(self._sock, self._readable)
-        else:
-            loop.remove_reader(self._sock)
+        return loop
 
     def _fail_all(self, e: Exception) -> None:
         steps, self._steps, self._held = self._steps, [], []
         self._out.clear()
-        if self._writing:
-            self._writing = False
+        loop, self._loop = self._loop, None  # the next step sent adds the reader again
+        if loop is not None:
             with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_writer(self._sock)
+                loop.remove_reader(self._sock)
+            if self._writing:
+                with contextlib.suppress(Exception):
+                    loop.remove_writer(self._sock)
+        self._writing = False
         for answer, _ in steps:
             if not answer.done():
                 answer.set_exception(e)
-        with contextlib.suppress(Exception):
-            self._sock_reading(False)
 
     async def exited(self) -> None:
         """Wait until the engine process, or any rank of this node's, exits."""
@@ -414,8 +419,6 @@ class EngineProcess(HasSettings):
             answer, work = self._steps.pop(0)
             if self._held:
                 self._write(self._held.pop(0))
-            if not self._steps:
-                self._sock_reading(False)
             if answer.done():  # the step's waiter was cancelled: the kernel is stopping
                 continue
             try:
