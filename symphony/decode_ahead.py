@@ -63,7 +63,7 @@ class DecodeAhead:
         self.pipelined = pipelined  # a guess may follow one a step in flight computes
         self.enabled, self.eos, self.context, self.device = enabled, eos, context, device
         self.seq = seq  # the scheduler's arrival numbers, which guesses share
-        self.new_future = new_future  # one of the scheduler's loop
+        self.new_future = new_future  # a future of the scheduler's loop
         self.guesses: dict[Inode, PredJob] = {}  # the first of each file's chain
         # Chains dropped while the running step computes their last guess, by that guess:
         # rolled back when the step ends.

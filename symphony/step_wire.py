@@ -3,13 +3,12 @@
 Most steps are plain: token ids, positions, page tables and unseeded samplers in, a token
 and a logprob a row (and top logprobs) out. Those go as arrays of 64-bit numbers (packed
 by `struct`, read back by `array`, each in one C loop), with no object graph for pickle to
-walk: right after a forward pass,
-with the caches cold, pickling and unpickling a step's objects was the loop's largest item
-at batch 1, and in the engine process it lies between two steps (bench/RESULTS.md,
-Session 27). A step with anything else (logit controls, a tree, kept logits, seeded
-generators, a tensor-parallel engine's dirty rows) and every other message (setup, errors)
-is pickled, as `pickle_dumps` writes it; a pickle starts with its PROTO opcode (0x80),
-never with WORK or RESULT.
+walk: right after a forward pass, with the caches cold, pickling and unpickling a step's
+objects was the loop's largest item at batch 1, and in the engine process it lies between
+two steps (bench/RESULTS.md, Session 27). A step with anything else (logit controls, a
+tree, kept logits, seeded generators, a tensor-parallel engine's dirty rows) and every
+other message (setup, errors) is pickled, as `pickle_dumps` writes it; a pickle starts
+with its PROTO opcode (0x80), never with WORK or RESULT.
 
 WORK, after its kind byte: int64s
 

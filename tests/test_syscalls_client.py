@@ -642,7 +642,7 @@ def test_an_argument_the_wire_cannot_carry_is_einval_naming_the_call(build):
 
 
 OWN_PID_CHILD = """
-import os, sys
+import os
 from syscalls.own_pid import own_pid
 assert own_pid() == os.getpid()
 r, w = os.pipe()
