@@ -71,6 +71,11 @@ class PredSpec(NamedTuple):
     cut: int | None = None  # truncate the file to this many entries first (None: append)
 
 
+# Called once a pred is settled, with its Outputs or the error that failed it (the other
+# None): the lifeline's and the rings' answer, with no wait on the job's future.
+Reply = Callable[[list[Output] | None, BaseException | None], None]
+
+
 @dataclass(eq=False)
 class PredJob:
     """A pred's progress: its request is `spec`; the rest is where the work stands."""
@@ -102,8 +107,7 @@ class PredJob:
     # A guess on a guess in a step still in flight: its token is that guess's sample, which
     # the engine process fills in (StepPlan.placeholders) and finish() then learns.
     after: PredJob | None = None
-    # Called with the future once it is settled (Scheduler.submit's `reply`).
-    reply: Callable[[asyncio.Future], None] | None = None
+    reply: Reply | None = None  # Scheduler.submit's
 
     @property
     def remaining(self) -> int:

@@ -38,7 +38,7 @@ from kvfs.inode import Inode
 from symphony.decode_ahead import DecodeAhead
 from symphony.engine.sampler import RowControl, SamplingParams
 from symphony.engine_process import EngineDied, EngineProcess
-from symphony.pred_job import JobState, Output, PredJob, PredSpec
+from symphony.pred_job import JobState, Output, PredJob, PredSpec, Reply
 from symphony.process import Process
 from symphony.relief import Relief
 from symphony.sched_stats import SchedStats, StepRecord
@@ -157,10 +157,10 @@ class Scheduler:
     # -- level 1: submission, fair share, cancellation -----------------------------------
 
     def submit(self, proc: Process, handle: Handle, spec: PredSpec,
-               reply: Callable[[asyncio.Future], None] | None = None) -> asyncio.Future:
+               reply: Reply | None = None) -> asyncio.Future:
         """Queue a checked pred; the future gets its Outputs, or the error that failed it,
-        and `reply`, if given, is then called with it at once (before submit returns, when
-        the pred is answered right away)."""
+        and `reply`, if given, is then called with the two at once (before submit returns,
+        when the pred is answered right away)."""
         # Decoding ahead guesses the preds of decode loops, plain or masked: a guess
         # computed without this pred's scores, tree or cut is not its answer, and after it
         # the next pred will carry its own. A mask is applied when the pred takes the guess
@@ -183,7 +183,7 @@ class Scheduler:
         return job.future
 
     def take_guess(self, handle: Handle, token: int, params: SamplingParams,
-                   reply: Callable[[asyncio.Future], None] | None) -> asyncio.Future | None:
+                   reply: Reply | None) -> asyncio.Future | None:
         """A plain decode pred (`token` fed back, sampled with `params`, nothing else) that is
         the file's guess takes it as submit would, keeping the guess's spec, which is the
         same request; None when it is not the guess (then submit it)."""
@@ -345,10 +345,10 @@ class Scheduler:
             # A syscall's error goes to its caller without its traceback, whose frames (the
             # job, its tokens) would make a cycle with the future only a collection frees:
             # refused preds of millions of tokens held gigabytes.
-            job.future.set_exception(err.with_traceback(None) if isinstance(err, OSError)
-                                     else err)
+            err = err.with_traceback(None) if isinstance(err, OSError) else err
+            job.future.set_exception(err)
             if job.reply is not None:
-                job.reply(job.future)
+                job.reply(None, err)
 
     def uses(self, handle: Handle) -> bool:
         return any(j.handle is handle for j in self.queue)
@@ -697,6 +697,6 @@ class Scheduler:
         if not job.future.done():
             job.future.set_result(job.outputs)
             if job.reply is not None:
-                job.reply(job.future)
+                job.reply(job.outputs, None)
         if self.ahead.go_ahead(job, file_queued=job.handle.inode in self._queued_on):
             self._wake.set()

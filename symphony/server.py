@@ -29,6 +29,7 @@ from kvfs.errors import FSError
 from kvfs.perm import Cred, check_ids
 from symphony.kernel_bell import KernelBells
 from symphony.known_preds import KnownPreds
+from symphony.pred_job import Output
 from symphony.process import Process
 from symphony.read_pause import IN_FLIGHT, OWED, REPLIES, ReadPause
 from symphony.reply_budget import ReplyBudget, debtor
@@ -370,7 +371,7 @@ class Hello(asyncio.Protocol):
         self.kernel, self.front, self.proc = kernel, front, None
         self.frames = wire.Frames()
         # Preds in flight, by call id: their futures and what answers them.
-        self.calls: dict[int, tuple[asyncio.Future, Callable]] = {}
+        self.calls: dict[int, tuple[asyncio.Future, float]] = {}  # future, start
         self.taking_back: set[asyncio.Task] = set()
         self.ring: ring.KernelRing | None = None
         # Ring records not taken yet: after a FRAMED record whose frame has not come.
@@ -598,21 +599,20 @@ class Hello(asyncio.Protocol):
             return
         if future.done():  # answered already (a computed guess, or failed at once)
             return
-        self.calls[call] = future, answer
+        self.calls[call] = future, start
         self.owes[call] = owes
         self.kernel.owed.add(self.debtor, owes)
         if len(self.calls) >= IN_FLIGHT_MAX and not self.full:
             self.full = True
             self.reads.pause(IN_FLIGHT)
 
-    def answer(self, call: int, start: float, future: asyncio.Future) -> None:
-        """The pred of `call` is done: its reply goes, unless it was cancelled (whoever
-        cancelled it answers). The scheduler calls it the moment it settles the future
-        (Scheduler.submit's `reply`), not through a callback of the loop's."""
-        if not future.cancelled():
-            error = future.exception()
-            self.reply(call, reply_payload(future.result()) if error is None
-                       else error_reply(pb.PredReply, error).SerializeToString())
+    def answer(self, call: int, start: float, outputs: list[Output] | None,
+               error: BaseException | None) -> None:
+        """The pred of `call` is done: its reply goes. The scheduler calls it the moment it
+        settles the pred (Scheduler.submit's `reply`), not through a callback of the loop's;
+        never for a pred taken back (cancel() answers that)."""
+        self.reply(call, reply_payload(outputs) if error is None
+                   else error_reply(pb.PredReply, error).SerializeToString())
         self.front.account(self.proc, "Pred", start)
 
     def answered(self, call: int) -> None:
@@ -630,10 +630,10 @@ class Hello(asyncio.Protocol):
     def cancel(self, call: int) -> None:
         """A CANCEL frame: take back the pred of that call id. None in flight (answered
         already: the frames crossed; or no such call) is nothing to do."""
-        future, answer = self.calls.get(call, (None, None))
+        future, start = self.calls.get(call, (None, 0.0))
         self.answered(call)
         if future is not None and future.cancel():
-            answer(future)  # counted in /proc/PID/syscalls; take_back replies
+            self.front.account(self.proc, "Pred", start)  # take_back replies
             task = asyncio.get_running_loop().create_task(self.take_back(call, future))
             self.taking_back.add(task)
             task.add_done_callback(self.taking_back.discard)

@@ -28,7 +28,7 @@ from symphony.engine.sampler import RowControl, SamplingParams
 from symphony.engine.tokenizer import Tokenizer
 from symphony.engine.tree import ancestor_bits, depths
 from symphony.known_preds import KnownPred
-from symphony.pred_job import Output, PredSpec
+from symphony.pred_job import Output, PredSpec, Reply
 from symphony.process import NICE_MAX, NICE_MIN, Process
 from symphony.top_wire import encode_tops
 from syscalls import symphony_pb2 as pb
@@ -330,7 +330,7 @@ def known_pred(k: Kernel, req: pb.PredRequest) -> KnownPred:
 
 
 def submit_known(k: Kernel, proc: Process, known: KnownPred, token: int,
-                 reply: Callable[[asyncio.Future], None] | None = None) -> asyncio.Future:
+                 reply: Reply | None = None) -> asyncio.Future:
     """submit_pred of a known decode request with this token (in the vocabulary): only
     what may have changed since its bytes were checked, the fd, is checked again. When it
     is the file's guess, it takes the guess with no request built (a decode loop's steady
@@ -343,10 +343,11 @@ def submit_known(k: Kernel, proc: Process, known: KnownPred, token: int,
 
 
 def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest,
-                reply: Callable[[asyncio.Future], None] | None = None) -> asyncio.Future:
+                reply: Reply | None = None) -> asyncio.Future:
     """A pred up to its wait: checked, then queued; the future gets its Outputs. The
-    lifeline and the rings pass `reply`, called with the future once it is settled (no task
-    or callback of the loop's a pred); gRPC awaits it in sys_pred."""
+    lifeline and the rings pass `reply`, called with the Outputs or the error once it is
+    settled (no task or callback of the loop's a pred); gRPC awaits the future in
+    sys_pred."""
     handle = _writable(proc, req.fd)
     config = k.engine.config
     vocab = config.vocab_size
@@ -433,6 +434,9 @@ def reply_payload(outputs: list[Output]) -> bytes:
     for o in outputs:
         if len(o.top_ids) or o.model_logprob is not None or o.scores or o.next_logprob is not None:
             return pred_reply(outputs).SerializeToString()
+    if len(outputs) == 1:  # a decode's: once a pred
+        o = outputs[0]
+        return plain_reply(((o.row, o.token, o.logprob),))
     return plain_reply([(o.row, o.token, o.logprob) for o in outputs])
 
 

@@ -593,10 +593,11 @@ async def test_a_known_decode_pred_takes_its_guess_as_submit_would_with_no_reque
         assert w.sched.take_guess(handle, token, params, None) is None
         assert w.sched.ahead.guesses[f.inode] is guess and guess.state is JobState.AHEAD
     replied = []
-    answer = w.sched.take_guess(f, 9, SamplingParams(), replied.append)  # equal, not the same
+    answer = w.sched.take_guess(f, 9, SamplingParams(),  # equal, not the same
+                                lambda outputs, error: replied.append((outputs, error)))
     assert answer is guess.future and guess.state is JobState.ADMITTED and guess.spec is spec
     w.step([11])
-    assert answer.result()[0].token == 11 and replied == [answer]
+    assert answer.result()[0].token == 11 and replied == [(answer.result(), None)]
     assert f.inode.tokens == [1, 2, 3, SAMPLE, 9] and p.tokens == 5 and p.pending == 0
     assert w.sched.stats.ahead_used == 1 and w.sched.ahead.guesses[f.inode].spec.tokens == [11]
 
