@@ -95,7 +95,8 @@ def error_reply(reply_type, e: BaseException):
         log.exception("syscall failed", exc_info=e)
         code, message = errno.EIO, f"kernel error: {e!r}"
     if len(message) > MESSAGE_MAX:
-        message = f"{message[:MESSAGE_MAX]}... (cut: {len(message)} characters)"
+        cut = f"... (cut: {len(message)} characters)"
+        message = message[:MESSAGE_MAX - len(cut)] + cut
     return reply_type(error=pb.Error(errno=code, message=message))
 
 

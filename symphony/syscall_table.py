@@ -316,10 +316,13 @@ def _controls(req: pb.PredRequest, rows: list[int], tokens: list[int],
     return None if all(c is None for c in controls) else controls
 
 
-def _writable(proc: Process, fd: int) -> Handle:
+def _open_for(proc: Process, fd: int, what: str, *, write: bool) -> Handle:
+    """The handle of fd, open for writing (or for reading): EBADF naming the fd, before
+    kvfs, which knows no fd, would refuse it."""
     handle = proc.handle(fd)
-    if not handle.writable:
-        raise FSError(errno.EBADF, f"pred: fd {fd} is not open for writing")
+    if not (handle.writable if write else handle.readable):
+        raise FSError(errno.EBADF, f"{what}: fd {fd} is not open for "
+                      f"{'writing' if write else 'reading'}")
     return handle
 
 
@@ -335,7 +338,7 @@ def submit_known(k: Kernel, proc: Process, known: KnownPred, token: int,
     what may have changed since its bytes were checked, the fd, is checked again. When it
     is the file's guess, it takes the guess with no request built (a decode loop's steady
     state); otherwise it is queued as submit_pred queues it."""
-    handle = _writable(proc, known.fd)
+    handle = _open_for(proc, known.fd, "pred", write=True)
     taken = k.sched.take_guess(handle, token, known.params, reply)
     if taken is not None:
         return taken
@@ -348,7 +351,7 @@ def submit_pred(k: Kernel, proc: Process, cred: Cred, req: pb.PredRequest,
     lifeline and the rings pass `reply`, called with the Outputs or the error once it is
     settled (no task or callback of the loop's a pred); gRPC awaits the future in
     sys_pred."""
-    handle = _writable(proc, req.fd)
+    handle = _open_for(proc, req.fd, "pred", write=True)
     config = k.engine.config
     vocab = config.vocab_size
     tokens = _check_ids(req.tokens, vocab, "pred")
@@ -517,7 +520,7 @@ async def sys_close(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> 
 
 
 async def sys_fork(k: Kernel, proc: Process, cred: Cred, req: pb.FdRequest) -> pb.FdReply:
-    handle = proc.handle(req.fd)
+    handle = _open_for(proc, req.fd, "fork", write=False)
     proc.fd_room(f"fork of fd {req.fd}")
     what = f"fork of fd {req.fd}"
     return pb.FdReply(fd=await _room_made(k, what, _installing(
@@ -530,12 +533,14 @@ def sys_link(k: Kernel, proc: Process, cred: Cred, req: pb.LinkRequest) -> pb.Em
 
 
 def sys_read(k: Kernel, proc: Process, cred: Cred, req: pb.ReadRequest) -> pb.ReadReply:
-    tokens, positions = k.fs.read(proc.handle(req.fd), req.start, req.count)
+    tokens, positions = k.fs.read(_open_for(proc, req.fd, "read", write=False), req.start,
+                                  req.count)
     return pb.ReadReply(tokens=tokens, positions=positions)
 
 
 async def sys_splice(k: Kernel, proc: Process, cred: Cred, req: pb.SpliceRequest) -> pb.Empty:
-    src, dst = proc.handle(req.src_fd), proc.handle(req.dst_fd)
+    src = _open_for(proc, req.src_fd, "splice", write=False)
+    dst = _open_for(proc, req.dst_fd, "splice", write=True)
     await k.sched.settle(dst.inode)
     await _room_made(k, f"splice to fd {req.dst_fd}",
                      lambda: k.fs.splice(src, req.start, req.end, dst))
@@ -544,7 +549,7 @@ async def sys_splice(k: Kernel, proc: Process, cred: Cred, req: pb.SpliceRequest
 
 async def sys_truncate(k: Kernel, proc: Process, cred: Cred,
                        req: pb.TruncateRequest) -> pb.Empty:
-    handle = proc.handle(req.fd)
+    handle = _open_for(proc, req.fd, "truncate", write=True)
     await k.sched.settle(handle.inode)
     await _room_made(k, f"truncate fd {req.fd}", lambda: k.fs.truncate(handle, req.length))
     k.sched.poke()
@@ -552,7 +557,7 @@ async def sys_truncate(k: Kernel, proc: Process, cred: Cred,
 
 
 async def sys_keep(k: Kernel, proc: Process, cred: Cred, req: pb.KeepRequest) -> pb.Empty:
-    handle = proc.handle(req.fd)
+    handle = _open_for(proc, req.fd, "keep", write=True)
     await k.sched.settle(handle.inode)
     await _room_made(k, f"keep fd {req.fd}", lambda: k.fs.keep(handle, req.start, req.entries[:]))
     k.sched.poke()  # pages past the new end were freed
@@ -560,7 +565,7 @@ async def sys_keep(k: Kernel, proc: Process, cred: Cred, req: pb.KeepRequest) ->
 
 
 async def sys_shift(k: Kernel, proc: Process, cred: Cred, req: pb.ShiftRequest) -> pb.Empty:
-    handle = proc.handle(req.fd)
+    handle = _open_for(proc, req.fd, "shift", write=True)
     await k.sched.settle(handle.inode)
     # The keys are rotated here, on the loop's thread, as splice copies K/V rows: the pool
     # rows a shift writes are no running step's (a file with a pred in flight is busy, and
@@ -575,7 +580,7 @@ async def sys_shift(k: Kernel, proc: Process, cred: Cred, req: pb.ShiftRequest) 
 
 
 async def sys_punch(k: Kernel, proc: Process, cred: Cred, req: pb.PunchRequest) -> pb.Empty:
-    handle = proc.handle(req.fd)
+    handle = _open_for(proc, req.fd, "punch", write=True)
     await k.sched.settle(handle.inode)
     k.fs.punch(handle, req.start, req.end)
     k.sched.poke()
@@ -662,7 +667,7 @@ async def sys_export(k: Kernel, proc: Process, cred: Cred,
     if req.offset < 0 or req.length < 0:
         raise einval(f"export: bad range offset {req.offset}, length {req.length}")
     by_fd = req.WhichOneof("target") == "fd"
-    src = proc.handle(req.fd) if by_fd else await _room_made(
+    src = _open_for(proc, req.fd, "export", write=False) if by_fd else await _room_made(
         k, f"export {req.path!r}", lambda: k.fs.open(cred, req.path, os.O_RDONLY))
     try:
         snap = await _with_room(k, lambda: k.fs.fork(src, cred, snapshot=True))

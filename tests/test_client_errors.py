@@ -92,7 +92,7 @@ def test_a_process_whose_uid_the_protocol_cannot_carry_is_refused_at_hello(daemo
 def test_an_error_message_is_cut_to_message_max():
     """Whatever an error quotes, its reply stays small enough to be sent."""
     long = error_reply(pb.PredReply, FSError(errno.EINVAL, "x" * 10_000_000))
-    assert long.error.errno == errno.EINVAL and len(long.error.message) < MESSAGE_MAX + 64
+    assert long.error.errno == errno.EINVAL and len(long.error.message) == MESSAGE_MAX
     assert long.error.message.endswith("... (cut: 10000000 characters)")
     short = error_reply(pb.PredReply, FSError(errno.ENOENT, "'/home/a'"))
     assert short.error.message == "'/home/a'"
@@ -154,11 +154,23 @@ def test_an_fd_is_an_int_or_a_file_not_a_float(k):
     f.close()
 
 
-def test_an_export_the_snapshot_refuses_is_said_as_export(k):
-    with k.open("/tmp/export-write-only", os.O_CREAT | os.O_WRONLY) as f:
-        raises(errno.EBADF, rf"export fd {f.fd}: its snapshot: file not open for reading",
-               k.export, f)
-    k.unlink("/tmp/export-write-only")
+def test_a_call_on_an_fd_not_open_for_it_names_the_fd(k):
+    """EBADF names the fd whichever call it refuses, as pred's does, and changes nothing."""
+    with k.open("/tmp/ebadf-modes", os.O_CREAT | os.O_RDWR) as rw:
+        rw.pred([1, 2, 3])
+    with k.open("/tmp/ebadf-modes", os.O_WRONLY) as w, \
+            k.open("/tmp/ebadf-modes", os.O_RDONLY) as r, k.open() as other:
+        for what, mode, call, *args in (
+                ("export", "reading", k.export, w), ("read", "reading", k.read, w, 0, 1),
+                ("fork", "reading", k.fork, w), ("splice", "reading", k.splice, w, 0, 1, other),
+                ("splice", "writing", k.splice, other, 0, 0, r),
+                ("truncate", "writing", k.truncate, r, 1), ("punch", "writing", k.punch, r, 0, 1),
+                ("keep", "writing", k.keep, r, 0, [0]), ("shift", "writing", k.shift, r, 0, 1, 1),
+                ("pred", "writing", k.pred, r, [4])):
+            fd = next(a for a in args if a in (w, r)).fd
+            raises(errno.EBADF, rf"] {what}: fd {fd} is not open for {mode}$", call, *args)
+        assert k.stat(r).tokens == 3 and k.read(r) == ([1, 2, 3], [0, 1, 2])
+    k.unlink("/tmp/ebadf-modes")
 
 
 # -- the session's end --------------------------------------------------------------------
