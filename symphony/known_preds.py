@@ -48,16 +48,18 @@ def split(payload: bytes) -> tuple[bytes, int] | None:
     if at + 2 >= end or payload[at] != TOKENS_TAG:
         return None
     n = payload[at + 1]
-    first, last = at + 2, at + 2 + n
+    last = at + 2 + n
     if not 1 <= n <= 5 or last > end:
         return None
-    token = shift = 0
-    for i in range(first, last):
+    # One varint: its last byte's high bit clear, every other's set; read from the last.
+    token = payload[last - 1]
+    if token & 0x80:
+        return None
+    for i in range(last - 2, at + 1, -1):
         byte = payload[i]
-        if (byte & 0x80) != (0 if i == last - 1 else 0x80):
-            return None  # not one varint
-        token |= (byte & 0x7F) << shift
-        shift += 7
+        if not byte & 0x80:
+            return None
+        token = token << 7 | byte & 0x7F
     return payload[:at + 1] + payload[last:], token
 
 

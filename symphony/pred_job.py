@@ -46,7 +46,7 @@ class Output:
     top_logprobs: Sequence[float]
     model_logprob: float | None = None  # of token, the model's own: set for a row with a
     # mask or a bias (without, it is logprob)
-    scores: list[float] = field(default_factory=list)  # at the row's score_ids, in order
+    scores: Sequence[float] = ()  # at the row's score_ids, in order
     next_logprob: float | None = None  # score_next: of the pred's next token, tokens[row + 1]
 
 

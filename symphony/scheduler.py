@@ -69,8 +69,8 @@ def output_of(job: PredJob, row: int, result: StepResult, i: int,
               control: RowControl | None) -> Output:
     """Logit row i of a step's result, as the Output of job's row `row`."""
     n = job.spec.params.top_logprobs
-    output = Output(row, result.tokens[i], result.logprobs[i], result.top_ids[i][:n],
-                    result.top_logprobs[i][:n])
+    output = Output(row, result.tokens[i], result.logprobs[i], result.top_ids[i][:n] if n else (),
+                    result.top_logprobs[i][:n] if n else ())
     if control is not None:
         controlled(output, job, control, result, i)
     return output

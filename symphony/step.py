@@ -5,6 +5,7 @@ process is sent of it (StepWork), what the forward pass and the sampler give bac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -14,9 +15,10 @@ from symphony.engine.sampler import RowControl, Samples, SamplingParams, sample
 from symphony.pred_job import JobState, PredJob
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """Tokens [start, end) of a job's tokens, computed in this step."""
+class Chunk(NamedTuple):
+    """Tokens [start, end) of a job's tokens, computed in this step. A named tuple: a
+    step makes one a pred, and a frozen dataclass sets each field through
+    object.__setattr__."""
 
     job: PredJob
     start: int

@@ -130,7 +130,7 @@ async def test_a_long_prefill_is_chunked_to_the_token_budget_and_commits_once():
     assert plans[1].batch.positions == list(range(8, 16))
     # only the last chunk holds the row to sample
     assert [pl.batch.logit_rows for pl in plans] == [[], [], [3]]
-    assert answer.result() == [Output(19, SAMPLE, -1.0, [], [])]
+    assert answer.result() == [Output(19, SAMPLE, -1.0, (), ())]
     assert f.inode.tokens == list(range(1, 21)) and f.inode.positions == list(range(20))
     assert not f.inode.busy and p.tokens == 20 and p.pending == 0
     assert w.sched.schedule() is None
