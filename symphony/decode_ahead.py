@@ -73,12 +73,6 @@ class DecodeAhead:
         # Guesses whose token a step in flight samples, by the job that samples it.
         self._unknown: dict[PredJob, PredJob] = {}
 
-    def answered(self, job: PredJob) -> None:
-        """A pred was committed: remember what it sampled for its file's next pred."""
-        if job.samples_last:
-            self.sampled[job.handle] = (job.outputs[-1].token, job.handle.inode.length,
-                                        job.spec.params)
-
     def follows(self, handle: Handle, spec: PredSpec) -> bool:
         """Whether a pred feeds back its file's last sample, next in line (a decode loop)."""
         inode, tokens = handle.inode, spec.tokens
@@ -125,14 +119,17 @@ class DecodeAhead:
             following = following.following
         return self._go_on(following)
 
-    def go_ahead(self, job: PredJob, file_queued: bool) -> bool:
-        """After job was answered: guess the pred its LIP will most likely send next.
-        `file_queued`: another pred on the file waits already (it goes first). Whether a
-        guess was made."""
-        handle, inode = job.handle, job.handle.inode
-        if not (self.enabled and job.follows and job.samples_last):
+    def answered(self, job: PredJob, file_queued: bool) -> bool:
+        """A pred was committed: remember what it sampled for its file's next pred, and
+        guess that pred, the one its LIP will most likely send next. `file_queued`: another
+        pred on the file waits already (it goes first). Whether a guess was made."""
+        if not job.samples_last:
             return False
-        token, position = job.outputs[-1].token, job.positions[-1] + 1
+        handle, inode, token = job.handle, job.handle.inode, job.outputs[-1].token
+        self.sampled[handle] = (token, inode.length, job.spec.params)
+        if not (self.enabled and job.follows):
+            return False
+        position = job.positions[-1] + 1
         if (token in self.eos or position >= self.context or not job.proc.alive
                 or handle.closed or inode.busy or inode in self.guesses or file_queued):
             return False

@@ -693,10 +693,9 @@ class Scheduler:
         self.stats.preds += 1
         self._leave(job)
         job.proc.last_active = job.proc.answered = time.monotonic()
-        self.ahead.answered(job)
         if not job.future.done():
             job.future.set_result(job.outputs)
             if job.reply is not None:
                 job.reply(job.outputs, None)
-        if self.ahead.go_ahead(job, file_queued=job.handle.inode in self._queued_on):
+        if self.ahead.answered(job, file_queued=job.handle.inode in self._queued_on):
             self._wake.set()

@@ -553,7 +553,7 @@ class Hello(asyncio.Protocol):
             return False
         taken = 0
         for kind, call, payload in self.backlog:
-            if self.held_back():
+            if taken and self.held_back():  # before the first: asked above
                 break
             if kind == ring.FRAMED:
                 if call not in self.framed:
