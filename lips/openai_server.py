@@ -101,7 +101,7 @@ from lips.serving.request_gate import RequestGate
 from lips.serving.text import text_bytes, token_pieces
 from syscalls.aio import AsyncKernel
 from syscalls.convert import ModelInfo, Vocabulary, proc_fields
-from syscalls.flags import report
+from syscalls.flags import report, stdout_flushed
 
 PROG = "symphony serve"
 LISTENING = "symphony serve: listening on"
@@ -645,6 +645,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The server's exit status; a reader of its output gone is 141 and Ctrl-C 130, quietly,
+    as the other LIPs end (syscalls.flags.stdout_flushed)."""
+    return stdout_flushed(PROG, lambda: run(argv))
+
+
+def run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.prefix_cache_pages is not None and args.prefix_cache_pages < 0:

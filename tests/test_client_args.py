@@ -118,7 +118,7 @@ def test_kv_cp_of_a_path_that_is_not_utf8_names_it(daemon, tmp_path):
     ["ps"], ["top", "--once", "--interval", "0.01"], ["kv", "ls", "/"],
     ["run", "lips/complete.py", "--prompt", "hello", "--max-new-tokens", "2"],
     ["run", "lips/best_of_n.py", "--prompt", "hello", "--max-new-tokens", "2", "--n", "2"],
-    ["--help"], ["kv", "--help"], ["run", "lips/complete.py", "--help"],
+    ["--help"], ["kv", "--help"], ["run", "lips/complete.py", "--help"], ["serve", "--help"],
 ])
 def test_a_command_whose_reader_has_gone_stops_quietly(daemon, command):
     """`symphony ps | head -1` said "symphony: Broken pipe", exit 1, or Python's "Exception
