@@ -159,7 +159,7 @@ class Scheduler:
     def submit(self, proc: Process, handle: Handle, spec: PredSpec,
                reply: Reply | None = None) -> asyncio.Future:
         """Queue a checked pred; the future gets its Outputs, or the error that failed it,
-        and `reply`, if given, is then called with the two at once (before submit returns,
+        and `reply`, if given, is called with the same at once (before submit returns,
         when the pred is answered right away)."""
         # Decoding ahead guesses the preds of decode loops, plain or masked: a guess
         # computed without this pred's scores, tree or cut is not its answer, and after it
