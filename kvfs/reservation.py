@@ -90,9 +90,10 @@ def reserve(fs: FileSystem, handle: Handle, count: int, cut: int | None = None) 
         store.bring_up(inode.pages)
     if tail:
         fs._private(inode, length // fs.page_size)
-    res = Reservation(handle, length, count, store.new(new, inode.uid),
+    res = Reservation(handle, length, count, store.new(new, inode.uid) if new else [],
                       excluded=inode.excluded, uid=inode.uid)
-    inode.pages.extend(res.new_pages)
+    if new:
+        inode.pages.extend(res.new_pages)
     if table is None or tail:
         table = store.device_ids(inode.pages)
     elif res.new_pages:

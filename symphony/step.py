@@ -52,21 +52,21 @@ class StepPlan:
         ids, pos, q_lens, kv_lens, tables, rows, excluded = [], [], [], [], [], [], []
         samples, kept, placeholders = [], [], []
         treed = controlled = False  # only a step with a tree or a control pays for them
-        for c in chunks:
-            job, start, end = c.job, c.start, c.start + c.size
-            treed = treed or job.spec.tree is not None
-            controlled = controlled or job.spec.controls is not None
+        for job, start, size in chunks:
+            end, spec, res = start + size, job.spec, job.res
+            treed = treed or spec.tree is not None
+            controlled = controlled or spec.controls is not None
             base = len(ids)
-            ids += job.spec.tokens[start:end]
+            ids += spec.tokens[start:end]
             if job.after is not None:  # a guess on a guess the step before samples
                 placeholders.append((base, job.after.logit_row))
                 ids[base] = 0
             pos += job.positions[start:end]
-            q_lens.append(c.size)
-            kv_lens.append(job.res.start + end)
-            tables.append(job.res.page_table)
-            excluded.append(job.res.excluded)
-            for r in job.spec.rows:
+            q_lens.append(size)
+            kv_lens.append(res.start + end)
+            tables.append(res.page_table)
+            excluded.append(res.excluded)
+            for r in spec.rows:
                 if start <= r < end:
                     rows.append(base + r - start)
                     if job.keep_logits and job.state is JobState.AHEAD:

@@ -142,18 +142,18 @@ def _copy_out(ring: memoryview, head: int, tail: int) -> bytes:
 
 def _records(data: bytes) -> list[tuple[int, int, bytes]]:
     """Cut copied ring bytes into (kind, call, payload); RingError if they do not parse."""
-    out, at = [], 0
-    while at < len(data):
-        if len(data) - at < RECORD.size:
+    out, at, n, header = [], 0, len(data), RECORD.size  # once a pred: names kept local
+    while at < n:
+        if n - at < header:
             raise RingError(f"a record header cut short at byte {at}")
         size, call, kind, zero = RECORD.unpack_from(data, at)
-        end = at + RECORD.size + ((size + ALIGN - 1) & ~(ALIGN - 1))  # padded(), once a pred
+        start = at + header
+        end = start + ((size + ALIGN - 1) & ~(ALIGN - 1))  # padded()
         if zero:
             raise RingError(f"record at byte {at}: its fourth field is {zero}, not 0")
-        if end > len(data):
-            raise RingError(f"record at byte {at}: {size} payload bytes, "
-                            f"{len(data) - at - RECORD.size} left")
-        out.append((kind, call, data[at + RECORD.size:at + RECORD.size + size]))
+        if end > n:
+            raise RingError(f"record at byte {at}: {size} payload bytes, {n - start} left")
+        out.append((kind, call, data[start:start + size]))
         at = end
     return out
 
