@@ -347,7 +347,8 @@ class Scheduler:
             # refused preds of millions of tokens held gigabytes.
             err = err.with_traceback(None) if isinstance(err, OSError) else err
             job.future.set_exception(err)
-            if job.reply is not None:
+            if job.reply is not None:  # the reply is its caller: the future's error is seen
+                job.future.exception()  # (else asyncio logs it, a line a failed pred)
                 job.reply(None, err)
 
     def uses(self, handle: Handle) -> bool:

@@ -603,6 +603,26 @@ async def test_a_known_decode_pred_takes_its_guess_as_submit_would_with_no_reque
 
 
 @in_loop
+async def test_a_failed_pred_answered_through_its_reply_leaves_asyncio_nothing_to_log():
+    """The lifeline's and the rings' preds are answered through their reply, which gets
+    the error: when the pred's future goes, asyncio must not log that error as one never
+    retrieved (a user whose preds fail at its exit wrote three lines to the kernel's log a
+    pred)."""
+    w = World()
+    logged = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: logged.append(context))
+    p, f = w.process()
+    errors = []
+    for tokens in ([1, 2, 3], [4]):
+        w.sched.submit(p, f, PredSpec(tokens, None, [len(tokens) - 1], GREEDY),
+                       lambda outputs, error: errors.append((outputs, error)))
+    w.sched.cancel_process(p)  # both fail with EINTR, the first admitted or not
+    gc.collect()
+    assert [(outputs, e.errno) for outputs, e in errors] == [(None, errno.EINTR)] * 2
+    assert logged == []
+
+
+@in_loop
 async def test_a_pred_takes_its_guess_in_the_running_step():
     w = World(ahead=True)
     p, f = w.process()
