@@ -541,31 +541,41 @@ class Hello(asyncio.Protocol):
     def drain(self) -> bool:
         """Take every record submitted to the ring, in order; stop at a FRAMED record whose
         frame has not come (it resumes when the frame comes), or when the replies back up
-        (resume_writing drains again). True when the replies cut it short."""
+        (resume_writing drains again). True when the replies cut it short.
+
+        The records copied out and not taken yet (`backlog`) are the ring's last take
+        alone: no more are copied out while they wait, so a FRAMED record whose frame never
+        comes leaves the rest in the ring, which the process finds full (copied out behind
+        it, a process's records grew the kernel's memory without bound)."""
         if self.ring is None or self.transport.is_closing():
             return False
-        if self.held_back():  # the records stay in the ring: the process finds it full
-            return True
-        try:
-            self.backlog += self.ring.take()
-        except ring.RingError as e:
-            self.drop(f"ring dropped: {e}")
-            return False
-        taken = 0
-        for kind, call, payload in self.backlog:
-            if taken and self.held_back():  # before the first: asked above
-                break
-            if kind == ring.FRAMED:
-                if call not in self.framed:
+        resumed = bool(self.backlog)  # a FRAMED record's frame came, or room for replies
+        while True:
+            if self.held_back():  # the records stay in the ring: the process finds it full
+                return True
+            if not self.backlog:
+                try:
+                    self.backlog = self.ring.take()
+                except ring.RingError as e:
+                    self.drop(f"ring dropped: {e}")
+                    return False
+            taken = 0
+            for kind, call, payload in self.backlog:
+                if taken and self.held_back():  # before the first: asked above
                     break
-                kind, payload = wire.PRED, self.framed.pop(call)
-            taken += 1
-            if kind == wire.CANCEL:
-                self.cancel(call)
-            else:
-                self.pred(kind, call, payload)
-        del self.backlog[:taken]
-        return self.held_back()
+                if kind == ring.FRAMED:
+                    if call not in self.framed:
+                        break
+                    kind, payload = wire.PRED, self.framed.pop(call)
+                taken += 1
+                if kind == wire.CANCEL:
+                    self.cancel(call)
+                else:
+                    self.pred(kind, call, payload)
+            del self.backlog[:taken]
+            if not resumed or self.backlog:
+                return self.held_back()
+            resumed = False  # the backlog is through: once more, for what waited in the ring
 
     def pred(self, kind: int, call: int, payload: bytes) -> None:
         """A pred from the lifeline or the ring, as Front.call would do it but with no task
@@ -629,15 +639,17 @@ class Hello(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self.go_on)
 
     def cancel(self, call: int) -> None:
-        """A CANCEL frame: take back the pred of that call id. None in flight (answered
-        already: the frames crossed; or no such call) is nothing to do."""
+        """A CANCEL frame: take back the pred of that call id, which stays in flight (its
+        call id taken) until its one reply, ECANCELED, is sent. None in flight (answered
+        already: the frames crossed; or no such call), or one taken back already, is
+        nothing to do."""
         future, start = self.calls.get(call, (None, 0.0))
-        self.answered(call)
-        if future is not None and future.cancel():
-            self.front.account(self.proc, "Pred", start)  # take_back replies
-            task = asyncio.get_running_loop().create_task(self.take_back(call, future))
-            self.taking_back.add(task)
-            task.add_done_callback(self.taking_back.discard)
+        if future is None or not future.cancel():
+            return
+        self.front.account(self.proc, "Pred", start)  # take_back replies
+        task = asyncio.get_running_loop().create_task(self.take_back(call, future))
+        self.taking_back.add(task)
+        task.add_done_callback(self.taking_back.discard)
 
     async def take_back(self, call: int, future: asyncio.Future) -> None:
         """Its one reply, ECANCELED, once its file is as before."""

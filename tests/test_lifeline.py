@@ -326,6 +326,38 @@ def test_a_call_id_in_flight_used_again_gets_einval_and_the_first_pred_goes_on(d
         life.close()
 
 
+def test_a_cancelled_pred_keeps_its_call_id_until_its_reply(daemon):
+    """A call id may be used again once its reply has come: a PRED that reuses it right
+    after a CANCEL, before the ECANCELED, is EINVAL, and the CANCEL gets exactly one reply
+    (the id was freed at the CANCEL, so the second PRED went on and two replies of one call
+    id came, ECANCELED and an answer)."""
+    life, token = session.hello(daemon.socket)
+    try:
+        fd = raw_open(daemon.socket, token)
+        long = pb.PredRequest(fd=fd, tokens=prompt(300), no_outputs=True).SerializeToString()
+        short = pb.PredRequest(fd=fd, tokens=[5]).SerializeToString()
+        life.sendall(wire.frame(wire.PRED, 3, long) + wire.frame(wire.CANCEL, 3, b"")
+                     + wire.frame(wire.PRED, 3, short))
+        life.settimeout(60)
+        frames, got = wire.Frames(), []
+        while len(got) < 2:
+            got += frames.feed(life.recv(4096))
+        replies = [pb.PredReply.FromString(payload) for _, _, payload in got]
+        assert [(kind, call) for kind, call, _ in got] == [(wire.REPLY, 3)] * 2
+        assert sorted(r.error.errno for r in replies) == sorted([errno.EINVAL,
+                                                                 errno.ECANCELED])
+        einval = next(r for r in replies if r.error.errno == errno.EINVAL)
+        assert "call id 3 has a pred in flight" in einval.error.message
+        life.settimeout(0.5)  # and no third reply
+        with pytest.raises(TimeoutError):
+            frames.feed(life.recv(4096))
+        life.settimeout(60)
+        # Answered: the id is free again, and the file is as before the cancelled pred.
+        assert not raw_call(life, frames, wire.PRED, short).HasField("error")
+    finally:
+        life.close()
+
+
 def test_a_ring_setup_other_than_call_id_0_and_no_payload_is_einval(daemon):
     life, _ = session.hello(daemon.socket)
     try:

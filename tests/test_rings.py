@@ -480,6 +480,41 @@ def test_a_framed_record_whose_frame_never_comes_stalls_only_its_own_ring(daemon
             rings.close()
 
 
+def test_records_behind_a_framed_record_whose_frame_never_comes_stay_in_the_ring(daemon):
+    """While records the kernel copied out wait behind a FRAMED record, it copies out no
+    more: the rest stay in the shared memory, and the process finds its ring full. (Copied
+    out behind it, whatever a process kept writing grew the kernel's memory without bound,
+    and the frame, when it came, held the loop for seconds.) The frame that comes lets the
+    ring go on, to the last record waiting in it."""
+    with Kernel.connect(daemon.socket, name="bystander") as k, k.open("", os.O_RDWR) as f:
+        lifeline, token, rings = rung_session(daemon.socket)
+        try:
+            fd = raw_open(daemon.socket, token)
+            rings.submit(ring.FRAMED, 1)
+            wait_for(lambda: rings.mem.get(ring.SQ_HEAD) == rings.sq_tail,
+                     what="the FRAMED record taken")
+            head, calls = rings.sq_tail, range(2, ring.SQ_BYTES // ring.RECORD.size + 64)
+            for call in calls:
+                if not rings.room(0):
+                    break
+                rings.submit(ring.CANCEL, call)  # each rings the kernel's bell
+            assert not rings.room(0), "the kernel copied out records behind the FRAMED one"
+            assert settled(lambda: rings.mem.get(ring.SQ_HEAD), quiet=0.5) == head
+            assert len(greedy(f, prompt(6), 3)) == 3  # nobody else notices
+            # The frame comes: the pred is answered, and the CANCELs (of nothing) after it
+            # are taken, to the last, with no reply.
+            lifeline.sendall(wire.frame(wire.PRED, 1, pred_payload(fd, [5])))
+            wait_for(lambda: rings.mem.get(ring.SQ_HEAD) == rings.sq_tail,
+                     what="the records behind it taken")
+            got: list = []
+            wait_for(lambda: got.extend(rings.completions()) or got, what="the pred's reply")
+            assert [(kind, call) for kind, call, _ in got] == [(wire.REPLY, 1)]
+            assert not pb.PredReply.FromString(got[0][2]).HasField("error")
+        finally:
+            lifeline.close()
+            rings.close()
+
+
 DIES_MID_RECORD = """
 import os, sys
 from syscalls import ring, session, symphony_pb2 as pb
