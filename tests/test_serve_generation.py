@@ -177,6 +177,18 @@ def test_prompt_logprobs_are_the_prompts_scores(daemon):
     assert a["ids"] == b["ids"] == context_greedy(daemon, PROMPT, 4)[: len(a["ids"])]
 
 
+def test_a_seeded_choice_samples_the_same_with_prompt_logprobs(daemon):
+    """Scoring the prompt (echo with logprobs) changes no seeded sample: the prompt's rows
+    and the choice's first sample were one pred, whose seeded generator drew a sample for
+    each row, so the choice's token was its last draw and the text another seed's."""
+    for seed in range(4):
+        plain = generate(daemon, temperature=1.0, seed=seed, n=2, max_tokens=12,
+                         ignore_eos=True)
+        scored = generate(daemon, temperature=1.0, seed=seed, n=2, max_tokens=12,
+                          ignore_eos=True, prompt_logprobs=True, logprobs=1)
+        assert [c["ids"] for c in scored] == [c["ids"] for c in plain]
+
+
 def test_logit_bias_moves_the_sample(daemon):
     (out,) = generate(daemon, temperature=0, max_tokens=6, ignore_eos=True,
                       logit_bias={77: 100.0})

@@ -177,6 +177,10 @@ BAD_CHAT = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    # [] asks nothing of tools and functions alone: of these it is no value they take
+    ({"function_call": []}, "function_call"), ({"audio": []}, "audio"),
+    ({"prediction": []}, "prediction"), ({"reasoning_effort": []}, "reasoning_effort"),
+    ({"verbosity": []}, "verbosity"), ({"web_search_options": []}, "web_search_options"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

@@ -424,16 +424,28 @@ class Generation:
             (out,) = await self._room(functools.partial(
                 file.pred, rest, sampler=choice.sampler(), control=control))
             return out
-        rows = len(rest)
-        if control is not None:  # the prompt rows' logprobs are the model's own
-            control = [LogitControl()] * (rows - 1) + [control]
-        outs = await self._room(functools.partial(
-            file.pred, rest, outputs=list(range(rows)), sampler=choice.sampler(),
-            control=control, score_next=True))
+        # The prompt's rows scored in one pred, unseeded, and its last token computed again
+        # and sampled in a pred of its own: a seeded pred draws its rows' samples from one
+        # generator in order, so sampled in the scoring pred the choice's token was that
+        # generator's last draw, not its first, and not what the same seed gave without
+        # echo and logprobs.
+        rows, sampler = len(rest), choice.sampler()
+        outs = []
+        if rows > 1:
+            outs = await self._room(functools.partial(
+                file.pred, rest, outputs=list(range(rows - 1)),
+                sampler=replace(sampler, seed=None), score_next=True))
         logprob = self.generator.logprob
         self.prompt_logprobs = [None, *(logprob(t, o.next_logprob, o.top)
-                                        for t, o in zip(rest[1:], outs, strict=False))]
-        return outs[-1]
+                                        for t, o in zip(rest[1:], outs, strict=True))]
+        if rows > 1:
+            (out,) = await self._room(functools.partial(
+                file.pred, rest[-1:], sampler=sampler, control=control,
+                truncate=skip + rows - 1))
+        else:
+            (out,) = await self._room(functools.partial(
+                file.pred, rest, sampler=sampler, control=control))
+        return out
 
     async def _branch(self, choice: _Choice, root: AsyncFile) -> None:
         """Another choice: a fork of the prompt's file, sampled after the prompt again."""

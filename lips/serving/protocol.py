@@ -328,9 +328,12 @@ class ChatRequest(SamplingRequest):
 
     def check(self, vocab_size: int) -> None:
         super().check(vocab_size)
-        for name in ("tools", "functions", "function_call", "audio", "prediction",
-                     "reasoning_effort", "verbosity", "web_search_options"):
+        for name in ("tools", "functions"):
             if getattr(self, name) not in (None, []):  # an empty list of tools asks nothing
+                raise bad_field(name, "not supported by this server")
+        for name in ("function_call", "audio", "prediction", "reasoning_effort", "verbosity",
+                     "web_search_options"):
+            if getattr(self, name) is not None:
                 raise bad_field(name, "not supported by this server")
         if self.tool_choice not in (None, "none"):
             raise bad_field("tool_choice", "not supported by this server (only \"none\")")
