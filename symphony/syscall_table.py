@@ -437,9 +437,6 @@ def reply_payload(outputs: list[Output]) -> bytes:
     for o in outputs:
         if len(o.top_ids) or o.model_logprob is not None or o.scores or o.next_logprob is not None:
             return pred_reply(outputs).SerializeToString()
-    if len(outputs) == 1:  # a decode's: once a pred
-        o = outputs[0]
-        return plain_reply(((o.row, o.token, o.logprob),))
     return plain_reply([(o.row, o.token, o.logprob) for o in outputs])
 
 
