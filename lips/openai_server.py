@@ -645,8 +645,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The server's exit status; a reader of its output gone is 141 and Ctrl-C 130, quietly,
-    as the other LIPs end (syscalls.flags.stdout_flushed)."""
+    """The server's exit status; a reader of its output gone is 141, quietly, as the other
+    programs end (syscalls.flags.stdout_flushed). Once it serves, SIGINT stops it as
+    SIGTERM does."""
     return stdout_flushed(PROG, lambda: run(argv))
 
 
