@@ -1005,7 +1005,7 @@ def warm_loop_cost(processes: int = 32, steps: int = 200) -> str:
             if n == steps // 5:  # the first fifth warms up
                 cpu, preds = 0.0, 0
             done = plans.pop(0)
-            samples = len(done.samples)
+            samples = done.rows
             t = time.thread_time()
             sched.finish(done, StepResult([7 + n % 50] * samples, [-1.0] * samples,
                                           [[]] * samples, [[]] * samples, 0.005))

@@ -30,7 +30,9 @@ one before (fs.reserve_after), computed once the one before is.
 The guess table holds one chain per file, its first guess the one the next pred may take.
 The scheduler asks it what to compute in spare room, which guess a pred is, and to drop
 guesses; a drop rolls the whole chain back, last guess first, when the step that may be
-writing its last guess ends.
+writing its last guess ends. A plain decode loop's chain on the rings or the lifeline is
+kept as a stream instead (decode_stream.py), with the same rules of guessing on; anything
+but its next pred turns it into such a chain first (`unstream`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 from kvfs.errors import FSError
 from kvfs.fs import FileSystem, Handle, Reservation
 from kvfs.inode import Inode
+from symphony.decode_stream import DecodeStream, Slot, streams, to_jobs
 from symphony.engine.sampler import SamplingParams
 from symphony.pred_job import JobState, PredJob, PredSpec
 from symphony.process import Process
@@ -58,13 +61,16 @@ BY_VRUNTIME = operator.attrgetter("proc.vruntime", "seq")
 class DecodeAhead:
     def __init__(self, fs: FileSystem, stats: SchedStats, *, enabled: bool, eos: set[int],
                  context: int, device: torch.device, seq: Callable[[], int],
-                 new_future: Callable[[], asyncio.Future], pipelined: bool = False):
+                 new_future: Callable[[], asyncio.Future],
+                 enqueue: Callable[[PredJob], None], pipelined: bool = False):
         self.fs, self.stats = fs, stats
         self.pipelined = pipelined  # a guess may follow one a step in flight computes
         self.enabled, self.eos, self.context, self.device = enabled, eos, context, device
         self.seq = seq  # the scheduler's arrival numbers, which guesses share
         self.new_future = new_future  # a future of the scheduler's loop
+        self.enqueue = enqueue  # into the run queue: a stream's taken slot, as a job
         self.guesses: dict[Inode, PredJob] = {}  # the first of each file's chain
+        self.streams: dict[Inode, DecodeStream] = {}  # files whose chain is a stream
         # Chains dropped while the running step computes their last guess, by that guess:
         # rolled back when the step ends.
         self._dropping: dict[PredJob, list[PredJob]] = {}
@@ -137,8 +143,114 @@ class DecodeAhead:
             res = self.fs.reserve(handle, 1)
         except FSError:  # no room: guessing must never cost anyone a page
             return False
-        self.guesses[inode] = self._guess(job, res, keep_logits=job.spec.controls is not None)
+        spec = job.spec
+        if streams(spec.params, job.reply, spec.controls):
+            stream = self.streams[inode] = DecodeStream(job.proc, handle, spec.params)
+            self.stats.ahead += 1
+            stream.slots.append(Slot(stream, res, position, token, None, self.seq()))
+            return True
+        self.guesses[inode] = self._guess(job, res, keep_logits=spec.controls is not None)
         return True
+
+    def stream_of(self, handle: Handle, token: int, params: SamplingParams
+                  ) -> DecodeStream | None:
+        """The file's stream if a plain decode pred of `token` sampled with `params` is its
+        first slot's, which no pred took yet."""
+        stream = self.streams.get(handle.inode)
+        if (stream is None or stream.handle is not handle or stream.reply is not None
+                or stream.slots[0].token != token):
+            return None
+        if stream.params is params or stream.params == params:
+            return stream
+        return None
+
+    def take_slot(self, stream: DecodeStream) -> bool:
+        """A pred took the stream's first slot: guess on from its last, the stream having
+        one guess less. Whether a guess was made."""
+        self.stats.ahead_used += 1
+        return len(stream.slots) > 1 and self._stream_on(stream.slots[-1])
+
+    def slot_planned(self, slot: Slot) -> bool:
+        """A step in flight computes the slot (pipelined): guess on from it. Whether a
+        guess was made."""
+        return self._stream_on(slot)
+
+    def slot_computed(self, slot: Slot) -> bool:
+        """No pred took the slot its step computed: guess on from it. Whether a guess was
+        made."""
+        return self._stream_on(slot)
+
+    def slot_answered(self, stream: DecodeStream, slot: Slot) -> bool:
+        """The stream's taken slot was committed and its pred answered: remember what it
+        sampled, and, when it was the stream's last, guess the next pred (the stream ends
+        when none can be). Whether a guess was made."""
+        handle, inode, token = stream.handle, stream.handle.inode, slot.output.token
+        self.sampled[handle] = (token, inode.length, stream.params)
+        if stream.slots:
+            return False
+        position = slot.position + 1
+        if not (token in self.eos or position >= self.context or not stream.proc.alive
+                or handle.closed or inode.busy):
+            try:
+                res = self.fs.reserve(handle, 1)
+            except FSError:
+                pass
+            else:
+                self.stats.ahead += 1
+                stream.slots.append(Slot(stream, res, position, token, None, self.seq()))
+                return True
+        del self.streams[inode]
+        return False
+
+    def _stream_on(self, slot: Slot) -> bool:
+        """_go_on for a stream: from its last slot, planned or computed, while it has fewer
+        than DEPTH guesses."""
+        stream = slot.stream
+        if stream.slots[-1] is not slot:
+            return False
+        output = slot.output
+        if (not (slot.planned if self.pipelined else output is not None)
+                or stream.guessed >= DEPTH or not stream.proc.alive or stream.handle.closed
+                or (output is not None and output.token in self.eos)
+                or slot.position + 1 >= self.context):
+            return False
+        try:
+            res = self.fs.reserve_after(slot.res, 1)
+        except FSError:  # no room, or the file's pages moved: no guessing then
+            return False
+        self.stats.ahead += 1
+        if output is None:  # its token is the one the step in flight samples
+            stream.slots.append(Slot(stream, res, slot.position + 1, -1, slot, self.seq()))
+        else:
+            stream.slots.append(Slot(stream, res, slot.position + 1, output.token, None,
+                                     self.seq()))
+        return True
+
+    def unstream(self, stream: DecodeStream) -> PredJob | None:
+        """Turn the stream into a chain of guess PredJobs (decode_stream.to_jobs); the
+        PredJob of the pred that took its first slot, if one did, for the run queue."""
+        if self.streams.get(stream.handle.inode) is not stream:
+            return None
+        del self.streams[stream.handle.inode]
+        taken = stream.reply is not None
+        jobs = to_jobs(stream, self.new_future)
+        for job in jobs:
+            if job.after is not None:
+                self._unknown[job.after] = job
+        first = jobs.pop(0) if taken else None
+        if jobs:
+            self.guesses[jobs[0].handle.inode] = jobs[0]
+        if first is not None:
+            self.enqueue(first)
+        return first
+
+    def unstream_process(self, proc: Process) -> None:
+        for stream in [s for s in self.streams.values() if s.proc is proc]:
+            self.unstream(stream)
+
+    def taken_streams(self) -> list[DecodeStream]:
+        """Streams whose first slot a pred took: preds, as those in the run queue."""
+        return [s for s in self.streams.values() if s.reply is not None]
 
     def _go_on(self, guess: PredJob) -> bool:
         """After a guess was planned, computed or its chain's first taken: guess on from the
@@ -207,16 +319,22 @@ class DecodeAhead:
             chain.append(chain[-1].following)
         return chain
 
-    def to_compute(self, slots: int, running: list[StepPlan]) -> list[PredJob]:
-        """Up to `slots` guesses not yet planned (the last of their chains), lowest virtual
-        runtime first. One whose token is unknown only if the step in flight, the one this
-        step follows, samples it."""
-        sampled_next = running[-1].jobs if running else frozenset()  # what it computes
-        waiting = []
+    def to_compute(self, slots: int, running: list[StepPlan]) -> list[PredJob | Slot]:
+        """Up to `slots` guesses not yet planned (the last of their chains or streams),
+        lowest virtual runtime first. One whose token is unknown only if the step in
+        flight, the one this step follows, samples it."""
+        before = running[-1] if running else None
+        sampled_next = before.jobs if before is not None else frozenset()  # what it computes
+        waiting: list[PredJob | Slot] = []
         for last in self.guesses.values():  # every file, every step: walked, not listed
             while last.following is not None:
                 last = last.following
             if not last.planned and (last.after is None or last.after in sampled_next):
+                waiting.append(last)
+        for stream in self.streams.values():
+            last = stream.slots[-1]
+            if (not last.planned and (last.after is None or last.after.plan is before)
+                    and (stream.reply is None or len(stream.slots) > 1)):
                 waiting.append(last)
         waiting.sort(key=BY_VRUNTIME)
         return waiting[:max(0, slots)]
@@ -225,6 +343,9 @@ class DecodeAhead:
         """Forget the guesses on inode. When steps in flight compute some of them, the
         chain is rolled back when the last such step ends: the guess it computes is
         returned, so that a caller can wait for that."""
+        stream = self.streams.get(inode)
+        if stream is not None:
+            self.unstream(stream)
         first = self.guesses.pop(inode, None)
         if first is None:
             return None
@@ -261,12 +382,15 @@ class DecodeAhead:
     def drop_all(self, running: list[StepPlan]) -> bool:
         """Every guess gives its pages back (those in the running step when it ends).
         Whether there were any."""
+        for stream in list(self.streams.values()):
+            self.unstream(stream)
         inodes = list(self.guesses)
         for inode in inodes:
             self.drop(inode, running)
         return bool(inodes)
 
     def drop_process(self, proc: Process, running: list[StepPlan]) -> None:
+        self.unstream_process(proc)
         for inode in [i for i, j in self.guesses.items() if j.proc is proc]:
             self.drop(inode, running)
 
@@ -304,4 +428,5 @@ class DecodeAhead:
 
     def procs(self) -> set[Process]:
         """Processes with a guess: its work fills a step already."""
-        return {j.proc for j in self.guesses.values()}
+        return ({j.proc for j in self.guesses.values()}
+                | {s.proc for s in self.streams.values() if s.guessed})

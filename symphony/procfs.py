@@ -127,7 +127,7 @@ class ProcFS:
             # share (CPU seconds per second over the window; "-" off this machine).
             ("tensor_parallel", len(engine.ranks)),
             *self.rank_rows(),
-            ("run_queue", len(s.queue)),
+            ("run_queue", s.run_queue()),
             ("waiting_for_memory", sum(p.waiting for p in self.k.procs)),
             ("processes", len(self.k.procs)),
             ("steps", st.steps),

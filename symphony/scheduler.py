@@ -36,6 +36,7 @@ from kvfs.errors import FSError
 from kvfs.fs import FileSystem, Handle
 from kvfs.inode import Inode
 from symphony.decode_ahead import DecodeAhead
+from symphony.decode_stream import DecodeStream, Slot
 from symphony.engine.sampler import RowControl, SamplingParams
 from symphony.engine_process import EngineDied, EngineProcess
 from symphony.pred_job import JobState, Output, PredJob, PredSpec, Reply
@@ -134,7 +135,8 @@ class Scheduler:
         self.ahead = DecodeAhead(fs, self.stats, enabled=decode_ahead,
                                  eos=set(engine.eos_ids()), context=self.context,
                                  device=engine.device, seq=self._seqs.__next__,
-                                 new_future=self._new_future, pipelined=pipeline)
+                                 new_future=self._new_future, enqueue=self._enqueue,
+                                 pipelined=pipeline)
         self.relief = Relief(fs, procs, self._working, self.stats)
         self._masked: list[PredJob] = []  # guesses taken by masked preds, to sample (_take)
         self._wake = asyncio.Event()
@@ -165,6 +167,9 @@ class Scheduler:
         # computed without this pred's scores, tree or cut is not its answer, and after it
         # the next pred will carry its own. A mask is applied when the pred takes the guess
         # (decode_ahead.py).
+        stream = self.ahead.streams.get(handle.inode)
+        if stream is not None:  # from here on, the file's guesses are jobs
+            self.ahead.unstream(stream)
         looping = not spec.score_next and spec.tree is None and spec.cut is None
         guess = self.ahead.match(handle, spec) if looping else None
         if guess is not None and (spec.controls is None or self._maskable(guess)):
@@ -186,12 +191,60 @@ class Scheduler:
                    reply: Reply | None) -> asyncio.Future | None:
         """A plain decode pred (`token` fed back, sampled with `params`, nothing else) that is
         the file's guess takes it as submit would, keeping the guess's spec, which is the
-        same request; None when it is not the guess (then submit it)."""
+        same request; None when it is not the guess (then submit it). The first slot of the
+        file's stream it takes with no job at all (decode_stream.py)."""
+        stream = self.ahead.stream_of(handle, token, params)
+        if stream is not None:
+            return self._take_slot(stream, reply)
+        stream = self.ahead.streams.get(handle.inode)
+        if stream is not None:
+            self.ahead.unstream(stream)
         guess = self.ahead.decode_guess(handle, token, params)
         if guess is None:
             return None
         guess.reply = reply
         return self._take(guess)
+
+    def _take_slot(self, stream: DecodeStream, reply: Reply) -> asyncio.Future:
+        """_take for a stream's first slot: answered now when computed, else when the step
+        computing it ends (finish)."""
+        self._arrive(stream.proc)
+        stream.reply = reply
+        made = self.ahead.take_slot(stream)
+        slot = stream.slots[0]
+        future = self.loop.create_future()
+        if slot.output is not None:  # already computed: answer now
+            self._charge_proc(stream.proc, 1, slot.seconds)
+            future.set_result(self._answer_slot(stream))
+        else:
+            stream.future = future
+            if not slot.planned:
+                made = True
+        if made:
+            self._wake.set()
+        return future
+
+    def _answer_slot(self, stream: DecodeStream) -> list[Output]:
+        """_complete for a stream's taken first slot, computed: its entry joins the file,
+        its pred is answered, and the stream guesses on."""
+        slot = stream.slots.pop(0)
+        proc = stream.proc
+        self.fs.commit(slot.res, [slot.token], [slot.position])
+        self.stats.preds += 1
+        proc.pending -= 1
+        if proc.waiting and not any(j.proc is proc and j.state is JobState.QUEUED
+                                    for j in self.queue):
+            proc.waiting = False
+        proc.last_active = proc.answered = time.monotonic()
+        outputs = [slot.output]
+        reply, future = stream.reply, stream.future
+        stream.reply = stream.future = None
+        if future is not None:
+            future.set_result(outputs)
+        reply(outputs, None)
+        if self.ahead.slot_answered(stream, slot):
+            self._wake.set()
+        return outputs
 
     def _arrive(self, proc: Process) -> None:
         """A pred of proc arrives: the wake-up clamp, its think time, its pending count."""
@@ -265,6 +318,9 @@ class Scheduler:
         """Before a call changes inode other than by pred: no work ahead is left on it, nor
         a pred its caller took back that the running step still writes (a gRPC client
         cancels without waiting for the rollback)."""
+        stream = self.ahead.streams.get(inode)
+        if stream is not None:  # its taken slot, if any, joins the queue
+            self.ahead.unstream(stream)
         # A pred whose future its caller cancelled (the rpc's cancellation, a CANCEL frame)
         # is taken back by a task that may not have run yet: take it back here, or a call
         # that comes right after the cancellation would find the file busy.
@@ -290,6 +346,8 @@ class Scheduler:
         such step ends, after the guesses stacked on it; a step that does not compute it is
         not waited for)."""
         steps = list(self.running)  # what computes it, or the guesses stacked on it
+        for stream in [s for s in self.ahead.streams.values() if s.future is future]:
+            self.ahead.unstream(stream)
         for job in [j for j in self.queue if j.future is future]:
             self._cancel(job, taken_back())
             inode = job.handle.inode
@@ -299,6 +357,7 @@ class Scheduler:
 
     def cancel_process(self, proc: Process) -> None:
         """Its preds fail with EINTR; a pred in the running step is rolled back after it."""
+        self.ahead.unstream_process(proc)
         for job in [j for j in self.queue if j.proc is proc]:
             self._cancel(job, exiting())
         self.ahead.drop_process(proc, self.running)
@@ -352,7 +411,12 @@ class Scheduler:
                 job.reply(None, err)
 
     def uses(self, handle: Handle) -> bool:
-        return any(j.handle is handle for j in self.queue)
+        return (any(j.handle is handle for j in self.queue)
+                or any(s.handle is handle for s in self.ahead.taken_streams()))
+
+    def run_queue(self) -> int:
+        """Preds queued or running: the run queue's, and those that took a stream's slot."""
+        return len(self.queue) + len(self.ahead.taken_streams())
 
     async def quiesce(self) -> None:
         """Wait until the steps in flight now have ended (before freeing what they may
@@ -412,7 +476,7 @@ class Scheduler:
                 last_step, started = now - started, now
                 result.seconds = last_step  # the engine's answer is the scheduler's own
                 self.finish(plan, result)
-            served = [c.job.proc for c in plan.chunks if c.job.future.done()]
+            served = [c.job.proc for c in plan.chunks if c.job.future.done()] + plan.served
 
     def _launch(self, answers: list[asyncio.Future]) -> bool:
         """Plan a step and send it to the engine process; whether there was work."""
@@ -447,10 +511,12 @@ class Scheduler:
         now = time.monotonic()
         fill_by, turn_by = now + min(HOLD_MAX, HOLD_SHARE * last_step), now + HOLD_MAX
         while True:
-            queued = self.queue
-            full = (len({j.proc for j in queued}) >= self.max_seqs
-                    or sum(j.unplanned for j in queued) >= self.token_budget)
-            first = min((j.proc.vruntime for j in queued), default=float("inf"))
+            queued, taken = self.queue, self.ahead.taken_streams()
+            full = (len({j.proc for j in queued} | {s.proc for s in taken}) >= self.max_seqs
+                    or sum(j.unplanned for j in queued)
+                    + sum(not s.slots[0].planned for s in taken) >= self.token_budget)
+            first = min([j.proc.vruntime for j in queued] + [s.proc.vruntime for s in taken],
+                        default=float("inf"))
             worth = 0.0  # the latest time a missing process is worth waiting until
             guessed = self.ahead.procs()
             for p in served:
@@ -476,20 +542,24 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Plan the next step and admit its work; None when there is nothing to run. The
         plan is the running step until finish() or fail_step() is given it."""
-        chunks = self._pick()
-        if not chunks:
+        chunks, streamed = self._pick()
+        if not chunks and not streamed:
             return None
-        plan = StepPlan.build(chunks)
+        plan = StepPlan.build(chunks, streamed)
         for c in chunks:
             c.job.planned = c.start + c.size
+        for slot in streamed:
+            slot.planned, slot.plan = True, plan
         self.running.append(plan)
         if self.pipeline:  # guesses on the guesses just planned, for the step after
             for c in chunks:
                 if c.job.state is JobState.AHEAD:
                     self.ahead.planned(c.job)
+            for slot in streamed:
+                self.ahead.slot_planned(slot)
         return plan
 
-    def _pick(self) -> list[Chunk]:
+    def _pick(self) -> tuple[list[Chunk], list[Slot]]:
         """Chunks of queued work in virtual-runtime order (decodes first among equals, but
         not past a prompt that has waited PREFILL_PATIENCE: the threads of one process, equal
         by nature, would starve its prompts), then guesses in the room left. A prefill chunk
@@ -500,8 +570,11 @@ class Scheduler:
         Behind a step in flight (pipelined), a pred goes only if its process would go before
         every process that step answers (they may be back with their next pred before the
         step ends: the hold in run() waits for them otherwise, or nice would count for
-        nothing), and a seeded pred's next chunk waits for its generator to come back."""
+        nothing), and a seeded pred's next chunk waits for its generator to come back.
+
+        A stream's slot a pred took goes as a pred (a row of `streamed`, not a chunk)."""
         chunks: list[Chunk] = []
+        streamed: list[Slot] = []
         budget = self.token_budget
         # One pass over the queue: the decodes in it, each file's first pred not admitted
         # yet, and the jobs with tokens to plan (not those in flight, nor a masked pred's
@@ -518,32 +591,56 @@ class Scheduler:
                 first[key] = min(first.get(key, j.seq), j.seq)
             if left and j.state is not JobState.CANCELLED:
                 todo.append(j)
-        if not todo:  # a decode loop's steady state: every pred took a guess; guesses only
-            return self._guesses_to_compute(chunks, budget)
+        taken = [s for s in self.ahead.taken_streams() if not s.slots[0].planned]
+        if not todo and not taken:  # a decode loop's steady state: guesses only
+            return self._guesses_to_compute(chunks, streamed, budget)
+        decodes += len(taken)
         # Behind a step in flight, each process counts with what that step will charge it
         # (finish charges it): else the process whose turn it was also got the step behind,
         # two steps a turn (three each, two at nice 0), whatever the step in flight gave it.
         owed: dict[Process, float] = {}
+        ending: list[Process] = []  # whose preds a step in flight answers
         for plan in self.running:
             for c in plan.chunks:
                 if c.job.state not in (JobState.AHEAD, JobState.DROPPED):
                     owed[c.job.proc] = (owed.get(c.job.proc, 0.0)
                                         + c.size * 1024 / c.job.proc.weight)
+                    if (c.job.state is JobState.ADMITTED
+                            and c.start + c.size == len(c.job.spec.tokens)):
+                        ending.append(c.job.proc)
+            for slot in plan.streamed:
+                stream = slot.stream
+                if slot.job is None and stream.reply is not None and stream.slots[0] is slot:
+                    owed[stream.proc] = owed.get(stream.proc, 0.0) + 1024 / stream.proc.weight
+                    ending.append(stream.proc)
 
         def vruntime(p: Process) -> float:
             return p.vruntime + owed.get(p, 0.0)
 
-        answered = min([vruntime(c.job.proc) for plan in self.running for c in plan.chunks
-                        if c.job.state is JobState.ADMITTED
-                        and c.start + c.size == len(c.job.spec.tokens)], default=float("inf"))
+        answered = min([vruntime(p) for p in ending], default=float("inf"))
         patient = time.monotonic() - PREFILL_PATIENCE
-        todo.sort(key=lambda j: (vruntime(j.proc), j.unplanned > 1 and j.enqueued > patient,
-                                 j.seq))
+
+        def order(j: PredJob | DecodeStream) -> tuple:
+            if type(j) is DecodeStream:  # a taken slot: one token, queued since its take
+                return vruntime(j.proc), False, j.slots[0].seq
+            return vruntime(j.proc), j.unplanned > 1 and j.enqueued > patient, j.seq
+
+        todo += taken
+        todo.sort(key=order)
         for job in todo:
+            if type(job) is DecodeStream:
+                if self.running and vruntime(job.proc) > answered:
+                    continue
+                if budget == 0 or len(chunks) + len(streamed) == self.max_seqs:
+                    break
+                decodes -= 1
+                streamed.append(job.slots[0])
+                budget -= 1
+                continue
             if self.running and (vruntime(job.proc) > answered or (
                     job.generator is not None and self._computing(job))):
                 continue
-            if budget == 0 or len(chunks) == self.max_seqs:
+            if budget == 0 or len(chunks) + len(streamed) == self.max_seqs:
                 break
             if job.unplanned == 1:
                 decodes -= 1
@@ -553,26 +650,33 @@ class Scheduler:
                     continue  # preds on one file are served in the order they came
                 if not self._admit(job, others=bool(chunks or self.running) or self._admitted()):
                     continue
-            room = self.max_seqs - len(chunks) - 1  # sequences left for the queued decodes
+            # sequences left for the queued decodes
+            room = self.max_seqs - len(chunks) - len(streamed) - 1
             size = min(job.unplanned, max(1, budget - min(decodes, room)))
             chunks.append(Chunk(job, job.planned, size))
             budget -= size
-        return self._guesses_to_compute(chunks, budget)
+        return self._guesses_to_compute(chunks, streamed, budget)
 
-    def _guesses_to_compute(self, chunks: list[Chunk], budget: int) -> list[Chunk]:
-        """The chunks with guesses added in the room left: work ahead only fills room no
-        pred wants, so a guess never delays a pred."""
-        for guess in self.ahead.to_compute(min(budget, self.max_seqs - len(chunks)),
-                                           self.running):
-            chunks.append(Chunk(guess, 0, 1))
-        return chunks
+    def _guesses_to_compute(self, chunks: list[Chunk], streamed: list[Slot], budget: int
+                            ) -> tuple[list[Chunk], list[Slot]]:
+        """The chunks and slots with guesses added in the room left: work ahead only fills
+        room no pred wants, so a guess never delays a pred."""
+        room = min(budget, self.max_seqs - len(chunks) - len(streamed))
+        for guess in self.ahead.to_compute(room, self.running):
+            if type(guess) is Slot:
+                streamed.append(guess)
+            else:
+                chunks.append(Chunk(guess, 0, 1))
+        return chunks, streamed
 
     def _working(self) -> set[Process]:
         """Processes with work admitted or in a step: their pages never move."""
-        return {j.proc for j in self.queue if j.state is not JobState.QUEUED}
+        return ({j.proc for j in self.queue if j.state is not JobState.QUEUED}
+                | {s.proc for s in self.ahead.taken_streams()})
 
     def _admitted(self) -> bool:
-        return any(j.state is JobState.ADMITTED for j in self.queue)
+        return (any(j.state is JobState.ADMITTED for j in self.queue)
+                or bool(self.ahead.taken_streams()))
 
     def _admit(self, job: PredJob, others: bool) -> bool:
         """Reserve the job's pages, making room if need be. False: it waits (or failed)."""
@@ -638,8 +742,9 @@ class Scheduler:
                                          else plan.controls[i]))
         if taken:
             self._resample(taken)
+        decode = self._finish_streamed(plan, result) if plan.streamed else 0
         total = plan.tokens
-        prefill = decode = 0
+        prefill = 0
         for c in plan.chunks:
             job, seconds = c.job, result.seconds * c.size / total
             if c.size == 1 and len(job.spec.tokens) == 1:
@@ -659,20 +764,63 @@ class Scheduler:
             job.done = c.start + c.size
             if job.remaining == 0:
                 self._complete(job)
-        self.stats.record(StepRecord(time.monotonic(), result.seconds, len(plan.chunks),
+        self.stats.record(StepRecord(time.monotonic(), result.seconds, plan.seqs,
                                      prefill, decode, time.thread_time(), self.stats.preds))
         # As CFS's: the least of the queued and of those that just ran ("current"), never
         # going back. Counting the queue alone would let a process that is only between
         # two preds be clamped to the other's vruntime on its next pred, losing its lead.
         runnable = ([j.proc.vruntime for j in self.queue]
-                    + [c.job.proc.vruntime for c in plan.chunks])
+                    + [c.job.proc.vruntime for c in plan.chunks]
+                    + [slot.stream.proc.vruntime for slot in plan.streamed]
+                    + [s.proc.vruntime for s in self.ahead.taken_streams()])
         self.min_vruntime = max(self.min_vruntime, min(runnable))
+
+    def _finish_streamed(self, plan: StepPlan, result: StepResult) -> int:
+        """finish() for the step's stream slots (their logit rows follow the chunks'): a
+        slot's output is kept, the slot after it learns its token, and a taken slot is
+        committed and answered. The slot of a stream turned into jobs goes as its job's
+        chunk does. How many slots went as slots."""
+        seconds = result.seconds / plan.tokens
+        tokens, logprobs = result.tokens, result.logprobs
+        plain = 0
+        for i, slot in enumerate(plan.streamed, len(plan.samples)):
+            stream = slot.stream
+            if (slot.job is None and stream.future is not None and stream.slots[0] is slot
+                    and stream.future.cancelled()):  # taken back before cancel() ran
+                self.ahead.unstream(stream)
+            job = slot.job
+            if job is not None:  # its chunk, added to the plan, goes in finish's loop
+                if self.ahead.waiting_tokens():
+                    self.ahead.sampled_token(job, tokens[i])
+                job.outputs.append(output_of(job, 0, result, i, None))
+                continue
+            plain += 1
+            slot.plan = None
+            n = stream.params.top_logprobs
+            slot.output = Output(0, tokens[i], logprobs[i],
+                                 result.top_ids[i][:n] if n else (),
+                                 result.top_logprobs[i][:n] if n else ())
+            slots = stream.slots
+            at = slots.index(slot)
+            if at + 1 < len(slots) and slots[at + 1].after is slot:
+                slots[at + 1].token, slots[at + 1].after = tokens[i], None
+            if at == 0 and stream.reply is not None:
+                self._charge_proc(stream.proc, 1, seconds)
+                self._answer_slot(stream)
+                plan.served.append(stream.proc)
+            else:
+                slot.seconds = seconds
+                self.ahead.slot_computed(slot)
+        return plain
 
     def fail_step(self, plan: StepPlan, err: Exception) -> None:
         """The forward pass failed: every pred in the step fails with err, and its guesses
         are dropped (a pred or guess that a later step in flight computes too is rolled
         back when that one ends)."""
         self._ended(plan)
+        for slot in plan.streamed:  # as jobs, the plan's chunks
+            if slot.job is None:
+                self.ahead.unstream(slot.stream)
         for c in plan.chunks:
             if c.job.state in (JobState.AHEAD, JobState.DROPPED):
                 self.ahead.lost(c.job, self.running)
@@ -682,7 +830,10 @@ class Scheduler:
                 self._fail(c.job, err)
 
     def _charge(self, job: PredJob, tokens: int, seconds: float) -> None:
-        proc = job.proc
+        self._charge_proc(job.proc, tokens, seconds)
+
+    @staticmethod
+    def _charge_proc(proc: Process, tokens: int, seconds: float) -> None:
         proc.tokens += tokens
         proc.vruntime += tokens * 1024 / proc.weight
         proc.accel_seconds += seconds

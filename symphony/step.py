@@ -5,7 +5,7 @@ process is sent of it (StepWork), what the forward pass and the sampler give bac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -13,6 +13,10 @@ import torch
 from symphony.engine.engine import Batch, Engine, TreeRows
 from symphony.engine.sampler import RowControl, Samples, SamplingParams, sample
 from symphony.pred_job import JobState, PredJob
+
+if TYPE_CHECKING:
+    from symphony.decode_stream import Slot
+    from symphony.process import Process
 
 
 class Chunk(NamedTuple):
@@ -33,7 +37,7 @@ class Chunk(NamedTuple):
 class StepPlan:
     chunks: list[Chunk]
     batch: Batch
-    samples: list[tuple[PredJob, int]]  # per logit row of the batch: its job, and its row
+    samples: list[tuple[PredJob, int]]  # per logit row of the chunks: its job, and its row
     controls: list[RowControl | None] | None = None  # per logit row; None: no control at all
     # Logit rows of guesses a masked pred may take: their logits are kept, to be sampled
     # again with the pred's controls (decode_ahead.py).
@@ -41,6 +45,13 @@ class StepPlan:
     # (index in the batch's tokens, logit row of the step before): tokens the step before
     # samples, planned while it ran (scheduler.py, pipelined steps).
     placeholders: list[tuple[int, int]] = field(default_factory=list)
+    # Slots of decode streams (decode_stream.py), a row each after the chunks' rows: their
+    # logit rows follow the samples'. A stream turned into jobs meanwhile adds its slots'
+    # jobs to `chunks` (the slot keeps its job), so `tokens` and `seqs` are counted once.
+    streamed: list[Slot] = field(default_factory=list)
+    tokens: int = 0  # computed in the step
+    seqs: int = 0  # sequences in its batch
+    served: list[Process] = field(default_factory=list)  # whose stream preds it answered
     # computes() is asked of every guess as each step is planned: a set, not a scan.
     jobs: frozenset[PredJob] = field(init=False, repr=False)
 
@@ -48,10 +59,11 @@ class StepPlan:
         self.jobs = frozenset([c.job for c in self.chunks])
 
     @classmethod
-    def build(cls, chunks: list[Chunk]) -> StepPlan:
+    def build(cls, chunks: list[Chunk], streamed: list[Slot] | None = None) -> StepPlan:
         ids, pos, q_lens, kv_lens, tables, rows, excluded = [], [], [], [], [], [], []
         samples, kept, placeholders = [], [], []
         treed = controlled = False  # only a step with a tree or a control pays for them
+        tokens = 0
         for job, start, size in chunks:
             end, spec, res = start + size, job.spec, job.res
             treed = treed or spec.tree is not None
@@ -66,6 +78,7 @@ class StepPlan:
             kv_lens.append(res.start + end)
             tables.append(res.page_table)
             excluded.append(res.excluded)
+            tokens += size
             for r in spec.rows:
                 if start <= r < end:
                     rows.append(base + r - start)
@@ -73,28 +86,52 @@ class StepPlan:
                         kept.append(len(samples))
                     job.logit_row = len(samples)
                     samples.append((job, r))
+        streamed = streamed or []
+        row = len(samples)
+        for slot in streamed:  # one token each, sampled
+            res = slot.res
+            if slot.after is not None:  # its token is the slot before's, sampled in flight
+                placeholders.append((len(ids), slot.after.logit_row))
+                ids.append(0)
+            else:
+                ids.append(slot.token)
+            rows.append(len(pos))
+            pos.append(slot.position)
+            kv_lens.append(res.start + 1)
+            tables.append(res.page_table)
+            excluded.append(res.excluded)
+            slot.logit_row = row
+            row += 1
+        q_lens += [1] * len(streamed)
         trees = controls = None
         if treed:
             trees = [None if c.job.spec.tree is None
                      else TreeRows(c.job.res.start, c.job.spec.tree[c.start:c.end])
-                     for c in chunks]
+                     for c in chunks] + [None] * len(streamed)
         if controlled:
             controls = [None if s.controls is None else s.controls[i]
                         for c in chunks for s in (c.job.spec,)
                         for i, r in enumerate(s.rows) if c.start <= r < c.end]
+            controls += [None] * len(streamed)
         return cls(chunks, Batch(ids, pos, q_lens, kv_lens, tables, rows, excluded, trees=trees),
-                   samples, controls, kept, placeholders)
+                   samples, controls, kept, placeholders, streamed, tokens + len(streamed),
+                   len(chunks) + len(streamed))
 
     @property
     def work(self) -> StepWork:
         """What the engine process computes: the batch and its rows' sampling, no jobs."""
-        return StepWork(self.batch, [job.spec.params for job, _ in self.samples],
-                        [job.generator for job, _ in self.samples], self.controls, self.kept,
+        params = [job.spec.params for job, _ in self.samples]
+        generators = [job.generator for job, _ in self.samples]
+        if self.streamed:  # unseeded (decode_stream.streams)
+            params += [slot.stream.params for slot in self.streamed]
+            generators += [None] * len(self.streamed)
+        return StepWork(self.batch, params, generators, self.controls, self.kept,
                         self.placeholders)
 
     @property
-    def tokens(self) -> int:
-        return sum([c.size for c in self.chunks])
+    def rows(self) -> int:
+        """Logit rows: the chunks' samples, then a row a slot."""
+        return len(self.samples) + len(self.streamed)
 
     def computes(self, job: PredJob) -> bool:
         return job in self.jobs

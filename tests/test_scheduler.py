@@ -64,7 +64,7 @@ def result(plan: StepPlan, tokens: list[int] | None = None, seconds: float = 0.0
            **controlled) -> StepResult:
     """What the forward pass and the sampler would give back: `tokens`, else SAMPLE for
     every logit row; `controlled`: model_logprobs, scores."""
-    n = len(plan.samples)
+    n = plan.rows
     # Kept rows' logits rise with the id: unmasked, the last id is the most likely.
     kept = {i: torch.arange(VOCAB, dtype=torch.float32) for i in plan.kept}
     return StepResult(tokens or [SAMPLE] * n, [-1.0] * n, [[]] * n, [[]] * n, seconds,
@@ -599,7 +599,10 @@ async def test_a_known_decode_pred_takes_its_guess_as_submit_would_with_no_reque
     w.step([11])
     assert answer.result()[0].token == 11 and replied == [(answer.result(), None)]
     assert f.inode.tokens == [1, 2, 3, SAMPLE, 9] and p.tokens == 5 and p.pending == 0
-    assert w.sched.stats.ahead_used == 1 and w.sched.ahead.guesses[f.inode].spec.tokens == [11]
+    # Answered through a reply, unseeded and plain: its file decodes ahead as a stream.
+    (slot,) = w.sched.ahead.streams[f.inode].slots
+    assert w.sched.stats.ahead_used == 1 and slot.token == 11
+    assert f.inode not in w.sched.ahead.guesses
 
 
 @in_loop
