@@ -171,8 +171,12 @@ class DecodeAhead:
         return len(stream.slots) > 1 and self._stream_on(stream.slots[-1])
 
     def slot_planned(self, slot: Slot) -> bool:
-        """A step in flight computes the slot (pipelined): guess on from it. Whether a
-        guess was made."""
+        """A step in flight computes the slot (pipelined): guess on from it, unless a pred
+        took it (as a guess job taken is planned as a pred: its answer guesses on). Whether
+        a guess was made."""
+        stream = slot.stream
+        if stream.reply is not None and stream.slots[0] is slot:
+            return False
         return self._stream_on(slot)
 
     def slot_computed(self, slot: Slot) -> bool:

@@ -1462,3 +1462,257 @@ async def test_a_sampler_padded_with_fields_protobuf_skips_is_checked_but_not_ke
         w.submit(p, f, [5], sampler=bad)
     assert e.value.errno == errno.EINVAL and "top_p" in str(e.value)
     assert f.inode.length == 4
+
+
+# -- decode streams (decode_stream.py) --------------------------------------------------
+
+
+def known(w: World, p: Process, f: Handle, token: int, replies: list | None) -> asyncio.Future:
+    """A known plain decode pred as the rings send one (syscall_table.submit_known): it
+    takes the file's stream slot or guess, else it is submitted. With `replies` it is
+    answered through a reply, which the list records, as a ring's pred is (its file then
+    decodes ahead as a stream); with None, as a gRPC pred (guess jobs)."""
+    reply = None if replies is None else lambda out, err: replies.append((out, err))
+    taken = w.sched.take_guess(f, token, GREEDY, reply)
+    if taken is not None:
+        return taken
+    return w.sched.submit(p, f, PredSpec([token], None, [0], GREEDY), reply)
+
+
+def by_position(plan: StepPlan) -> StepResult:
+    """A step's samples as a function of each row's position alone, whatever the order of
+    the rows (a stream's come after the chunks')."""
+    positions = plan.batch.positions
+    return result(plan, [(positions[r] * 7 + 3) % (VOCAB - 1) for r in plan.batch.logit_rows])
+
+
+async def decode_loops(w: World, streams: bool, preds: int = 12) -> list:
+    """Three processes (one at nice 5) decode `preds` preds each after prompts of different
+    lengths, each coming back the moment its pred is answered; steps pipelined when the
+    world is. What each process and file ends with, and the scheduler's counts."""
+    lips = [(*w.process(nice), [], []) for nice in (0, 0, 5)]  # p, f, replies, answers
+    pending = {}
+    for i, (p, f, replies, _) in enumerate(lips):
+        prompt = list(range(1, 4 + 3 * i))
+        reply = (lambda out, err, r=replies: r.append((out, err))) if streams else None
+        pending[p] = w.sched.submit(p, f, PredSpec(prompt, None, [len(prompt) - 1], GREEDY),
+                                    reply)
+    in_flight = 2 if w.sched.pipeline else 1
+    while True:
+        while len(w.sched.running) < in_flight and w.sched.schedule() is not None:
+            pass
+        if not w.sched.running:
+            break
+        done = w.sched.running[0]
+        w.sched.finish(done, by_position(done))
+        for p, f, replies, answers in lips:
+            if pending[p] is not None and pending[p].done():
+                (out,) = pending[p].result()
+                answers.append(out.token)
+                pending[p] = (known(w, p, f, out.token, replies if streams else None)
+                              if len(answers) <= preds else None)
+    assert not w.sched.queue
+    assert len(w.sched.ahead.streams if streams else w.sched.ahead.guesses) == 3
+    await w.sched.give_way()  # the guesses never taken give their pages back
+    for _, _, replies, answers in lips:
+        assert not streams or [o[0].token for o, _ in replies] == answers
+    s = w.sched.stats
+    return [[(answers, f.inode.tokens, f.inode.positions, p.tokens, p.vruntime, p.pending)
+             for p, f, _, answers in lips], s.preds, s.ahead, s.ahead_used, s.steps]
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+@in_loop
+async def test_a_stream_decodes_ahead_exactly_as_guess_jobs_do(pipeline):
+    """The same decode loops, their preds answered through replies (the rings': streams)
+    and not (gRPC's: guess jobs): the same answers, files, charges, guesses and steps."""
+    worlds = [World(ahead=True, pipeline=pipeline, budget=16) for _ in range(2)]
+    as_jobs = await decode_loops(worlds[0], streams=False)
+    on_streams = await decode_loops(worlds[1], streams=True)
+    assert as_jobs == on_streams
+    assert as_jobs[2] > 30 and as_jobs[3] > 30  # guesses made and used, most of them
+    assert worlds[1].free == worlds[0].free
+
+
+async def streaming(w: World, p: Process, f: Handle, replies: list):
+    """p's file holds a prompt and one fed-back sample, both answered through replies; its
+    stream's first slot (the next pred's) is made, not yet computed. Returns the stream."""
+    prompt = known(w, p, f, 1, replies)
+    while not prompt.done():
+        w.step()
+    assert f.inode not in w.sched.ahead.streams  # a prompt does not continue a sample
+    known(w, p, f, SAMPLE, replies)
+    plan = w.sched.schedule()
+    w.sched.finish(plan, result(plan, [9] * plan.rows))  # other files' slots too
+    return w.sched.ahead.streams[f.inode]
+
+
+@in_loop
+async def test_a_computed_slot_is_answered_on_its_pred_with_no_step():
+    w = World(ahead=True)
+    p, f = w.process()
+    replies = []
+    stream = await streaming(w, p, f, replies)
+    (slot,) = stream.slots
+    assert slot.token == 9 and slot.position == 2 and not w.sched.ahead.guesses
+    plan = w.step([11])
+    assert plan.chunks == [] and plan.streamed == [slot] and plan.batch.kv_lens == [3]
+    assert f.inode.tokens == [1, SAMPLE] and p.tokens == 2  # unseen, not charged
+    (slot2,) = stream.slots[1:]  # guessed on from the computed slot, up to DEPTH
+    assert slot2.token == 11 and slot2.position == 3
+    answer = known(w, p, f, 9, replies)
+    assert answer.result() == [Output(0, 11, -1.0, (), ())]
+    assert replies[-1] == (answer.result(), None)
+    assert f.inode.tokens == [1, SAMPLE, 9] and p.tokens == 3 and p.pending == 0
+    assert stream.slots == [slot2] and w.sched.stats.ahead_used == 1
+    assert w.sched.run_queue() == 0 and not w.sched.uses(f)
+
+
+@in_loop
+async def test_a_pred_takes_a_slot_in_the_running_step_and_is_answered_when_it_ends():
+    w = World(ahead=True)
+    p, f = w.process()
+    replies = []
+    stream = await streaming(w, p, f, replies)
+    plan = w.sched.schedule()
+    answer = known(w, p, f, 9, replies)
+    assert not answer.done() and stream.taken and w.sched.run_queue() == 1 and w.sched.uses(f)
+    assert not w.sched.queue and p.state == "running"
+    w.sched.finish(plan, result(plan, [11]))
+    assert answer.result()[0].token == 11 and len(replies) == 3 and plan.served == [p]
+    assert f.inode.tokens == [1, SAMPLE, 9] and p.pending == 0 and w.sched.run_queue() == 0
+    assert [s.token for s in stream.slots] == [11]  # the next pred's, made at the answer
+
+
+@in_loop
+async def test_a_pipelined_slot_on_a_slot_in_flight_takes_its_token_from_the_engine():
+    w = World(ahead=True, pipeline=True)
+    p, f = w.process()
+    replies = []
+    stream = await streaming(w, p, f, replies)
+    computing = w.sched.schedule()
+    first, second = stream.slots  # the second made as soon as the first was planned
+    assert second.token == -1 and second.after is first and second.position == 3
+    behind = w.sched.schedule()
+    assert behind.streamed == [second] and behind.placeholders == [(0, 0)]
+    assert behind.batch.token_ids == [0] and behind.batch.kv_lens == [4]
+    answer = known(w, p, f, 9, replies)  # takes the first, in flight
+    w.sched.finish(computing, result(computing, [11]))
+    assert answer.result()[0].token == 11 and second.token == 11 and second.after is None
+    w.sched.finish(behind, result(behind, [12]))
+    assert known(w, p, f, 11, replies).result()[0].token == 12  # computed: no step
+    assert f.inode.tokens == [1, SAMPLE, 9, 11] and p.tokens == 4
+
+
+@in_loop
+async def test_another_pred_turns_the_stream_into_guess_jobs_and_drops_them():
+    w = World(ahead=True)
+    p, f = w.process()
+    replies = []
+    free = w.free
+    stream = await streaming(w, p, f, replies)
+    assert w.free == free - 1 and f.inode.busy  # the file's page, and the slot in it
+    answer = known(w, p, f, 10, replies)  # not the guessed token: not a decode loop's
+    assert not w.sched.ahead.streams and not w.sched.ahead.guesses and stream.slots == []
+    w.step([12])
+    assert answer.result()[0].token == 12 and f.inode.tokens == [1, SAMPLE, 10]
+    assert not w.sched.ahead.streams and not f.inode.busy
+    known(w, p, f, 12, replies)  # the loop goes on, and so does decoding ahead
+    w.step([13])
+    assert w.sched.ahead.streams[f.inode].slots[0].token == 13
+
+
+@in_loop
+async def test_a_taken_slot_cancelled_in_its_step_is_rolled_back_after_it_with_no_reply():
+    w = World(ahead=True, pipeline=True)
+    p, f = w.process()
+    replies = []
+    stream = await streaming(w, p, f, replies)
+    free = w.free
+    computing = w.sched.schedule()
+    behind = w.sched.schedule()  # the slot on the slot in flight
+    answer = known(w, p, f, 9, replies)
+    answer.cancel()  # as a CANCEL frame does (server.Hello.cancel), then its task
+    cancelling = asyncio.create_task(w.sched.cancel(answer))
+    await asyncio.sleep(0)
+    assert not w.sched.ahead.streams and stream.slots == []  # jobs now, in the queue
+    (job,) = w.sched.queue
+    assert job.future is answer and job.state is JobState.CANCELLED
+    assert behind.computes(w.sched.ahead.guesses[f.inode])  # the slot behind, as a chunk
+    w.sched.finish(computing, result(computing, [11]))
+    w.sched.finish(behind, result(behind, [12]))
+    await cancelling
+    assert answer.cancelled() and len(replies) == 2  # the two before: cancel() replies
+    assert f.inode.tokens == [1, SAMPLE] and not f.inode.busy and w.free == free
+    assert p.pending == 0 and not w.sched.queue and not w.sched.ahead.guesses
+
+
+@in_loop
+async def test_a_taken_slot_whose_future_is_cancelled_before_cancel_runs_is_rolled_back():
+    """A CANCEL frame cancels the pred's future and leaves cancel() to a task: the step
+    computing the slot ends first. The pred is not answered and its file is as before."""
+    w = World(ahead=True)
+    p, f = w.process()
+    replies = []
+    await streaming(w, p, f, replies)
+    plan = w.sched.schedule()
+    answer = known(w, p, f, 9, replies)
+    answer.cancel()
+    w.sched.finish(plan, result(plan, [11]))
+    assert len(replies) == 2 and f.inode.tokens == [1, SAMPLE] and not f.inode.busy
+    assert p.pending == 0 and not w.sched.queue and not w.sched.ahead.streams
+    await w.sched.cancel(answer)  # the task, later: nothing left to do
+    assert w.sched.schedule() is None
+
+
+@in_loop
+async def test_a_failed_step_fails_the_pred_on_its_slot_and_drops_the_stream():
+    w = World(ahead=True, pipeline=True)
+    p, f = w.process()
+    replies = []
+    await streaming(w, p, f, replies)
+    free = w.free
+    computing = w.sched.schedule()
+    behind = w.sched.schedule()
+    answer = known(w, p, f, 9, replies)
+    w.sched.fail_step(computing, OSError(errno.EIO, "pred: the forward pass failed"))
+    assert answer.exception().errno == errno.EIO and replies[-1][1] is answer.exception()
+    w.sched.fail_step(behind, OSError(errno.EIO, "pred: the forward pass failed"))
+    assert f.inode.tokens == [1, SAMPLE] and not f.inode.busy and w.free == free
+    assert p.pending == 0 and not w.sched.queue and not w.sched.ahead.streams
+    assert not w.sched.ahead.guesses and w.sched.schedule() is None
+
+
+@in_loop
+async def test_an_exit_settle_or_give_way_turns_streams_into_jobs_and_frees_their_slots():
+    w = World(ahead=True)
+    procs = [w.process() for _ in range(3)]
+    for p, f in procs:
+        await streaming(w, p, f, [])
+    free = w.free
+    assert len(w.sched.ahead.streams) == 3 and all(f.inode.busy for _, f in procs)
+    (a, fa), (b, fb), (c, fc) = procs
+    a.alive = False
+    w.sched.cancel_process(a)
+    assert fa.inode not in w.sched.ahead.streams and not fa.inode.busy
+    await w.sched.settle(fb.inode)
+    assert fb.inode not in w.sched.ahead.streams and not fb.inode.busy
+    assert await w.sched.give_way() and not w.sched.ahead.streams and not fc.inode.busy
+    assert w.free == free and not w.sched.ahead.guesses and w.sched.schedule() is None
+
+
+@in_loop
+async def test_a_settle_waits_for_the_step_computing_a_taken_slot_and_its_pred():
+    """A truncate on a file whose pred took a slot in flight: the pred is the file's (it
+    is answered), so the call finds the file in use, after the step."""
+    w = World(ahead=True)
+    p, f = w.process()
+    replies = []
+    await streaming(w, p, f, replies)
+    plan = w.sched.schedule()
+    answer = known(w, p, f, 9, replies)
+    await w.sched.settle(f.inode)
+    assert w.sched.uses(f) and [j.future for j in w.sched.queue] == [answer]
+    w.sched.finish(plan, result(plan, [11]))
+    assert answer.result()[0].token == 11 and f.inode.tokens == [1, SAMPLE, 9]
+    assert not w.sched.uses(f) and not w.sched.queue
