@@ -648,13 +648,18 @@ class Scheduler:
                 inode = job.handle.inode
                 if inode.busy or first[id(inode)] != job.seq:
                     continue  # preds on one file are served in the order they came
-                if not self._admit(job, others=bool(chunks or self.running) or self._admitted()):
+                if not self._admit(job, others=bool(chunks or streamed or self.running)
+                                   or self._admitted()):
                     continue
             # sequences left for the queued decodes
             room = self.max_seqs - len(chunks) - len(streamed) - 1
             size = min(job.unplanned, max(1, budget - min(decodes, room)))
             chunks.append(Chunk(job, job.planned, size))
             budget -= size
+        if streamed:  # a pred short of pages may have had the guesses give way (relief),
+            # turning streams picked above into jobs: their taken slots go as job chunks
+            chunks += [Chunk(s.job, 0, 1) for s in streamed if s.job is not None]
+            streamed = [s for s in streamed if s.job is None]
         return self._guesses_to_compute(chunks, streamed, budget)
 
     def _guesses_to_compute(self, chunks: list[Chunk], streamed: list[Slot], budget: int

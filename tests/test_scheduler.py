@@ -1716,3 +1716,28 @@ async def test_a_settle_waits_for_the_step_computing_a_taken_slot_and_its_pred()
     w.sched.finish(plan, result(plan, [11]))
     assert answer.result()[0].token == 11 and f.inode.tokens == [1, SAMPLE, 9]
     assert not w.sched.uses(f) and not w.sched.queue
+
+
+@in_loop
+async def test_a_taken_slot_picked_before_a_pred_short_of_pages_goes_as_its_job():
+    """Planning, p's taken slot goes first; q's prompt then finds no page, and the guesses
+    give way: p's stream becomes jobs, and its slot goes in the step as its job's chunk."""
+    w = World(ahead=True, pages=2, host=0)
+    p, f = w.process()
+    q, g = w.process()
+    replies = []
+    w.sched.submit(p, f, PredSpec([1, 2, 3], None, [2], GREEDY),
+                   lambda out, err: replies.append((out, err)))
+    w.step()
+    known(w, p, f, SAMPLE, replies)
+    w.step([9])
+    assert w.free == 0 and f.inode in w.sched.ahead.streams  # p's file, and its slot's page
+    answer = known(w, p, f, 9, replies)  # takes the slot, not computed yet
+    q.vruntime = 100.0  # p goes first
+    waiting = w.pred(q, g, [1])
+    plan = w.sched.schedule()
+    (job,) = [j for j in w.sched.queue if j.proc is p]
+    assert plan.streamed == [] and plan.chunks == [Chunk(job, 0, 1)] and q.waiting
+    w.sched.finish(plan, result(plan, [11]))
+    assert answer.result()[0].token == 11 and f.inode.tokens == [1, 2, 3, SAMPLE, 9]
+    assert not waiting.done() and w.sched.run_queue() == 1
