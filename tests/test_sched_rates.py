@@ -29,8 +29,8 @@ def busy_second(stats: SchedStats, start: float) -> None:
 
 def sched_at(stats: SchedStats, now: float, monkeypatch) -> dict[str, float]:
     kernel = SimpleNamespace(
-        sched=SimpleNamespace(stats=stats, queue=[], token_budget=128, decode_ahead=False,
-                            pipeline=False),
+        sched=SimpleNamespace(stats=stats, run_queue=lambda: 0, token_budget=128,
+                              decode_ahead=False, pipeline=False),
         engine=SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32,
                                attention="c", mode="model", pid=1, ranks=[],
                                nice=lambda: 0),
