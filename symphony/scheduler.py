@@ -216,11 +216,10 @@ class Scheduler:
         if slot.output is not None:  # already computed: answer now
             self._charge_proc(stream.proc, 1, slot.seconds)
             future.set_result(self._answer_slot(stream))
-        else:
+            if made:
+                self._wake.set()
+        else:  # to plan, or in the running step: the hold (run) may wait for this pred
             stream.future = future
-            if not slot.planned:
-                made = True
-        if made:
             self._wake.set()
         return future
 

@@ -1741,3 +1741,26 @@ async def test_a_taken_slot_picked_before_a_pred_short_of_pages_goes_as_its_job(
     w.sched.finish(plan, result(plan, [11]))
     assert answer.result()[0].token == 11 and f.inode.tokens == [1, 2, 3, SAMPLE, 9]
     assert not waiting.done() and w.sched.run_queue() == 1
+
+
+@in_loop
+async def test_a_pred_that_takes_a_slot_in_flight_ends_the_hold_that_waits_for_it():
+    """run() holds the next step a little for the processes just served; a pred that
+    comes and takes its slot in the running step wakes that hold, which then waits no
+    longer for its process, as a pred that takes a guess job does."""
+    w = World(ahead=True, pipeline=True)
+    p, f = w.process()
+    q, g = w.process()
+    replies = []
+    await streaming(w, p, f, replies)
+    w.sched.schedule()  # the slot, in flight
+    assert p.pending == 0 and p.think < 0.01  # it comes back at once
+    q.vruntime = 100.0
+    w.pred(q, g, [1])  # queued, behind p
+    hold = asyncio.create_task(w.sched._hold_for([p], 1.0))
+    await asyncio.sleep(0)
+    assert not hold.done()  # waits for p, whose turn it is
+    known(w, p, f, 9, replies)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert hold.done()
