@@ -1486,32 +1486,37 @@ def by_position(plan: StepPlan) -> StepResult:
     return result(plan, [(positions[r] * 7 + 3) % (VOCAB - 1) for r in plan.batch.logit_rows])
 
 
-async def decode_loops(w: World, streams: bool, preds: int = 12) -> list:
+async def decode_loops(w: World, streams: bool, late: bool, preds: int = 12) -> list:
     """Three processes (one at nice 5) decode `preds` preds each after prompts of different
-    lengths, each coming back the moment its pred is answered; steps pipelined when the
-    world is. What each process and file ends with, and the scheduler's counts."""
+    lengths, each coming back with its next pred at once or, `late`, 0, 1 or 2 steps after
+    its answer (in turn, each process from its own start: a late LIP finds its guesses
+    computed, chained up to DEPTH); steps pipelined when the world is. What each process
+    and file ends with, and the scheduler's counts."""
     lips = [(*w.process(nice), [], []) for nice in (0, 0, 5)]  # p, f, replies, answers
-    pending = {}
+    pending, due = {}, {}
     for i, (p, f, replies, _) in enumerate(lips):
         prompt = list(range(1, 4 + 3 * i))
         reply = (lambda out, err, r=replies: r.append((out, err))) if streams else None
         pending[p] = w.sched.submit(p, f, PredSpec(prompt, None, [len(prompt) - 1], GREEDY),
                                     reply)
     in_flight = 2 if w.sched.pipeline else 1
-    while True:
+    for tick in range(10 * preds):
         while len(w.sched.running) < in_flight and w.sched.schedule() is not None:
             pass
-        if not w.sched.running:
-            break
-        done = w.sched.running[0]
-        w.sched.finish(done, by_position(done))
-        for p, f, replies, answers in lips:
+        if w.sched.running:
+            done = w.sched.running[0]
+            w.sched.finish(done, by_position(done))
+        for i, (p, f, replies, answers) in enumerate(lips):
             if pending[p] is not None and pending[p].done():
                 (out,) = pending[p].result()
                 answers.append(out.token)
-                pending[p] = (known(w, p, f, out.token, replies if streams else None)
-                              if len(answers) <= preds else None)
-    assert not w.sched.queue
+                pending[p] = None
+                if len(answers) <= preds:
+                    due[p] = tick + (i + len(answers)) % 3 if late else tick
+            if due.get(p) == tick:
+                pending[p] = known(w, p, f, answers[-1], replies if streams else None)
+    assert not w.sched.queue and not w.sched.running
+    assert [len(answers) for *_, answers in lips] == [preds + 1] * 3
     assert len(w.sched.ahead.streams if streams else w.sched.ahead.guesses) == 3
     await w.sched.give_way()  # the guesses never taken give their pages back
     for _, _, replies, answers in lips:
@@ -1521,14 +1526,15 @@ async def decode_loops(w: World, streams: bool, preds: int = 12) -> list:
              for p, f, _, answers in lips], s.preds, s.ahead, s.ahead_used, s.steps]
 
 
+@pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("pipeline", [False, True])
 @in_loop
-async def test_a_stream_decodes_ahead_exactly_as_guess_jobs_do(pipeline):
+async def test_a_stream_decodes_ahead_exactly_as_guess_jobs_do(pipeline, late):
     """The same decode loops, their preds answered through replies (the rings': streams)
     and not (gRPC's: guess jobs): the same answers, files, charges, guesses and steps."""
     worlds = [World(ahead=True, pipeline=pipeline, budget=16) for _ in range(2)]
-    as_jobs = await decode_loops(worlds[0], streams=False)
-    on_streams = await decode_loops(worlds[1], streams=True)
+    as_jobs = await decode_loops(worlds[0], streams=False, late=late)
+    on_streams = await decode_loops(worlds[1], streams=True, late=late)
     assert as_jobs == on_streams
     assert as_jobs[2] > 30 and as_jobs[3] > 30  # guesses made and used, most of them
     assert worlds[1].free == worlds[0].free
