@@ -193,8 +193,8 @@ class Scheduler:
         the file's guess takes it as submit would, keeping the guess's spec, which is the
         same request; None when it is not the guess (then submit it). The first slot of the
         file's stream it takes with no job at all (decode_stream.py)."""
-        stream = self.ahead.stream_of(handle, token, params)
-        if stream is not None:
+        stream = self.ahead.stream_of(handle, token, params) if reply is not None else None
+        if stream is not None:  # a slot's pred is answered through its reply alone
             return self._take_slot(stream, reply)
         stream = self.ahead.streams.get(handle.inode)
         if stream is not None:
@@ -541,24 +541,24 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Plan the next step and admit its work; None when there is nothing to run. The
         plan is the running step until finish() or fail_step() is given it."""
-        chunks, streamed = self._pick()
-        if not chunks and not streamed:
+        picked = self._pick()
+        if not picked:
             return None
-        plan = StepPlan.build(chunks, streamed)
-        for c in chunks:
+        plan = StepPlan.build(picked)
+        for c in plan.chunks:
             c.job.planned = c.start + c.size
-        for slot in streamed:
+        for slot in plan.streamed:
             slot.planned, slot.plan = True, plan
         self.running.append(plan)
         if self.pipeline:  # guesses on the guesses just planned, for the step after
-            for c in chunks:
-                if c.job.state is JobState.AHEAD:
-                    self.ahead.planned(c.job)
-            for slot in streamed:
-                self.ahead.slot_planned(slot)
+            for w in picked:
+                if type(w) is Slot:
+                    self.ahead.slot_planned(w)
+                elif w.job.state is JobState.AHEAD:
+                    self.ahead.planned(w.job)
         return plan
 
-    def _pick(self) -> tuple[list[Chunk], list[Slot]]:
+    def _pick(self) -> list[Chunk | Slot]:
         """Chunks of queued work in virtual-runtime order (decodes first among equals, but
         not past a prompt that has waited PREFILL_PATIENCE: the threads of one process, equal
         by nature, would starve its prompts), then guesses in the room left. A prefill chunk
@@ -571,9 +571,9 @@ class Scheduler:
         step ends: the hold in run() waits for them otherwise, or nice would count for
         nothing), and a seeded pred's next chunk waits for its generator to come back.
 
-        A stream's slot a pred took goes as a pred (a row of `streamed`, not a chunk)."""
-        chunks: list[Chunk] = []
-        streamed: list[Slot] = []
+        The work in the order picked: a stream's slot goes as itself (decode_stream.py), a
+        taken one as a pred, an untaken one as a guess."""
+        picked: list[Chunk | Slot] = []
         budget = self.token_budget
         # One pass over the queue: the decodes in it, each file's first pred not admitted
         # yet, and the jobs with tokens to plan (not those in flight, nor a masked pred's
@@ -590,9 +590,9 @@ class Scheduler:
                 first[key] = min(first.get(key, j.seq), j.seq)
             if left and j.state is not JobState.CANCELLED:
                 todo.append(j)
-        taken = [s for s in self.ahead.taken_streams() if not s.slots[0].planned]
+        taken = [s.slots[0] for s in self.ahead.taken_streams() if not s.slots[0].planned]
         if not todo and not taken:  # a decode loop's steady state: guesses only
-            return self._guesses_to_compute(chunks, streamed, budget)
+            return self._guesses_to_compute(picked, budget)
         decodes += len(taken)
         # Behind a step in flight, each process counts with what that step will charge it
         # (finish charges it): else the process whose turn it was also got the step behind,
@@ -619,27 +619,27 @@ class Scheduler:
         answered = min([vruntime(p) for p in ending], default=float("inf"))
         patient = time.monotonic() - PREFILL_PATIENCE
 
-        def order(j: PredJob | DecodeStream) -> tuple:
-            if type(j) is DecodeStream:  # a taken slot: one token, queued since its take
-                return vruntime(j.proc), False, j.slots[0].seq
+        def order(j: PredJob | Slot) -> tuple:
+            if type(j) is Slot:  # a taken slot: one token, queued since its take
+                return vruntime(j.proc), False, j.seq
             return vruntime(j.proc), j.unplanned > 1 and j.enqueued > patient, j.seq
 
         todo += taken
         todo.sort(key=order)
         for job in todo:
-            if type(job) is DecodeStream:
+            if type(job) is Slot:
                 if self.running and vruntime(job.proc) > answered:
                     continue
-                if budget == 0 or len(chunks) + len(streamed) == self.max_seqs:
+                if budget == 0 or len(picked) == self.max_seqs:
                     break
                 decodes -= 1
-                streamed.append(job.slots[0])
+                picked.append(job)  # as its job's chunk, should it become one (below)
                 budget -= 1
                 continue
             if self.running and (vruntime(job.proc) > answered or (
                     job.generator is not None and self._computing(job))):
                 continue
-            if budget == 0 or len(chunks) + len(streamed) == self.max_seqs:
+            if budget == 0 or len(picked) == self.max_seqs:
                 break
             if job.unplanned == 1:
                 decodes -= 1
@@ -647,31 +647,27 @@ class Scheduler:
                 inode = job.handle.inode
                 if inode.busy or first[id(inode)] != job.seq:
                     continue  # preds on one file are served in the order they came
-                if not self._admit(job, others=bool(chunks or streamed or self.running)
+                if not self._admit(job, others=bool(picked or self.running)
                                    or self._admitted()):
                     continue
-            # sequences left for the queued decodes
-            room = self.max_seqs - len(chunks) - len(streamed) - 1
+            room = self.max_seqs - len(picked) - 1  # sequences left for the queued decodes
             size = min(job.unplanned, max(1, budget - min(decodes, room)))
-            chunks.append(Chunk(job, job.planned, size))
+            picked.append(Chunk(job, job.planned, size))
             budget -= size
-        if streamed:  # a pred short of pages may have had the guesses give way (relief),
-            # turning streams picked above into jobs: their taken slots go as job chunks
-            chunks += [Chunk(s.job, 0, 1) for s in streamed if s.job is not None]
-            streamed = [s for s in streamed if s.job is None]
-        return self._guesses_to_compute(chunks, streamed, budget)
+        # A pred short of pages may have had the guesses give way (relief), turning the
+        # streams of slots picked above into jobs: such a slot goes as its job's chunk.
+        picked = [Chunk(w.job, 0, 1) if type(w) is Slot and w.job is not None else w
+                  for w in picked]
+        return self._guesses_to_compute(picked, budget)
 
-    def _guesses_to_compute(self, chunks: list[Chunk], streamed: list[Slot], budget: int
-                            ) -> tuple[list[Chunk], list[Slot]]:
-        """The chunks and slots with guesses added in the room left: work ahead only fills
-        room no pred wants, so a guess never delays a pred."""
-        room = min(budget, self.max_seqs - len(chunks) - len(streamed))
-        for guess in self.ahead.to_compute(room, self.running):
-            if type(guess) is Slot:
-                streamed.append(guess)
-            else:
-                chunks.append(Chunk(guess, 0, 1))
-        return chunks, streamed
+    def _guesses_to_compute(self, picked: list[Chunk | Slot], budget: int
+                            ) -> list[Chunk | Slot]:
+        """The work picked with guesses added in the room left: work ahead only fills room
+        no pred wants, so a guess never delays a pred."""
+        for guess in self.ahead.to_compute(min(budget, self.max_seqs - len(picked)),
+                                           self.running):
+            picked.append(guess if type(guess) is Slot else Chunk(guess, 0, 1))
+        return picked
 
     def _working(self) -> set[Process]:
         """Processes with work admitted or in a step: their pages never move."""
@@ -746,10 +742,17 @@ class Scheduler:
                                          else plan.controls[i]))
         if taken:
             self._resample(taken)
-        decode = self._finish_streamed(plan, result) if plan.streamed else 0
+        if plan.streamed:
+            self._slot_outputs(plan, result)
         total = plan.tokens
-        prefill = 0
-        for c in plan.chunks:
+        prefill = decode = 0
+        # In the order the work was picked: the guesses its answers make (and their pages,
+        # when pages are short) go in that order, streams or not.
+        for c in plan.in_order():
+            if type(c) is Slot:
+                decode += 1
+                self._slot_done(plan, c, result.seconds / total)
+                continue
             job, seconds = c.job, result.seconds * c.size / total
             if c.size == 1 and len(job.spec.tokens) == 1:
                 decode += 1
@@ -779,26 +782,23 @@ class Scheduler:
                     + [s.proc.vruntime for s in self.ahead.taken_streams()])
         self.min_vruntime = max(self.min_vruntime, min(runnable))
 
-    def _finish_streamed(self, plan: StepPlan, result: StepResult) -> int:
-        """finish() for the step's stream slots (their logit rows follow the chunks'): a
-        slot's output is kept, the slot after it learns its token, and a taken slot is
-        committed and answered. The slot of a stream turned into jobs goes as its job's
-        chunk does. How many slots went as slots."""
-        seconds = result.seconds / plan.tokens
+    def _slot_outputs(self, plan: StepPlan, result: StepResult) -> None:
+        """finish() for the step's stream slots first (their logit rows follow the chunks'):
+        each slot's output, and the slot after it learns its token. The slot of a stream
+        turned into jobs meanwhile (or now: its pred was taken back before cancel() ran)
+        gives its output to its job."""
         tokens, logprobs = result.tokens, result.logprobs
-        plain = 0
         for i, slot in enumerate(plan.streamed, len(plan.samples)):
             stream = slot.stream
             if (slot.job is None and stream.future is not None and stream.slots[0] is slot
-                    and stream.future.cancelled()):  # taken back before cancel() ran
+                    and stream.future.cancelled()):
                 self.ahead.unstream(stream)
             job = slot.job
-            if job is not None:  # its chunk, added to the plan, goes in finish's loop
+            if job is not None:  # its chunk goes in finish's loop
                 if self.ahead.waiting_tokens():
                     self.ahead.sampled_token(job, tokens[i])
                 job.outputs.append(output_of(job, 0, result, i, None))
                 continue
-            plain += 1
             slot.plan = None
             n = stream.params.top_logprobs
             slot.output = Output(0, tokens[i], logprobs[i],
@@ -808,14 +808,18 @@ class Scheduler:
             at = slots.index(slot)
             if at + 1 < len(slots) and slots[at + 1].after is slot:
                 slots[at + 1].token, slots[at + 1].after = tokens[i], None
-            if at == 0 and stream.reply is not None:
-                self._charge_proc(stream.proc, 1, seconds)
-                self._answer_slot(stream)
-                plan.served.append(stream.proc)
-            else:
-                slot.seconds = seconds
-                self.ahead.slot_computed(slot)
-        return plain
+
+    def _slot_done(self, plan: StepPlan, slot: Slot, seconds: float) -> None:
+        """A slot the step computed: a taken one committed and its pred answered, charged;
+        an untaken one guessed on, charged when a pred takes it."""
+        stream = slot.stream
+        if stream.reply is not None and stream.slots[0] is slot:
+            self._charge_proc(stream.proc, 1, seconds)
+            self._answer_slot(stream)
+            plan.served.append(stream.proc)
+        else:
+            slot.seconds = seconds
+            self.ahead.slot_computed(slot)
 
     def fail_step(self, plan: StepPlan, err: Exception) -> None:
         """The forward pass failed: every pred in the step fails with err, and its guesses

@@ -4,6 +4,7 @@ process is sent of it (StepWork), what the forward pass and the sampler give bac
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -49,6 +50,9 @@ class StepPlan:
     # logit rows follow the samples'. A stream turned into jobs meanwhile adds its slots'
     # jobs to `chunks` (the slot keeps its job), so `tokens` and `seqs` are counted once.
     streamed: list[Slot] = field(default_factory=list)
+    # Per slot, how many of the chunks were picked before it: finish() goes in that order.
+    streamed_at: list[int] = field(default_factory=list)
+    picked: int = 0  # chunks picked (those after are slots' jobs added since)
     tokens: int = 0  # computed in the step
     seqs: int = 0  # sequences in its batch
     served: list[Process] = field(default_factory=list)  # whose stream preds it answered
@@ -59,9 +63,17 @@ class StepPlan:
         self.jobs = frozenset([c.job for c in self.chunks])
 
     @classmethod
-    def build(cls, chunks: list[Chunk], streamed: list[Slot] | None = None) -> StepPlan:
+    def build(cls, picked: list[Chunk | Slot]) -> StepPlan:
+        """The step of the work picked, in that order: chunks' rows first, then slots'."""
         ids, pos, q_lens, kv_lens, tables, rows, excluded = [], [], [], [], [], [], []
         samples, kept, placeholders = [], [], []
+        chunks, streamed, streamed_at = [], [], []
+        for work in picked:
+            if type(work) is Chunk:
+                chunks.append(work)
+            else:
+                streamed.append(work)
+                streamed_at.append(len(chunks))
         treed = controlled = False  # only a step with a tree or a control pays for them
         tokens = 0
         for job, start, size in chunks:
@@ -86,7 +98,6 @@ class StepPlan:
                         kept.append(len(samples))
                     job.logit_row = len(samples)
                     samples.append((job, r))
-        streamed = streamed or []
         row = len(samples)
         for slot in streamed:  # one token each, sampled
             res = slot.res
@@ -114,8 +125,8 @@ class StepPlan:
                         for i, r in enumerate(s.rows) if c.start <= r < c.end]
             controls += [None] * len(streamed)
         return cls(chunks, Batch(ids, pos, q_lens, kv_lens, tables, rows, excluded, trees=trees),
-                   samples, controls, kept, placeholders, streamed, tokens + len(streamed),
-                   len(chunks) + len(streamed))
+                   samples, controls, kept, placeholders, streamed, streamed_at, len(chunks),
+                   tokens + len(streamed), len(chunks) + len(streamed))
 
     @property
     def work(self) -> StepWork:
@@ -127,6 +138,18 @@ class StepPlan:
             generators += [None] * len(self.streamed)
         return StepWork(self.batch, params, generators, self.controls, self.kept,
                         self.placeholders)
+
+    def in_order(self) -> Iterator[Chunk | Slot]:
+        """The work as it was picked; a slot whose stream was turned into jobs since, as its
+        job's chunk."""
+        at, k = self.streamed_at, 0
+        for i in range(self.picked + 1):
+            while k < len(at) and at[k] == i:
+                slot = self.streamed[k]
+                yield slot if slot.job is None else Chunk(slot.job, 0, 1)
+                k += 1
+            if i < self.picked:
+                yield self.chunks[i]
 
     @property
     def rows(self) -> int:

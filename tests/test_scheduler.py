@@ -1770,3 +1770,71 @@ async def test_a_pred_that_takes_a_slot_in_flight_ends_the_hold_that_waits_for_i
     for _ in range(3):
         await asyncio.sleep(0)
     assert hold.done()
+
+
+@in_loop
+async def test_a_taken_slot_picked_after_a_pred_short_of_pages_goes_as_its_job():
+    """As above, but q's prompt goes first and finds no page: the guesses give way while
+    p's taken slot still waits its turn in planning, and it goes as its job."""
+    w = World(ahead=True, pages=2, host=0)
+    p, f = w.process()
+    q, g = w.process()
+    replies = []
+    w.sched.submit(p, f, PredSpec([1, 2, 3], None, [2], GREEDY),
+                   lambda out, err: replies.append((out, err)))
+    w.step()
+    known(w, p, f, SAMPLE, replies)
+    w.step([9])
+    answer = known(w, p, f, 9, replies)
+    p.vruntime = 100.0  # q goes first
+    waiting = w.pred(q, g, [1])
+    plan = w.sched.schedule()
+    (job,) = [j for j in w.sched.queue if j.proc is p]
+    assert plan.streamed == [] and plan.chunks == [Chunk(job, 0, 1)] and q.waiting
+    w.sched.finish(plan, result(plan, [11]))
+    assert answer.result()[0].token == 11 and not waiting.done()
+
+
+async def last_page(streams: bool) -> tuple[bool, bool]:
+    """p and q decode, p through replies when `streams`; one free page is left when both
+    take guesses in one step, q first: whose answer makes the next guess, with that page."""
+    w = World(ahead=True, pages=5, host=0, budget=16)
+    p, f = w.process()
+    q, g = w.process()
+    replies = [] if streams else None
+    reply = (lambda out, err: replies.append((out, err))) if streams else None
+    w.sched.submit(p, f, PredSpec([1, 2, 3, 4, 5, 6], None, [5], GREEDY), reply)
+    w.sched.submit(q, g, PredSpec([1, 2, 3, 4, 5, 6], None, [5], GREEDY))
+    w.step([9, 9])
+    known(w, p, f, 9, replies)
+    known(w, q, g, 9, None)
+    plan = w.sched.schedule()
+    w.sched.finish(plan, result(plan, [9] * plan.rows))
+    assert w.free == 1 and (f.inode in w.sched.ahead.streams) == streams
+    known(w, p, f, 9, replies)
+    known(w, q, g, 9, None)
+    q.vruntime -= 0.5
+    plan = w.sched.schedule()
+    w.sched.finish(plan, result(plan, [11] * plan.rows))
+    ahead = w.sched.ahead
+    return f.inode in ahead.guesses or f.inode in ahead.streams, g.inode in ahead.guesses
+
+
+@in_loop
+async def test_a_step_answers_its_preds_in_the_order_picked_streams_or_not():
+    """The answers of a step make their files' next guesses in the order its work was
+    picked, streams or not: with pages for one more guess, it goes to q, first."""
+    assert await last_page(streams=False) == await last_page(streams=True) == (False, True)
+
+
+@in_loop
+async def test_a_pred_with_no_reply_takes_no_slot():
+    """A slot's pred is answered through its reply alone: one without turns the stream
+    into guess jobs and takes its guess as a job."""
+    w = World(ahead=True)
+    p, f = w.process()
+    await streaming(w, p, f, [])
+    answer = w.sched.take_guess(f, 9, GREEDY, None)
+    assert not w.sched.ahead.streams and [j.future for j in w.sched.queue] == [answer]
+    w.step([11])
+    assert answer.result()[0].token == 11
