@@ -1553,12 +1553,18 @@ async def streaming(w: World, p: Process, f: Handle, replies: list):
     return w.sched.ahead.streams[f.inode]
 
 
-@in_loop
-async def test_a_computed_slot_is_answered_on_its_pred_with_no_step():
-    w = World(ahead=True)
+async def one_stream(**world) -> tuple:
+    """A world decoding ahead (`world`: World's other options) with one process whose file
+    streams (streaming()): the world, the process, its file, its replies, the stream."""
+    w = World(ahead=True, **world)
     p, f = w.process()
     replies = []
-    stream = await streaming(w, p, f, replies)
+    return w, p, f, replies, await streaming(w, p, f, replies)
+
+
+@in_loop
+async def test_a_computed_slot_is_answered_on_its_pred_with_no_step():
+    w, p, f, replies, stream = await one_stream()
     (slot,) = stream.slots
     assert slot.token == 9 and slot.position == 2 and not w.sched.ahead.guesses
     plan = w.step([11])
@@ -1576,10 +1582,7 @@ async def test_a_computed_slot_is_answered_on_its_pred_with_no_step():
 
 @in_loop
 async def test_a_pred_takes_a_slot_in_the_running_step_and_is_answered_when_it_ends():
-    w = World(ahead=True)
-    p, f = w.process()
-    replies = []
-    stream = await streaming(w, p, f, replies)
+    w, p, f, replies, stream = await one_stream()
     plan = w.sched.schedule()
     answer = known(w, p, f, 9, replies)
     assert not answer.done() and stream.taken and w.sched.run_queue() == 1 and w.sched.uses(f)
@@ -1592,10 +1595,7 @@ async def test_a_pred_takes_a_slot_in_the_running_step_and_is_answered_when_it_e
 
 @in_loop
 async def test_a_pipelined_slot_on_a_slot_in_flight_takes_its_token_from_the_engine():
-    w = World(ahead=True, pipeline=True)
-    p, f = w.process()
-    replies = []
-    stream = await streaming(w, p, f, replies)
+    w, p, f, replies, stream = await one_stream(pipeline=True)
     computing = w.sched.schedule()
     first, second = stream.slots  # the second made as soon as the first was planned
     assert second.token == -1 and second.after is first and second.position == 3
@@ -1630,10 +1630,7 @@ async def test_another_pred_turns_the_stream_into_guess_jobs_and_drops_them():
 
 @in_loop
 async def test_a_taken_slot_cancelled_in_its_step_is_rolled_back_after_it_with_no_reply():
-    w = World(ahead=True, pipeline=True)
-    p, f = w.process()
-    replies = []
-    stream = await streaming(w, p, f, replies)
+    w, p, f, replies, stream = await one_stream(pipeline=True)
     free = w.free
     computing = w.sched.schedule()
     behind = w.sched.schedule()  # the slot on the slot in flight
@@ -1657,10 +1654,7 @@ async def test_a_taken_slot_cancelled_in_its_step_is_rolled_back_after_it_with_n
 async def test_a_taken_slot_whose_future_is_cancelled_before_cancel_runs_is_rolled_back():
     """A CANCEL frame cancels the pred's future and leaves cancel() to a task: the step
     computing the slot ends first. The pred is not answered and its file is as before."""
-    w = World(ahead=True)
-    p, f = w.process()
-    replies = []
-    await streaming(w, p, f, replies)
+    w, p, f, replies, _ = await one_stream()
     plan = w.sched.schedule()
     answer = known(w, p, f, 9, replies)
     answer.cancel()
@@ -1673,10 +1667,7 @@ async def test_a_taken_slot_whose_future_is_cancelled_before_cancel_runs_is_roll
 
 @in_loop
 async def test_a_failed_step_fails_the_pred_on_its_slot_and_drops_the_stream():
-    w = World(ahead=True, pipeline=True)
-    p, f = w.process()
-    replies = []
-    await streaming(w, p, f, replies)
+    w, p, f, replies, _ = await one_stream(pipeline=True)
     free = w.free
     computing = w.sched.schedule()
     behind = w.sched.schedule()
@@ -1711,10 +1702,7 @@ async def test_an_exit_settle_or_give_way_turns_streams_into_jobs_and_frees_thei
 async def test_a_settle_waits_for_the_step_computing_a_taken_slot_and_its_pred():
     """A truncate on a file whose pred took a slot in flight: the pred is the file's (it
     is answered), so the call finds the file in use, after the step."""
-    w = World(ahead=True)
-    p, f = w.process()
-    replies = []
-    await streaming(w, p, f, replies)
+    w, p, f, replies, _ = await one_stream()
     plan = w.sched.schedule()
     answer = known(w, p, f, 9, replies)
     await w.sched.settle(f.inode)
@@ -1724,10 +1712,12 @@ async def test_a_settle_waits_for_the_step_computing_a_taken_slot_and_its_pred()
     assert not w.sched.uses(f) and not w.sched.queue
 
 
+@pytest.mark.parametrize("p_first", [True, False])
 @in_loop
-async def test_a_taken_slot_picked_before_a_pred_short_of_pages_goes_as_its_job():
-    """Planning, p's taken slot goes first; q's prompt then finds no page, and the guesses
-    give way: p's stream becomes jobs, and its slot goes in the step as its job's chunk."""
+async def test_a_taken_slot_planned_beside_a_pred_short_of_pages_goes_as_its_job(p_first):
+    """p's pred took its slot, not computed yet; q's prompt finds no page when planned, and
+    the guesses give way: p's stream becomes jobs, and its slot goes in the step as its
+    job's chunk, whether planning took it before q (p first) or had it still to take."""
     w = World(ahead=True, pages=2, host=0)
     p, f = w.process()
     q, g = w.process()
@@ -1738,8 +1728,8 @@ async def test_a_taken_slot_picked_before_a_pred_short_of_pages_goes_as_its_job(
     known(w, p, f, SAMPLE, replies)
     w.step([9])
     assert w.free == 0 and f.inode in w.sched.ahead.streams  # p's file, and its slot's page
-    answer = known(w, p, f, 9, replies)  # takes the slot, not computed yet
-    q.vruntime = 100.0  # p goes first
+    answer = known(w, p, f, 9, replies)
+    (q if p_first else p).vruntime = 100.0
     waiting = w.pred(q, g, [1])
     plan = w.sched.schedule()
     (job,) = [j for j in w.sched.queue if j.proc is p]
@@ -1770,29 +1760,6 @@ async def test_a_pred_that_takes_a_slot_in_flight_ends_the_hold_that_waits_for_i
     for _ in range(3):
         await asyncio.sleep(0)
     assert hold.done()
-
-
-@in_loop
-async def test_a_taken_slot_picked_after_a_pred_short_of_pages_goes_as_its_job():
-    """As above, but q's prompt goes first and finds no page: the guesses give way while
-    p's taken slot still waits its turn in planning, and it goes as its job."""
-    w = World(ahead=True, pages=2, host=0)
-    p, f = w.process()
-    q, g = w.process()
-    replies = []
-    w.sched.submit(p, f, PredSpec([1, 2, 3], None, [2], GREEDY),
-                   lambda out, err: replies.append((out, err)))
-    w.step()
-    known(w, p, f, SAMPLE, replies)
-    w.step([9])
-    answer = known(w, p, f, 9, replies)
-    p.vruntime = 100.0  # q goes first
-    waiting = w.pred(q, g, [1])
-    plan = w.sched.schedule()
-    (job,) = [j for j in w.sched.queue if j.proc is p]
-    assert plan.streamed == [] and plan.chunks == [Chunk(job, 0, 1)] and q.waiting
-    w.sched.finish(plan, result(plan, [11]))
-    assert answer.result()[0].token == 11 and not waiting.done()
 
 
 async def last_page(streams: bool) -> tuple[bool, bool]:
