@@ -238,11 +238,13 @@ class Scheduler:
         outputs = [slot.output]
         reply, future = stream.reply, stream.future
         stream.reply = stream.future = None
-        if future is not None:
-            future.set_result(outputs)
-        reply(outputs, None)
+        # The stream is whole again before its pred is answered: a reply that sends the
+        # next pred at once, or raises, finds it so.
         if self.ahead.slot_answered(stream, slot):
             self._wake.set()
+        if future is not None and not future.done():
+            future.set_result(outputs)
+        reply(outputs, None)
         return outputs
 
     def _arrive(self, proc: Process) -> None:

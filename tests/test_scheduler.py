@@ -1805,3 +1805,24 @@ async def test_a_pred_with_no_reply_takes_no_slot():
     assert not w.sched.ahead.streams and [j.future for j in w.sched.queue] == [answer]
     w.step([11])
     assert answer.result()[0].token == 11
+
+
+@in_loop
+async def test_a_reply_that_sends_the_next_pred_at_once_finds_the_stream_whole():
+    """The stream's next slot is made before its pred's reply runs: a reply that sends the
+    next pred at once takes it (as the next pred would take a guess job)."""
+    w, p, f, replies, stream = await one_stream()
+    sent = []
+
+    def reply(out, err):
+        replies.append((out, err))
+        if not sent:
+            sent.append(known(w, p, f, out[0].token, replies))
+
+    plan = w.sched.schedule()
+    answer = w.sched.take_guess(f, 9, GREEDY, reply)  # the slot in flight
+    w.sched.finish(plan, result(plan, [11]))
+    assert answer.result()[0].token == 11
+    assert stream.taken and [s.token for s in stream.slots] == [11]  # taken by the reply's pred
+    w.step([12])
+    assert sent[0].result()[0].token == 12 and f.inode.tokens == [1, SAMPLE, 9, 11]
