@@ -8,7 +8,7 @@ guess chain is a DecodeStream instead of a chain of PredJobs: a Slot for each gu
 the pred that took the first slot waits for it, that pred's reply and future. A step
 computes slots as rows after its chunks' (StepPlan.streamed), and when a taken slot's row
 comes back the scheduler commits it and answers its pred: a pred costs the kernel a slot,
-a row and a reply, not a spec, a job, a future and a chunk.
+a row, a reply and the future its caller may cancel, not a spec, a job and a chunk.
 
 Anything else that touches the file (another pred, a cancel, a call that settles it, the
 process's exit, a failed step, a call short of pages) first turns its stream into what
